@@ -1,0 +1,42 @@
+"""hf_moe_offload: train Mixture-of-Experts models larger than GPU memory with the Hugging Face stack.
+
+Importing the package registers MoE-GPT with transformers' Auto classes.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+)
+
+from .models.moe_gpt import (
+    MOE_GPT_PRESETS,
+    MoEGPTConfig,
+    MoEGPTForCausalLM,
+    MoEGPTForSequenceClassification,
+    MoEGPTModel,
+    MoEGPTPreTrainedModel,
+)
+
+__version__ = "0.1.0"
+
+AutoConfig.register("moe_gpt", MoEGPTConfig, exist_ok=True)
+AutoModel.register(MoEGPTConfig, MoEGPTModel, exist_ok=True)
+AutoModelForCausalLM.register(MoEGPTConfig, MoEGPTForCausalLM, exist_ok=True)
+AutoModelForSequenceClassification.register(MoEGPTConfig, MoEGPTForSequenceClassification, exist_ok=True)
+
+# Saved models carry their modeling code, so they load with trust_remote_code=True where this package is absent.
+MoEGPTConfig.register_for_auto_class()
+MoEGPTModel.register_for_auto_class("AutoModel")
+MoEGPTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+MoEGPTForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+
+__all__ = [
+    "MOE_GPT_PRESETS",
+    "MoEGPTConfig",
+    "MoEGPTModel",
+    "MoEGPTForCausalLM",
+    "MoEGPTForSequenceClassification",
+    "MoEGPTPreTrainedModel",
+]

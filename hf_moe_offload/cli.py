@@ -1,0 +1,29 @@
+"""`hf-moe-offload` command line. Each subcommand lives with the feature it drives and registers itself here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-moe-offload", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    # Import lazily so that `hf-moe-offload --help` stays fast.
+    from . import train
+
+    train.add_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
