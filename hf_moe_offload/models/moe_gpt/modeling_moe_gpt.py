@@ -221,6 +221,9 @@ class DispatchPlan:
 
 def run_moe(x: torch.Tensor, plan: DispatchPlan, experts: nn.Module) -> torch.Tensor:
     """Dispatch -> sequential experts -> weighted combine for flattened tokens x: (S, C)."""
+    prefetch = getattr(experts, "prefetch", None)
+    if prefetch is not None:  # offloaded experts: start the first uploads before the permutation (ES-MoE §4.1)
+        prefetch(plan.counts)
     x_sorted = x.index_select(0, plan.token_index)  # T_DI
     y_sorted = experts(x_sorted, plan.counts)  # T_DO
     y_sorted = y_sorted * plan.weights.to(y_sorted.dtype).unsqueeze(-1)

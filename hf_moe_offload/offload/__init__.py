@@ -1,0 +1,37 @@
+"""ES-MoE expert offload: expert store tiers, pipelined per-expert streaming, pinning, adaptive mode."""
+
+from .api import disable_expert_offload, enable_expert_offload, find_expert_modules, get_offload_engine
+from .config import OffloadConfig
+from .engine import OffloadEngine
+from .layout import ExpertLayout, ExpertTensor, layout_for
+from .planner import choose_tier, estimate_memory
+from .store import (
+    CorruptExpertFileError,
+    DiskExpertStore,
+    ExpertStore,
+    ExpertStoreError,
+    ExpertStoreFullError,
+    HostExpertStore,
+)
+from .telemetry import OffloadStats
+
+__all__ = [
+    "OffloadConfig",
+    "OffloadEngine",
+    "OffloadStats",
+    "enable_expert_offload",
+    "disable_expert_offload",
+    "get_offload_engine",
+    "find_expert_modules",
+    "ExpertLayout",
+    "ExpertTensor",
+    "layout_for",
+    "estimate_memory",
+    "choose_tier",
+    "ExpertStore",
+    "HostExpertStore",
+    "DiskExpertStore",
+    "ExpertStoreError",
+    "ExpertStoreFullError",
+    "CorruptExpertFileError",
+]

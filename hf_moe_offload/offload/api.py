@@ -1,0 +1,219 @@
+"""Turning expert offload on and off for a model, and keeping `state_dict()` whole while it is on.
+
+`enable_expert_offload(model, OffloadConfig(...))` moves every experts module's weights into an expert store and
+swaps the module's forward for the streamed one (the module object and its name stay; its expert tensors are no longer
+`nn.Parameter`s, so Trainer/DDP optimizers never see them). `state_dict()` and `load_state_dict()` still show the
+experts under their standard names, whatever the tier. `disable_expert_offload(model)` puts everything back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+from torch import nn
+
+from .config import OffloadConfig
+from .engine import OffloadEngine, ResidentEngine
+from .layout import ExpertLayout, layout_for
+from .planner import choose_tier, detect_budgets, estimate_memory
+from .store import DiskExpertStore, ExpertStoreError, HostExpertStore
+from .telemetry import OffloadStats
+
+logger = logging.getLogger(__name__)
+
+ENGINE_ATTR = "_moe_offload_engine"
+
+
+def find_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Experts modules in forward order, recognised by their layout adapter (see layout.py)."""
+    found = []
+    for name, module in model.named_modules():
+        try:
+            layout_for(module)
+        except TypeError:
+            continue
+        found.append((name, module))
+    return found
+
+
+def get_offload_engine(model: nn.Module) -> OffloadEngine | None:
+    model = getattr(model, "module", model)  # DDP-wrapped
+    return getattr(model, ENGINE_ATTR, None)
+
+
+def enable_expert_offload(
+    model: nn.Module, config: OffloadConfig | None = None, tokens_per_batch: int = 0, _initialize: bool = True
+) -> OffloadEngine:
+    """Offload the experts of `model` per `config`; returns the engine (also at `get_offload_engine(model)`)."""
+    config = config or OffloadConfig()
+    if get_offload_engine(model) is not None:
+        raise RuntimeError("expert offload is already enabled on this model; call disable_expert_offload first")
+    experts = find_expert_modules(model)
+    if not experts:
+        raise ValueError(f"{type(model).__name__} has no experts module that hf_moe_offload knows how to offload")
+    device = config.resolved_device()
+    mode = config.mode
+    est = estimate_memory(model, [m for _, m in experts], tokens_per_batch)
+    if mode == "auto":
+        dev_budget, host_budget = detect_budgets(device)
+        dev_budget = config.device_budget_bytes or dev_budget
+        host_budget = config.host_budget_bytes or host_budget
+        mode, why = choose_tier(est, dev_budget, host_budget)
+        logger.info("expert offload mode=auto chose %r: %s", mode, why)
+        if mode == "disk" and not config.offload_dir:
+            raise ValueError(
+                f"mode='auto' chose the disk tier ({why}); set OffloadConfig.offload_dir to a directory on a fast disk"
+            )
+    layouts = [layout_for(m) for _, m in experts]
+    first = experts[0][1]
+    model_dtype = first.fc1_weight.dtype if hasattr(first, "fc1_weight") else torch.float32
+    compute_dtype = config.compute_dtype or model_dtype
+    numel = layouts[0].numel
+    if any(lay.numel != numel for lay in layouts):
+        raise ValueError("all MoE layers must have experts of the same size to share one store")
+    keys = [(i, e) for i, lay in enumerate(layouts) for e in range(lay.num_experts)]
+    stats = OffloadStats()
+    record_bytes = 4 * numel * 4
+
+    if mode == "device":
+        store = None
+    elif mode == "host":
+        store = HostExpertStore(keys, numel, compute_dtype, stats)
+    else:
+        cache = config.host_cache_experts
+        if config.host_cache_bytes is not None:
+            cache = config.host_cache_bytes // record_bytes
+            if cache < 1:
+                raise ExpertStoreError(
+                    f"host_cache_bytes={config.host_cache_bytes} is smaller than one expert's state ({record_bytes} "
+                    "bytes: fp32 weights, gradient and two Adam moments); raise it"
+                )
+        if cache is None:  # default: a quarter of the experts, at least prefetch_depth + 2
+            cache = max(config.prefetch_depth + 2, len(keys) // 4)
+        store = DiskExpertStore(
+            keys, numel, compute_dtype, stats, os.path.join(config.offload_dir), cache, config.io_threads,
+            create=_initialize,
+        )
+        logger.info(
+            "disk tier: %d experts x %.1f MiB in %s, host cache %d experts (%.1f MiB)",
+            len(keys), record_bytes / 2**20, config.offload_dir, cache, cache * record_bytes / 2**20,
+        )
+    if store is None:
+        engine = ResidentEngine(stats)
+        setattr(model, ENGINE_ATTR, engine)
+        logger.info("expert offload: device tier (all experts resident, dropless sequential execution)")
+        return engine
+
+    engine = OffloadEngine(store, [(m, lay) for (_, m), lay in zip(experts, layouts)], device, config.prefetch_depth,
+                           config.pin_fraction, stats, mode)
+    engine.config = config
+    engine.model_dtype = model_dtype
+    for layer, ((_name, module), layout) in enumerate(zip(experts, layouts)):
+        if _initialize:
+            with torch.no_grad():
+                flat = torch.empty(layout.numel)
+                for e in range(layout.num_experts):
+                    tensors = [getattr(module, t.name)[e].detach().float() for t in layout.tensors]
+                    store.write_param((layer, e), layout.pack(tensors, flat))
+        _detach_parameters(module, layout)
+        _install(module, engine.layers[layer])
+    store.flush()
+    setattr(model, ENGINE_ATTR, engine)
+    return engine
+
+
+def _detach_parameters(module: nn.Module, layout: ExpertLayout) -> None:
+    names = set(layout.names())
+    # Original registration order, so that disable_expert_offload restores the same parameter order.
+    module._offloaded_meta = {n: (p.shape, p.dtype) for n, p in module._parameters.items() if n in names}
+    for t in layout.tensors:
+        del module._parameters[t.name]
+
+
+def _install(module: nn.Module, layer) -> None:
+    module.forward = layer.forward
+    module.prefetch = layer.prefetch
+    module._offload_layer = layer
+    module._offload_handles = [
+        module._register_state_dict_hook(_state_dict_hook),
+        module._register_load_state_dict_pre_hook(_load_state_dict_pre_hook, with_module=True),
+    ]
+
+
+def _expert_tensor(layer, name: str) -> torch.Tensor:
+    """One (E, ...) tensor of a layer assembled from the store, in the model's dtype."""
+    engine, layout = layer.engine, layer.layout
+    idx = layout.names().index(name)
+    spec = layout.tensors[idx]
+    shape, dtype = layer.module._offloaded_meta[name]
+    out = torch.empty(shape, dtype=dtype)
+    for e in range(layout.num_experts):
+        out[e] = engine.store.read_param((layer.layer, e))[layout.offsets[idx] : layout.offsets[idx] + spec.numel].view(spec.shape)
+    return out
+
+
+def _state_dict_hook(module, state_dict, prefix, local_metadata):
+    layer = module._offload_layer
+    layer.engine.synchronize()
+    for name in layer.layout.names():
+        state_dict[prefix + name] = _expert_tensor(layer, name)
+    return state_dict
+
+
+def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+    layer = module._offload_layer
+    layout = layer.layout
+    names = layout.names()
+    present = [n for n in names if prefix + n in state_dict]
+    if not present:
+        missing_keys.extend(prefix + n for n in names)
+        return
+    if len(present) != len(names):
+        missing_keys.extend(prefix + n for n in names if n not in present)
+    layer.engine.synchronize()
+    tensors = {n: state_dict.pop(prefix + n) for n in present}
+    flat = torch.empty(layout.numel)
+    for e in range(layout.num_experts):
+        key = (layer.layer, e)
+        cur = layer.engine.store.read_param(key)
+        for n in present:
+            i = names.index(n)
+            spec = layout.tensors[i]
+            if tuple(tensors[n].shape[1:]) != spec.shape or tensors[n].shape[0] != layout.num_experts:
+                error_msgs.append(f"size mismatch for {prefix + n}: copying {tuple(tensors[n].shape)}")
+                return
+            cur[layout.offsets[i] : layout.offsets[i] + spec.numel] = tensors[n][e].reshape(-1).float()
+        flat.copy_(cur)
+        layer.engine.store.write_param(key, flat, reset_state=False)
+
+
+def disable_expert_offload(model: nn.Module) -> None:
+    """Bring every expert back as an ordinary `nn.Parameter` and drop the store (reverses enable_expert_offload)."""
+    engine = get_offload_engine(model)
+    if engine is None:
+        raise RuntimeError("expert offload is not enabled on this model")
+    if engine.store is not None:
+        engine.synchronize()
+        for layer in engine.layers:
+            module = layer.module
+            tensors = {n: _expert_tensor(layer, n) for n in module._offloaded_meta}
+            for handle in module._offload_handles:
+                handle.remove()
+            for attr in ("forward", "prefetch", "_offload_layer", "_offload_handles", "_offloaded_meta"):
+                module.__dict__.pop(attr, None)
+            for n, t in tensors.items():
+                module.register_parameter(n, nn.Parameter(t))
+        engine.store.close()
+    delattr(model, ENGINE_ATTR)
+
+
+__all__ = [
+    "enable_expert_offload",
+    "disable_expert_offload",
+    "get_offload_engine",
+    "find_expert_modules",
+]

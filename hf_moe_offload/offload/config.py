@@ -1,0 +1,63 @@
+"""User-facing settings of the expert offload engine (ES-MoE §4.1, §4.3)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+TIERS = ("device", "host", "disk")
+
+
+@dataclass
+class OffloadConfig:
+    """Where expert state lives and how it is streamed.
+
+    Example:
+
+    ```python
+    >>> from hf_moe_offload import OffloadConfig
+    >>> OffloadConfig(mode="disk", offload_dir="/tmp/experts", host_cache_experts=8)
+    ```
+    """
+
+    # --- tier ---
+    mode: str = field(default="auto", metadata={"help": "auto | device | host | disk (ES-MoE §4.3 adaptive offload)"})
+    offload_dir: str | None = field(default=None, metadata={"help": "directory of expert files (disk tier)"})
+    host_cache_bytes: int | None = field(default=None, metadata={"help": "disk tier: host cache bound in bytes"})
+    host_cache_experts: int | None = field(default=None, metadata={"help": "disk tier: host cache bound in experts"})
+    # --- budgets for mode="auto" (detected when None) ---
+    device_budget_bytes: int | None = None
+    host_budget_bytes: int | None = None
+    # --- streaming ---
+    prefetch_depth: int = field(default=2, metadata={"help": "experts uploaded/read ahead of the one computing"})
+    io_threads: int = field(default=2, metadata={"help": "background threads for disk reads and write-backs"})
+    pin_fraction: float = field(default=0.25, metadata={"help": "ES-MoE §4.3: most-loaded experts kept resident"})
+    compute_dtype: torch.dtype | None = field(default=None, metadata={"help": "dtype of the streamed copies"})
+    device: str | torch.device | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto",) + TIERS:
+            raise ValueError(f"OffloadConfig.mode must be one of auto, {', '.join(TIERS)}; got {self.mode!r}")
+        if self.prefetch_depth < 1:
+            raise ValueError(f"OffloadConfig.prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        if self.io_threads < 1:
+            raise ValueError(f"OffloadConfig.io_threads must be >= 1, got {self.io_threads}")
+        if not 0.0 <= self.pin_fraction <= 1.0:
+            raise ValueError(f"OffloadConfig.pin_fraction must be in [0, 1], got {self.pin_fraction}")
+        if self.host_cache_bytes is not None and self.host_cache_experts is not None:
+            raise ValueError("set only one of OffloadConfig.host_cache_bytes and OffloadConfig.host_cache_experts")
+        for name in ("host_cache_bytes", "host_cache_experts", "device_budget_bytes", "host_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"OffloadConfig.{name} must be positive, got {value}")
+        if self.mode == "disk" and not self.offload_dir:
+            raise ValueError("OffloadConfig.offload_dir is required for mode='disk'")
+        if self.offload_dir is not None:
+            self.offload_dir = os.fspath(self.offload_dir)
+
+    def resolved_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

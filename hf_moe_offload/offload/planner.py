@@ -1,0 +1,82 @@
+"""Adaptive offload (ES-MoE §4.3): estimate training memory and choose device / host / disk.
+
+The estimate follows MPMoE §2.2's accounting of model states: fp32 parameters, gradients and two Adam moments
+(16 bytes per parameter), plus activations for the batch. Experts are the part that moves; non-expert state and
+activations stay on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+ADAM_BYTES_PER_PARAM = 16  # fp32 param + grad + exp_avg + exp_avg_sq
+
+
+@dataclass
+class MemoryEstimate:
+    expert_params: int
+    non_expert_params: int
+    num_experts_total: int
+    activation_bytes: int
+
+    @property
+    def expert_state_bytes(self) -> int:
+        return self.expert_params * ADAM_BYTES_PER_PARAM
+
+    @property
+    def non_expert_state_bytes(self) -> int:
+        return self.non_expert_params * ADAM_BYTES_PER_PARAM
+
+    @property
+    def bytes_per_expert(self) -> int:
+        return self.expert_state_bytes // max(1, self.num_experts_total)
+
+
+def estimate_memory(model: nn.Module, expert_modules: list[nn.Module], tokens_per_batch: int = 0) -> MemoryEstimate:
+    expert_ids = {id(p) for m in expert_modules for p in m.parameters(recurse=False)}
+    expert_params = sum(p.numel() for m in expert_modules for p in m.parameters(recurse=False))
+    non_expert = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids)
+    num_experts = sum(m.fc1_weight.shape[0] if hasattr(m, "fc1_weight") else 1 for m in expert_modules)
+    cfg = getattr(model, "config", None)
+    act = 0
+    if cfg is not None and tokens_per_batch:
+        # Per layer and token: ~ attention (q,k,v,out, 2 LN inputs) + FFN input/middle/output, fp32, kept for backward.
+        per_token_layer = 8 * cfg.hidden_size + 2 * cfg.intermediate_size
+        act = tokens_per_batch * cfg.num_hidden_layers * per_token_layer * 4
+    return MemoryEstimate(expert_params, non_expert, num_experts, act)
+
+
+def detect_budgets(device: torch.device) -> tuple[int, int]:
+    """(device bytes free, host bytes available). On CPU-only machines the device budget is host memory."""
+    host = psutil.virtual_memory().available
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free, host
+    return host, host
+
+
+def choose_tier(est: MemoryEstimate, device_budget: int, host_budget: int, headroom: float = 0.9) -> tuple[str, str]:
+    """(tier, reason). Device if everything fits, host if experts fit in host memory, disk otherwise."""
+    need_device_all = est.expert_state_bytes + est.non_expert_state_bytes + est.activation_bytes
+    if need_device_all <= headroom * device_budget:
+        return "device", (
+            f"all state ({need_device_all / 2**30:.2f} GiB) fits the device budget ({device_budget / 2**30:.2f} GiB)"
+        )
+    if est.expert_state_bytes <= headroom * host_budget:
+        return "host", (
+            f"expert state ({est.expert_state_bytes / 2**30:.2f} GiB) exceeds the device budget "
+            f"({device_budget / 2**30:.2f} GiB) but fits host memory ({host_budget / 2**30:.2f} GiB)"
+        )
+    return "disk", (
+        f"expert state ({est.expert_state_bytes / 2**30:.2f} GiB) exceeds host memory ({host_budget / 2**30:.2f} GiB)"
+    )
+
+
+__all__ = ["MemoryEstimate", "estimate_memory", "detect_budgets", "choose_tier"]

@@ -1,0 +1,41 @@
+"""Per-step counters of the offload engine: bytes moved, stalls, cache behaviour, tokens per expert."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class OffloadStats:
+    h2d_bytes: int = 0  # expert weights uploaded to the device
+    d2h_bytes: int = 0  # expert gradients sent back to the store
+    disk_read_bytes: int = 0
+    disk_write_bytes: int = 0
+    stall_seconds: float = 0.0  # compute waiting for an expert (upload, disk read or its optimizer step)
+    compute_seconds: float = 0.0  # wall time inside the streamed expert loops
+    cache_hits: int = 0
+    cache_misses: int = 0
+    evictions: int = 0
+    tokens_per_expert: dict[str, list[int]] = field(default_factory=dict)  # "layer" -> counts (last forward)
+
+    def reset(self) -> None:
+        fresh = OffloadStats()
+        for k, v in asdict(fresh).items():
+            setattr(self, k, v)
+
+    def as_log_dict(self, prefix: str = "offload/") -> dict[str, float]:
+        """Scalars for `Trainer.log` (tokens per expert summarised as max/mean load imbalance)."""
+        lookups = self.cache_hits + self.cache_misses
+        out = {
+            f"{prefix}h2d_MB": self.h2d_bytes / 2**20,
+            f"{prefix}d2h_MB": self.d2h_bytes / 2**20,
+            f"{prefix}disk_read_MB": self.disk_read_bytes / 2**20,
+            f"{prefix}disk_write_MB": self.disk_write_bytes / 2**20,
+            f"{prefix}stall_s": self.stall_seconds,
+            f"{prefix}stall_fraction": self.stall_seconds / self.compute_seconds if self.compute_seconds else 0.0,
+            f"{prefix}cache_hit_rate": self.cache_hits / lookups if lookups else 1.0,
+        }
+        imbalance = [max(c) / (sum(c) / len(c)) for c in self.tokens_per_expert.values() if sum(c)]
+        if imbalance:
+            out[f"{prefix}expert_load_max_over_mean"] = sum(imbalance) / len(imbalance)
+        return out
