@@ -19,6 +19,15 @@ from .models.moe_gpt import (
     MoEGPTPreTrainedModel,
 )
 
+from .offload import (
+    OffloadConfig,
+    disable_expert_offload,
+    enable_expert_offload,
+    get_offload_engine,
+)
+from .offload.checkpoint import load_offloaded_pretrained, save_offloaded_pretrained
+from .optim import ExpertAwareOptimizer, ExpertOptimizer, ExpertOptimizerCallback
+
 __version__ = "0.1.0"
 
 AutoConfig.register("moe_gpt", MoEGPTConfig, exist_ok=True)
@@ -39,4 +48,13 @@ __all__ = [
     "MoEGPTForCausalLM",
     "MoEGPTForSequenceClassification",
     "MoEGPTPreTrainedModel",
+    "OffloadConfig",
+    "enable_expert_offload",
+    "disable_expert_offload",
+    "get_offload_engine",
+    "save_offloaded_pretrained",
+    "load_offloaded_pretrained",
+    "ExpertOptimizer",
+    "ExpertAwareOptimizer",
+    "ExpertOptimizerCallback",
 ]

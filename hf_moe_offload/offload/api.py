@@ -157,6 +157,8 @@ def _expert_tensor(layer, name: str) -> torch.Tensor:
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
     layer = module._offload_layer
+    if not layer.engine._state_dict_experts:  # a streaming save writes the experts itself
+        return state_dict
     layer.engine.synchronize()
     for name in layer.layout.names():
         state_dict[prefix + name] = _expert_tensor(layer, name)

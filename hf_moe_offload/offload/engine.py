@@ -216,6 +216,7 @@ class OffloadEngine:
         self.depth = depth if cache is None else max(0, min(depth, cache - 2))
         self.pin_fraction = pin_fraction
         self.trainable = True
+        self._state_dict_experts = True
         self.layers = [OffloadedExpertsLayer(self, i, m, layout) for i, (m, layout) in enumerate(layers_modules)]
         numel = store.numel
         self.stager = DeviceStager(numel, store.compute_dtype, device, max(self.depth, 1), stats)

@@ -145,14 +145,17 @@ class ExpertStore:
 
 
 class HostExpertStore(ExpertStore):
-    """All experts in (pinned, when CUDA exists) host memory: one (num_experts_total, 4, P) buffer."""
+    """All experts in (pinned, when CUDA exists) host memory, one (4, P) buffer per expert.
+
+    NOTE: separate allocations, not views of one big tensor: views share autograd's version counter, and an expert
+    updated by the optimizer while another expert's backward recomputes would trip autograd's in-place check.
+    """
 
     tier = "host"
 
     def __init__(self, keys, numel, compute_dtype, stats):
         super().__init__(keys, numel, compute_dtype, stats)
-        self._buffer = _pin(torch.zeros(len(self._keys), 4, numel))
-        self._records = {k: ExpertRecord(k, self._buffer[i], compute_dtype) for i, k in enumerate(self._keys)}
+        self._records = {k: ExpertRecord(k, _pin(torch.zeros(4, numel)), compute_dtype) for k in self._keys}
 
     def acquire(self, key):
         self.stats.cache_hits += 1
@@ -198,6 +201,7 @@ class DiskExpertStore(ExpertStore):
         self._refs: dict[ExpertKey, int] = {}
         self._dirty: set[ExpertKey] = set()
         self._pinned: set[ExpertKey] = set()
+        self._writing: set[ExpertKey] = set()  # evicted records being written back (not readable yet)
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="expert-io")
         if create:
@@ -262,11 +266,14 @@ class DiskExpertStore(ExpertStore):
             record, slot = self._cache.pop(victim)
             if victim in self._dirty:
                 self._dirty.discard(victim)
+                self._writing.add(victim)
                 self._lock.release()
                 try:
                     self._write_file(victim, record.buffer)
                 finally:
                     self._lock.acquire()
+                    self._writing.discard(victim)
+                    self._lock.notify_all()
             self.stats.evictions += 1
             return slot
 
@@ -288,6 +295,8 @@ class DiskExpertStore(ExpertStore):
 
     def _start_load(self, key: ExpertKey, background: bool) -> Future | None:
         """Lock held. Starts loading `key` unless resident or loading; returns the future if background."""
+        while key in self._writing:  # its write-back must land before the file is read again
+            self._lock.wait()
         if key in self._cache or key in self._loading:
             return self._loading.get(key)
         slot = self._take_slot()

@@ -1,0 +1,314 @@
+"""Expert-wise CPU optimizer (ES-MoE §4.1 "Expert-wise CPU-based optimization").
+
+Each expert's Adam/AdamW step runs on the host, on worker threads, as soon as that expert's gradient is final: on
+the micro-step that closes a gradient-accumulation window, the engine hands every finished expert here during
+backward, so host updates overlap the rest of backward. On other micro-steps gradients only accumulate in the
+store. The next forward of expert e waits for e's own update only (no delayed update, no staleness).
+
+Semantics are those of `torch.optim.AdamW` / `Adam` (the same fused kernel, on per-expert views): betas, eps,
+decoupled or L2 weight decay (matrices only, as transformers' Trainer groups parameters), bias correction with a
+per-expert step count, and a per-step learning rate read from `lr_fn` (e.g. the Trainer's scheduler).
+
+Clipping and loss scaling need every gradient before any update, so they switch to the *deferred* mode, where
+experts are stepped in `step()` after backward (still on parallel workers, no longer overlapping backward):
+- `clip_mode="global"`: exact `clip_grad_norm_` semantics over expert and non-expert gradients together;
+- `clip_mode="per_expert"`: the cheaper mode; each expert is clipped by its own norm to `max_grad_norm` during
+  backward (stays eager), non-expert parameters are clipped among themselves. Not equivalent to global clipping.
+- fp16 loss scaling (`grad_scaler=`): expert gradients are unscaled and checked; an overflow anywhere skips every
+  expert step, as `GradScaler.step` skips the non-expert one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch.optim.adam import adam
+
+from ..offload.engine import OffloadEngine
+from ..offload.store import ExpertKey, ExpertRecord
+
+logger = logging.getLogger(__name__)
+
+
+def accelerate_sync_gradients() -> bool:
+    """True on the micro-step that closes an accumulation window, as accelerate (and the Trainer) set it."""
+    try:
+        from accelerate.state import GradientState
+    except ImportError:  # pragma: no cover
+        return True
+    return bool(GradientState().sync_gradients)
+
+
+class ExpertOptimizer:
+    """Adam(W) for the experts held in an `OffloadEngine`'s store.
+
+    Example (hand-written loop; with the Trainer use `ExpertOptimizerCallback`):
+
+    ```python
+    >>> engine = enable_expert_offload(model, OffloadConfig(mode="host"))
+    >>> expert_opt = ExpertOptimizer(engine, lr=1e-3, weight_decay=0.01)
+    >>> loss.backward()          # experts step here, as their gradients finish
+    >>> expert_opt.step()        # steps whatever is left; non-expert optimizer.step() after it
+    ```
+    """
+
+    def __init__(
+        self,
+        engine: OffloadEngine,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = True,
+        max_grad_norm: float | None = None,
+        clip_mode: str = "global",
+        workers: int = 2,
+        lr_fn: Callable[[], float] | None = None,
+        boundary_fn: Callable[[], bool] | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ):
+        if engine.store is None:
+            raise ValueError("ExpertOptimizer needs offloaded experts (mode host or disk); on the device tier use "
+                             "the ordinary optimizer")
+        if clip_mode not in ("global", "per_expert"):
+            raise ValueError(f"clip_mode must be 'global' or 'per_expert', got {clip_mode!r}")
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
+        self.engine, self.store = engine, engine.store
+        self.lr, self.betas, self.eps = lr, betas, eps
+        self.weight_decay, self.decoupled = weight_decay, decoupled_weight_decay
+        self.max_grad_norm, self.clip_mode = max_grad_norm, clip_mode
+        self.lr_fn = lr_fn
+        self.boundary_fn = boundary_fn or accelerate_sync_gradients
+        self.grad_scaler = grad_scaler
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="expert-adam")
+        self._lock = threading.Lock()
+        self._stepped: set[ExpertKey] = set()  # experts already stepped in this window
+        self._window_lr: float | None = None
+        self.skipped_steps = 0
+        self.last_expert_grad_norm: float | None = None
+        # Timing of the last window (for the overlap figure): busy seconds on workers, and how much was finished
+        # by the time step() was called (i.e. hidden behind backward).
+        self.step_seconds = 0.0
+        self.overlapped_seconds = 0.0
+        self._window_start = time.perf_counter()
+        self._durations: list[tuple[float, float]] = []  # (end time, duration)
+        engine.add_grad_hook(self._on_grad)
+        engine.add_layer_done_hook(self._on_layer_done)
+
+    # --- modes ---
+    @property
+    def eager(self) -> bool:
+        """Step during backward (ES-MoE overlap) unless global clipping or loss scaling needs all gradients."""
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            return False
+        return self.max_grad_norm is None or self.clip_mode == "per_expert"
+
+    def current_lr(self) -> float:
+        return float(self.lr_fn()) if self.lr_fn is not None else self.lr
+
+    # --- engine hooks (called from backward) ---
+    def _on_grad(self, key: ExpertKey, record: ExpertRecord) -> bool:
+        if not (self.eager and self.boundary_fn()):
+            return False
+        self._submit(key, record, clip_coef=None)
+        return True
+
+    def _on_layer_done(self, layer: int) -> None:
+        if not (self.eager and self.boundary_fn()):
+            return
+        # Experts that got no token in this micro-step still have a (possibly zero) final gradient.
+        for e in range(self.engine.layers[layer].layout.num_experts):
+            key = (layer, e)
+            if key not in self._stepped:
+                self._submit(key, None, clip_coef=None)
+
+    # --- stepping ---
+    def _submit(self, key: ExpertKey, record: ExpertRecord | None, clip_coef: float | None,
+                grad_scale: float | None = None) -> None:
+        with self._lock:
+            if key in self._stepped:
+                if record is not None:
+                    self.store.release(key, dirty=True)
+                return
+            self._stepped.add(key)
+        if self._window_lr is None:
+            self._window_lr = self.current_lr()
+        lr = self._window_lr
+        self.engine.set_pending(key, self._pool.submit(self._step_expert, key, record, lr, clip_coef, grad_scale))
+
+    def _step_expert(self, key: ExpertKey, record: ExpertRecord | None, lr: float, clip_coef: float | None,
+                     grad_scale: float | None) -> None:
+        t0 = time.perf_counter()
+        if record is None:
+            record = self.store.acquire(key)
+        try:
+            if not self.store.has_grad[key]:
+                return  # like torch: a parameter without .grad is not stepped
+            grad = record.grad
+            if grad_scale is not None:
+                grad.mul_(1.0 / grad_scale)
+            if self.max_grad_norm is not None and self.clip_mode == "per_expert":
+                norm = float(grad.norm())
+                clip_coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+            if clip_coef is not None:
+                grad.mul_(clip_coef)
+            self._adam(key, record, lr)
+            record.grad.zero_()
+            self.store.has_grad[key] = False
+            record.refresh_compute()
+        finally:
+            self.store.release(key, dirty=True)
+            end = time.perf_counter()
+            with self._lock:
+                self._durations.append((end, end - t0))
+
+    def _adam(self, key: ExpertKey, record: ExpertRecord, lr: float) -> None:
+        layout = self.engine.layers[key[0]].layout
+        d = layout.decay_numel
+        step = self.store.steps[key]
+        beta1, beta2 = self.betas
+        for lo, hi, wd in ((0, d, self.weight_decay), (d, layout.numel, 0.0)):
+            if hi <= lo:
+                continue
+            adam(
+                [record.param[lo:hi]], [record.grad[lo:hi]], [record.exp_avg[lo:hi]], [record.exp_avg_sq[lo:hi]],
+                [], [torch.tensor(float(step))], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+                weight_decay=wd, eps=self.eps, maximize=False, decoupled_weight_decay=self.decoupled,
+            )
+        self.store.steps[key] = step + 1
+
+    def expert_grad_sq_norm(self) -> float:
+        """Sum of squared expert gradient norms (waits for nothing: call after backward)."""
+        total = 0.0
+        for key in self.store.keys():
+            if self.store.has_grad[key]:
+                record = self.store.acquire(key)
+                try:
+                    total += float(record.grad.double().pow(2).sum())
+                finally:
+                    self.store.release(key)
+        return total
+
+    def step(self, non_expert_params: Iterable[torch.nn.Parameter] | None = None) -> float | None:
+        """Close the window: step every expert not stepped yet. Returns the clip coefficient applied (deferred mode).
+
+        With `max_grad_norm` and `clip_mode="global"`, pass the non-expert parameters: their gradients are scaled by
+        the same coefficient here (so the caller must not clip them again), exactly as `clip_grad_norm_` over all.
+        With a `grad_scaler`, call `scaler.unscale_(optimizer)` first: non-expert gradients are taken as unscaled,
+        expert gradients are unscaled here.
+        """
+        clip_coef = None
+        grad_scale = None
+        if not self.eager:
+            params = [p for p in (non_expert_params or []) if p.grad is not None]
+            if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+                grad_scale = float(self.grad_scaler.get_scale())
+                if self._expert_grads_overflow() or any(not torch.isfinite(p.grad).all() for p in params):
+                    self.skipped_steps += 1
+                    logger.warning("fp16 overflow: skipping the expert steps of this window")
+                    self.engine.zero_grad()
+                    self._end_window()
+                    return None
+            if self.max_grad_norm is not None:
+                scale = 1.0 / grad_scale if grad_scale else 1.0  # expert gradients are still scaled here
+                sq = self.expert_grad_sq_norm() * scale * scale
+                sq += sum(float(p.grad.double().pow(2).sum()) for p in params)
+                total = math.sqrt(sq)
+                self.last_expert_grad_norm = total
+                clip_coef = min(1.0, self.max_grad_norm / (total + 1e-6))
+                for p in params:
+                    p.grad.mul_(clip_coef)
+        for key in self.store.keys():
+            if key not in self._stepped and self.store.has_grad[key]:
+                self._submit(key, None, clip_coef, grad_scale)
+        self._end_window()
+        return clip_coef
+
+    def _expert_grads_overflow(self) -> bool:
+        for key in self.store.keys():
+            if self.store.has_grad[key]:
+                record = self.store.acquire(key)
+                try:
+                    if not torch.isfinite(record.grad).all():
+                        return True
+                finally:
+                    self.store.release(key)
+        return False
+
+    def _end_window(self) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            done = list(self._durations)
+            self._durations.clear()
+            self._stepped.clear()
+        self._window_lr = None
+        # Only updates that finished before step() count as overlapped with backward (the rest overlap the
+        # non-expert step and the next forward); exact accounting happens on the next window, so keep it simple.
+        self.step_seconds = sum(d for _, d in done)
+        self.overlapped_seconds = sum(d for end, d in done if end <= now)
+        self.engine.update_pins()
+
+    def synchronize(self) -> None:
+        self.engine.synchronize()
+
+    # --- state (checkpoints) ---
+    def state_dict(self) -> dict:
+        return {
+            "lr": self.lr, "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay,
+            "decoupled_weight_decay": self.decoupled, "skipped_steps": self.skipped_steps,
+            "steps": {f"{k[0]}.{k[1]}": v for k, v in self.store.steps.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_steps = state.get("skipped_steps", 0)
+        for name, v in state["steps"].items():
+            layer, e = (int(x) for x in name.split("."))
+            self.store.steps[(layer, e)] = int(v)
+
+    def close(self) -> None:
+        self.engine.synchronize()
+        self._pool.shutdown(wait=True)
+
+
+class ExpertAwareOptimizer:
+    """Wraps the non-expert optimizer for hand-written (accelerate) loops: `step()` closes the expert window
+    (clipping globally if configured) and then steps the non-expert parameters; `zero_grad()` clears both.
+
+    Under `accelerate`, prepare the inner optimizer as usual and wrap the prepared one; scheduler steps still act on
+    `param_groups`, which this wrapper shares, and `ExpertOptimizer.lr_fn` reads them.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, expert_optimizer: ExpertOptimizer):
+        self.optimizer = optimizer
+        self.expert_optimizer = expert_optimizer
+        if expert_optimizer.lr_fn is None:
+            expert_optimizer.lr_fn = lambda: self.optimizer.param_groups[0]["lr"]
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, closure=None):
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.expert_optimizer.step(non_expert_params=params)
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "experts": self.expert_optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.expert_optimizer.load_state_dict(state["experts"])
+
+
+__all__ = ["ExpertOptimizer", "ExpertAwareOptimizer", "accelerate_sync_gradients"]
