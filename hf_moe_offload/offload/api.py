@@ -8,8 +8,8 @@ experts under their standard names, whatever the tier. `disable_expert_offload(m
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import os
 
 import torch
@@ -31,6 +31,9 @@ def find_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Experts modules in forward order, recognised by their layout adapter (see layout.py)."""
     found = []
     for name, module in model.named_modules():
+        if hasattr(module, "_offload_layer"):  # already offloaded: its tensors are in the store
+            found.append((name, module))
+            continue
         try:
             layout_for(module)
         except TypeError:
@@ -94,8 +97,7 @@ def enable_expert_offload(
         if cache is None:  # default: a quarter of the experts, at least prefetch_depth + 2
             cache = max(config.prefetch_depth + 2, len(keys) // 4)
         store = DiskExpertStore(
-            keys, numel, compute_dtype, stats, os.path.join(config.offload_dir), cache, config.io_threads,
-            create=_initialize,
+            keys, numel, compute_dtype, stats, os.path.join(config.offload_dir), cache, config.io_threads
         )
         logger.info(
             "disk tier: %d experts x %.1f MiB in %s, host cache %d experts (%.1f MiB)",
@@ -122,7 +124,22 @@ def enable_expert_offload(
         _install(module, engine.layers[layer])
     store.flush()
     setattr(model, ENGINE_ATTR, engine)
+    if hasattr(model, "save_pretrained"):
+        # Trainer checkpoints and push_to_hub call save_pretrained: make it stream experts from the store.
+        model.save_pretrained = functools.partial(_streaming_save_pretrained, model)
     return engine
+
+
+def _streaming_save_pretrained(model: nn.Module, save_directory, state_dict=None, is_main_process: bool = True,
+                               **kwargs):
+    if state_dict is not None:  # an explicit state dict: the ordinary path
+        return type(model).save_pretrained(model, save_directory, state_dict=state_dict,
+                                           is_main_process=is_main_process, **kwargs)
+    if not is_main_process:
+        return None
+    from .checkpoint import save_offloaded_pretrained
+
+    save_offloaded_pretrained(model, str(save_directory))
 
 
 def _detach_parameters(module: nn.Module, layout: ExpertLayout) -> None:
@@ -210,6 +227,7 @@ def disable_expert_offload(model: nn.Module) -> None:
             for n, t in tensors.items():
                 module.register_parameter(n, nn.Parameter(t))
         engine.store.close()
+    model.__dict__.pop("save_pretrained", None)
     delattr(model, ENGINE_ATTR)
 
 

@@ -20,7 +20,6 @@ import struct
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -97,6 +96,55 @@ def _silent_remove(path: str) -> None:
         pass
 
 
+class SafetensorsReader:
+    """Reads tensors, or one leading-dim slice of a tensor, with plain file reads (no mmap).
+
+    NOTE: not `safe_open`: its mmap keeps every touched page of a multi-GB shard resident until the file is closed,
+    which would make "stream one expert at a time" a fiction in RSS terms.
+    """
+
+    _FROM = {v: k for k, v in _DTYPES.items()}
+
+    def __init__(self, path: str):
+        self.path = path
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path} is truncated (no safetensors header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise CheckpointError(f"{path} is truncated or not a safetensors file (header of {n} bytes)")
+            self.header = json.loads(f.read(n))
+        self.base = 8 + n
+        self.metadata = self.header.pop("__metadata__", None) or {}
+        end = max((v["data_offsets"][1] for v in self.header.values()), default=0)
+        if self.base + end > size:
+            raise CheckpointError(f"{path} is truncated ({size} bytes, the header promises {self.base + end})")
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def _read(self, name: str, start: int, nbytes: int) -> bytearray:
+        buf = bytearray(nbytes)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.base + start)
+            if f.readinto(buf) != nbytes:
+                raise CheckpointError(f"{self.path}: tensor {name} is truncated")
+        return buf
+
+    def get(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor `name`, or its `index`-th slice along the leading dimension."""
+        info = self.header[name]
+        dtype, shape = self._FROM[info["dtype"]], list(info["shape"])
+        begin, end = info["data_offsets"]
+        if index is not None:
+            per = (end - begin) // shape[0]
+            begin, end, shape = begin + index * per, begin + (index + 1) * per, shape[1:]
+        data = self._read(name, begin, end - begin)
+        return torch.frombuffer(data, dtype=dtype).reshape(shape) if end > begin else torch.empty(shape, dtype=dtype)
+
+
 # --- expert optimizer state (Trainer checkpoints) ---
 def save_expert_state(engine, folder: str, optimizer_state: dict | None = None) -> str:
     """fp32 master weights + Adam moments of every expert (rows [param, exp_avg, exp_avg_sq]) and step counts."""
@@ -128,32 +176,28 @@ def load_expert_state(engine, folder: str) -> dict:
     path = os.path.join(folder, EXPERT_STATE_FILE)
     store = engine.store
     try:
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != "hf_moe_offload.expert_state.v1" or int(meta.get("numel", -1)) != store.numel:
-                raise CheckpointError(f"{path} does not hold expert state of this model (format or expert size differ)")
-            names = set(f.keys())
-            for key in store.keys():
-                name = f"expert.{key[0]}.{key[1]}"
-                if name not in names:
-                    raise CheckpointError(f"{path} has no state for expert {key}; was it saved from another model?")
-                rows = f.get_tensor(name)
-                record = store.acquire(key)
-                try:
-                    record.param.copy_(rows[0])
-                    record.exp_avg.copy_(rows[1])
-                    record.exp_avg_sq.copy_(rows[2])
-                    record.grad.zero_()
-                    record.refresh_compute()
-                finally:
-                    store.release(key, dirty=True)
-                store.has_grad[key] = False
+        f = SafetensorsReader(path)
+        meta = f.metadata
+        if meta.get("format") != "hf_moe_offload.expert_state.v1" or int(meta.get("numel", -1)) != store.numel:
+            raise CheckpointError(f"{path} does not hold expert state of this model (format or expert size differ)")
+        names = set(f.keys())
+        for key in store.keys():
+            name = f"expert.{key[0]}.{key[1]}"
+            if name not in names:
+                raise CheckpointError(f"{path} has no state for expert {key}; was it saved from another model?")
+            rows = f.get(name)
+            record = store.acquire(key)
+            try:
+                record.param.copy_(rows[0])
+                record.exp_avg.copy_(rows[1])
+                record.exp_avg_sq.copy_(rows[2])
+                record.grad.zero_()
+                record.refresh_compute()
+            finally:
+                store.release(key, dirty=True)
+            store.has_grad[key] = False
     except FileNotFoundError as err:
         raise CheckpointError(f"{path} is missing: the checkpoint was not saved with the expert optimizer") from err
-    except CheckpointError:
-        raise
-    except Exception as err:  # safetensors raises its own error types for truncated/corrupt files
-        raise CheckpointError(f"{path} is truncated or corrupt ({err}); resume from an earlier checkpoint") from err
     for name, v in json.loads(meta["steps"]).items():
         l, e = (int(x) for x in name.split("."))
         store.steps[(l, e)] = int(v)
@@ -176,7 +220,8 @@ def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serial
     """`save_pretrained` for an offloaded model that streams experts one at a time (bounded host memory).
 
     Writes one shard of non-expert weights and one shard per MoE layer, an index, the config, the generation config
-    and the remote-code files. The directory is assembled under a temporary name and renamed at the end.
+    and the remote-code files. Everything is written into a temporary folder first and moved in only when complete
+    (index last), so a failure (e.g. a full disk) leaves what was in `save_directory` untouched.
     """
     engine = get_offload_engine(model)
     if engine is None or engine.store is None:
@@ -186,7 +231,8 @@ def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serial
     from transformers.dynamic_module_utils import custom_object_save
 
     expert_names = _expert_param_names(model)
-    tmp_dir = save_directory.rstrip("/") + ".tmp-save"
+    os.makedirs(save_directory, exist_ok=True)
+    tmp_dir = os.path.join(save_directory, f".tmp-save-{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
     try:
@@ -240,17 +286,14 @@ def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serial
         model.config.save_pretrained(tmp_dir)
         if getattr(model, "generation_config", None) is not None and model.can_generate():
             model.generation_config.save_pretrained(tmp_dir)
-    except BaseException:
+        index_name = "model.safetensors.index.json"
+        for name in sorted(os.listdir(tmp_dir), key=lambda n: n == index_name):  # the index goes in last
+            os.replace(os.path.join(tmp_dir, name), os.path.join(save_directory, name))
+        stale = os.path.join(save_directory, "model.safetensors")  # a previous unsharded save would shadow the index
+        if os.path.exists(stale):
+            os.remove(stale)
+    finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    if os.path.isdir(save_directory):
-        old = save_directory.rstrip("/") + ".old-save"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(save_directory, old)
-        os.replace(tmp_dir, save_directory)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp_dir, save_directory)
     logger.info("saved offloaded model to %s (%d expert shards, streamed)", save_directory, len(engine.layers))
 
 
@@ -264,8 +307,7 @@ def _checkpoint_files(path: str) -> dict[str, str]:
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
         raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
-        return {k: single for k in f.keys()}
+    return {k: single for k in SafetensorsReader(single).keys()}
 
 
 def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_class=None, **config_kwargs) -> nn.Module:
@@ -287,34 +329,30 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
     files = _checkpoint_files(path)
     engine = enable_expert_offload(model, offload_config, _initialize=False)
     expert_names = _expert_param_names(model)
-    handles: dict[str, object] = {}
+    readers: dict[str, SafetensorsReader] = {}
 
-    def handle(file: str):
-        if file not in handles:
-            handles[file] = safe_open(file, framework="pt")
-        return handles[file]
+    def reader(file: str) -> SafetensorsReader:
+        if file not in readers:
+            readers[file] = SafetensorsReader(file)
+        return readers[file]
 
-    try:
-        missing = [k for k in expert_names if k not in files]
-        if missing:
-            raise CheckpointError(f"{path} lacks expert tensors {missing[:3]}...; is it a checkpoint of this model?")
-        for layer in tqdm(engine.layers, desc="loading experts", unit="layer"):
-            fulls = {n: full for full, (l, n) in expert_names.items() if l == layer.layer}
-            slices = {n: handle(files[full]).get_slice(fulls[n]) for n in layer.layout.names()}
-            flat = torch.empty(layer.layout.numel)
-            for e in range(layer.layout.num_experts):
-                tensors = [slices[n][e].float() for n in layer.layout.names()]
-                engine.store.write_param((layer.layer, e), layer.layout.pack(tensors, flat))
-        engine.store.flush()
-        for name, file in files.items():
-            if name in expert_names:
-                continue
-            try:
-                set_module_tensor_to_device(model, name, "cpu", value=handle(file).get_tensor(name))
-            except (AttributeError, KeyError) as err:
-                raise CheckpointError(f"{path}: tensor {name} does not belong to this model ({err})") from err
-    finally:
-        handles.clear()
+    missing = [k for k in expert_names if k not in files]
+    if missing:
+        raise CheckpointError(f"{path} lacks expert tensors {missing[:3]}...; is it a checkpoint of this model?")
+    for layer in tqdm(engine.layers, desc="loading experts", unit="layer"):
+        fulls = {n: full for full, (l, n) in expert_names.items() if l == layer.layer}
+        flat = torch.empty(layer.layout.numel)
+        for e in range(layer.layout.num_experts):
+            tensors = [reader(files[fulls[n]]).get(fulls[n], e).float() for n in layer.layout.names()]
+            engine.store.write_param((layer.layer, e), layer.layout.pack(tensors, flat))
+    engine.store.flush()
+    for name, file in files.items():
+        if name in expert_names:
+            continue
+        try:
+            set_module_tensor_to_device(model, name, "cpu", value=reader(file).get(name))
+        except (AttributeError, KeyError) as err:
+            raise CheckpointError(f"{path}: tensor {name} does not belong to this model ({err})") from err
     model.tie_weights()
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if meta:
@@ -330,5 +368,6 @@ __all__ = [
     "save_offloaded_pretrained",
     "load_offloaded_pretrained",
     "CheckpointError",
+    "SafetensorsReader",
     "EXPERT_STATE_FILE",
 ]

@@ -174,8 +174,7 @@ class DiskExpertStore(ExpertStore):
 
     tier = "disk"
 
-    def __init__(self, keys, numel, compute_dtype, stats, offload_dir: str, cache_experts: int, io_threads: int = 2,
-                 create: bool = True):
+    def __init__(self, keys, numel, compute_dtype, stats, offload_dir: str, cache_experts: int, io_threads: int = 2):
         super().__init__(keys, numel, compute_dtype, stats)
         if cache_experts < 1:
             raise ExpertStoreError(
@@ -204,10 +203,6 @@ class DiskExpertStore(ExpertStore):
         self._writing: set[ExpertKey] = set()  # evicted records being written back (not readable yet)
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="expert-io")
-        if create:
-            zeros = torch.zeros(4, numel)
-            for key in self._keys:
-                self._write_file(key, zeros)
 
     def path(self, key: ExpertKey) -> str:
         return os.path.join(self.dir, f"layer{key[0]:03d}_expert{key[1]:05d}.bin")
@@ -320,6 +315,27 @@ class DiskExpertStore(ExpertStore):
         return fut
 
     # --- public interface ---
+    def write_param(self, key, flat, reset_state=True):
+        if not reset_state:
+            return super().write_param(key, flat, reset_state)
+        # Whole record replaced: no need to read the old file (lets a fresh store be filled without reading).
+        with self._lock:
+            while key in self._loading or key in self._writing:
+                self._lock.wait()
+            if key not in self._cache:
+                slot = self._take_slot()
+                self._cache[key] = (ExpertRecord(key, self._slots[slot], self.compute_dtype), slot)
+            record = self._cache[key][0]
+            self._refs[key] = self._refs.get(key, 0) + 1
+        try:
+            record.buffer.zero_()
+            record.param.copy_(flat)
+            record.refresh_compute()
+            self.steps[key] = 0
+            self.has_grad[key] = False
+        finally:
+            self.release(key, dirty=True)
+
     def acquire(self, key):
         with self._lock:
             if key in self._cache:

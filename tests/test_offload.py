@@ -1,0 +1,310 @@
+"""ES-MoE expert offload (issue 3): equivalence of every tier with the resident model, streaming order, pinning,
+state_dict visibility, failures. fp32 everywhere; tolerances stated per test."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import os
+
+import pytest
+import torch
+
+import hf_moe_offload  # noqa: F401  (registers the Auto classes)
+from hf_moe_offload import MoEGPTConfig, MoEGPTForCausalLM, OffloadConfig, disable_expert_offload, enable_expert_offload
+from hf_moe_offload.models.moe_gpt import MoEGPTExperts
+from hf_moe_offload.offload import (
+    CorruptExpertFileError,
+    DiskExpertStore,
+    ExpertStoreError,
+    ExpertStoreFullError,
+    choose_tier,
+    estimate_memory,
+    get_offload_engine,
+)
+from hf_moe_offload.offload.checkpoint import (
+    CheckpointError,
+    load_offloaded_pretrained,
+    save_offloaded_pretrained,
+)
+
+ATOL = 1e-6  # fp32; the streamed path runs the same kernels per expert, so differences are at rounding level
+
+
+def small_model(seed: int = 0, **overrides) -> MoEGPTForCausalLM:
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+               num_experts=6, num_experts_per_tok=2, moe_layer_frequency=1, hidden_dropout=0.0,
+               attention_dropout=0.0, max_position_embeddings=64)
+    cfg.update(overrides)
+    return MoEGPTForCausalLM(MoEGPTConfig(**cfg))
+
+
+def expert_modules(model) -> list[MoEGPTExperts]:
+    return [m for m in model.modules() if isinstance(m, MoEGPTExperts)]
+
+
+def offload_cfg(tier: str, tmp_path, depth: int = 2, pin: float = 0.25, cache: int = 3) -> OffloadConfig:
+    return OffloadConfig(mode=tier, offload_dir=str(tmp_path / "experts"), host_cache_experts=cache,
+                         prefetch_depth=depth, pin_fraction=pin)
+
+
+def store_grads_vs_reference(engine, reference) -> float:
+    worst = 0.0
+    for layer, module in zip(engine.layers, expert_modules(reference)):
+        lay = layer.layout
+        for e in range(lay.num_experts):
+            ref = lay.pack([getattr(module, t.name).grad[e] for t in lay.tensors], torch.empty(lay.numel))
+            got = engine.expert_grad((layer.layer, e))
+            worst = max(worst, (got - ref).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("pin", [0.0, 0.25])
+def test_streamed_equals_resident_with_grad_accumulation(tier, depth, pin, tmp_path):
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, offload_cfg(tier, tmp_path, depth, pin))
+    for _ in range(3):  # three micro-steps accumulate into the store's fp32 gradient slots
+        x = torch.randint(0, 101, (3, 11))
+        ref_out = reference(x, labels=x)
+        out = model(x, labels=x)
+        torch.testing.assert_close(out.logits, ref_out.logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.loss, ref_out.loss, atol=ATOL, rtol=0)
+        ref_out.loss.backward()
+        out.loss.backward()
+        engine.update_pins()
+    assert store_grads_vs_reference(engine, reference) <= ATOL
+    ref_params = {n: p for n, p in reference.named_parameters() if "experts" not in n}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, atol=ATOL, rtol=0)
+    if pin:
+        assert engine.pinned, "pinning chose no expert"
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_state_dict_names_and_values_whatever_the_tier(tier, tmp_path):
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    enable_expert_offload(model, offload_cfg(tier, tmp_path))
+    # Experts are no longer parameters (the Trainer's optimizer and DDP never see them) ...
+    assert not any("experts" in n for n, _ in model.named_parameters())
+    # ... but state_dict shows them under their standard names with their values.
+    sd, ref_sd = model.state_dict(), reference.state_dict()
+    assert sd.keys() == ref_sd.keys()
+    for k in ref_sd:
+        torch.testing.assert_close(sd[k], ref_sd[k], atol=0, rtol=0)
+    # load_state_dict writes through to the store.
+    other = small_model(seed=1)
+    model.load_state_dict(other.state_dict())
+    x = torch.randint(0, 101, (2, 9))
+    torch.testing.assert_close(model(x).logits, other(x).logits, atol=ATOL, rtol=0)
+    # Reversible: experts come back as parameters, in the original order.
+    disable_expert_offload(model)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in other.named_parameters()]
+    torch.testing.assert_close(model(x).logits, other(x).logits, atol=ATOL, rtol=0)
+    assert get_offload_engine(model) is None
+
+
+def test_save_pretrained_from_disk_tier_streams_and_loads_anywhere(tmp_path):
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    enable_expert_offload(model, offload_cfg("disk", tmp_path, cache=2))
+    save_offloaded_pretrained(model, str(tmp_path / "saved"))
+    files = os.listdir(tmp_path / "saved")
+    assert "model.safetensors.index.json" in files and "modeling_moe_gpt.py" in files
+    # A plain transformers load (no offload) sees every expert.
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    x = torch.randint(0, 101, (2, 9))
+    reference.eval()
+    torch.testing.assert_close(plain(x).logits, reference(x).logits, atol=ATOL, rtol=0)
+    # And the streaming loader puts them straight into a disk tier.
+    loaded = load_offloaded_pretrained(str(tmp_path / "saved"), offload_cfg("disk", tmp_path / "second", cache=2))
+    assert get_offload_engine(loaded).store.tier == "disk"
+    torch.testing.assert_close(loaded(x).logits, reference(x).logits, atol=ATOL, rtol=0)
+
+
+def test_upload_order_forward_then_reverse_backward_with_lookahead(tmp_path):
+    """An instrumented store records acquire/prefetch order: forward in expert order, backward reversed, with
+    `depth` experts acquired ahead of the one computing."""
+    model = small_model(num_experts=5, num_hidden_layers=1)
+    depth = 2
+    engine = enable_expert_offload(model, offload_cfg("host", tmp_path, depth=depth))
+    events = []
+    store = engine.store
+    orig_acquire, orig_release = store.acquire, store.release
+
+    def acquire(key):
+        events.append(("acquire", key))
+        return orig_acquire(key)
+
+    def release(key, dirty=False):
+        events.append(("release", key))
+        return orig_release(key, dirty)
+
+    store.acquire, store.release = acquire, release
+    x = torch.randint(0, 101, (4, 16))
+    out = model(x, labels=x)
+    counts = engine.layers[0].last_counts
+    used = [e for e in range(5) if counts[e]]
+    fwd = [k[1] for kind, k in events if kind == "acquire"]
+    assert fwd == used
+    # Lookahead: when expert i is released, experts up to i + depth have been acquired already.
+    acquired = 0
+    for kind, key in events:
+        if kind == "acquire":
+            acquired += 1
+        else:
+            i = used.index(key[1])
+            assert acquired >= min(len(used), i + 1 + depth)
+    events.clear()
+    out.loss.backward()
+    bwd = [k[1] for kind, k in events if kind == "acquire"]
+    assert bwd == list(reversed(used))
+
+
+def test_pinning_keeps_hot_experts_in_the_disk_cache(tmp_path):
+    model = small_model(num_experts=8, num_hidden_layers=1)
+    engine = enable_expert_offload(model, offload_cfg("disk", tmp_path, depth=1, pin=0.25, cache=5))
+    x = torch.randint(0, 101, (4, 16))
+    model(x)
+    engine.update_pins()
+    counts = engine.layers[0].last_counts
+    hot = sorted(range(8), key=lambda e: -counts[e])[:2]
+    assert sorted(e for _, e in engine.pinned) == sorted(hot)
+    model(x)  # same batch, same routing: pinned experts must be cache hits
+    model(x)
+    resident = {e for _, e in engine.store.resident_keys()}
+    assert set(hot) <= resident
+
+
+def test_dropout_inside_experts_is_replayed_in_backward(tmp_path):
+    """activation_dropout > 0: backward recomputes each expert with the forward's RNG state."""
+    reference = small_model(activation_dropout=0.3)
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, offload_cfg("host", tmp_path))
+    reference.train()
+    model.train()
+    x = torch.randint(0, 101, (2, 9))
+    torch.manual_seed(123)
+    ref_out = reference(x, labels=x)
+    ref_out.loss.backward()
+    torch.manual_seed(123)
+    out = model(x, labels=x)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, ref_out.loss, atol=ATOL, rtol=0)
+    assert store_grads_vs_reference(engine, reference) <= ATOL
+
+
+def test_auto_mode_picks_tier_from_budgets(tmp_path, caplog):
+    model = small_model()
+    est = estimate_memory(model, expert_modules(model), tokens_per_batch=64)
+    assert est.expert_params == sum(p.numel() for m in expert_modules(model) for p in m.parameters(recurse=False))
+    big = 10 * (est.expert_state_bytes + est.non_expert_state_bytes + est.activation_bytes)
+    assert choose_tier(est, big, big)[0] == "device"
+    assert choose_tier(est, est.non_expert_state_bytes, big)[0] == "host"
+    assert choose_tier(est, est.non_expert_state_bytes, est.expert_state_bytes // 2)[0] == "disk"
+    cfg = OffloadConfig(mode="auto", device_budget_bytes=est.non_expert_state_bytes + 1,
+                        host_budget_bytes=est.expert_state_bytes // 2, offload_dir=str(tmp_path / "auto"))
+    with caplog.at_level("INFO"):
+        engine = enable_expert_offload(model, cfg)
+    assert engine.store.tier == "disk"
+    assert "mode=auto chose 'disk'" in caplog.text
+
+
+# --- failures: clear errors, nothing lost ---
+def test_config_validation_errors(tmp_path):
+    with pytest.raises(ValueError, match="mode"):
+        OffloadConfig(mode="gpu")
+    with pytest.raises(ValueError, match="offload_dir"):
+        OffloadConfig(mode="disk")
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        OffloadConfig(prefetch_depth=0)
+    with pytest.raises(ValueError, match="pin_fraction"):
+        OffloadConfig(pin_fraction=1.5)
+
+
+def test_budget_smaller_than_one_expert(tmp_path):
+    model = small_model()
+    cfg = OffloadConfig(mode="disk", offload_dir=str(tmp_path / "x"), host_cache_bytes=1024)
+    with pytest.raises(ExpertStoreError, match="smaller than one expert"):
+        enable_expert_offload(model, cfg)
+
+
+def test_unwritable_offload_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ExpertStoreError, match="not writable"):
+        enable_expert_offload(small_model(), OffloadConfig(mode="disk", offload_dir=str(blocker / "sub")))
+
+
+def test_truncated_expert_file_is_reported(tmp_path):
+    model = small_model()
+    engine = enable_expert_offload(model, offload_cfg("disk", tmp_path, cache=2))
+    victim = engine.store.path((0, 3))
+    with open(victim, "r+b") as f:
+        f.truncate(100)
+    x = torch.randint(0, 101, (8, 16))  # enough tokens that expert 3 is used
+    with pytest.raises(CorruptExpertFileError, match="truncated"):
+        for _ in range(3):
+            model(x)
+            engine.store.flush()
+
+
+def test_disk_full_during_write_back_keeps_last_checkpoint(tmp_path, monkeypatch):
+    """ENOSPC while writing back an expert -> ExpertStoreFullError; ENOSPC while saving -> the previous checkpoint
+    still loads."""
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, offload_cfg("disk", tmp_path, cache=2))
+    save_offloaded_pretrained(model, str(tmp_path / "ckpt"))
+
+    real_open = open
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        if "w" in mode and (str(path).endswith(".bin") or ".tmp" in str(path)):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    x = torch.randint(0, 101, (4, 16))
+    model(x, labels=x).loss.backward()  # dirties every used expert's gradient
+    monkeypatch.setattr("builtins.open", full_disk_open)
+    with pytest.raises(ExpertStoreFullError, match="disk full"):
+        engine.store.flush()
+    with pytest.raises(CheckpointError, match="disk full"):
+        save_offloaded_pretrained(model, str(tmp_path / "ckpt"))
+    monkeypatch.undo()
+    from transformers import AutoModelForCausalLM
+
+    restored = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    reference.eval()
+    torch.testing.assert_close(restored(x).logits, reference(x).logits, atol=ATOL, rtol=0)
+
+
+def test_truncated_checkpoint_shard_is_refused(tmp_path):
+    model = small_model()
+    enable_expert_offload(model, offload_cfg("disk", tmp_path, cache=2))
+    save_offloaded_pretrained(model, str(tmp_path / "ckpt"))
+    shard = sorted(f for f in os.listdir(tmp_path / "ckpt") if f.startswith("model-0000"))[-1]
+    path = tmp_path / "ckpt" / shard
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(Exception, match="(?i)(truncat|incomplete|invalid|corrupt|error)"):
+        load_offloaded_pretrained(str(tmp_path / "ckpt"), offload_cfg("disk", tmp_path / "b", cache=2))
+
+
+def test_disk_store_reads_what_it_wrote_across_evictions(tmp_path):
+    from hf_moe_offload.offload import OffloadStats
+
+    keys = [(0, e) for e in range(6)]
+    store = DiskExpertStore(keys, 10, torch.float32, OffloadStats(), str(tmp_path / "s"), cache_experts=2)
+    for i, k in enumerate(keys):
+        store.write_param(k, torch.full((10,), float(i)))
+    for i, k in enumerate(reversed(keys)):
+        assert torch.equal(store.read_param(k), torch.full((10,), float(5 - i)))
+    assert store.stats.evictions > 0 and store.stats.disk_read_bytes > 0
+    store.close()
