@@ -4,7 +4,6 @@ python tests/scripts/bounded_memory.py CKPT OFFLOAD_DIR CACHE_EXPERTS STEPS
 """
 
 import json
-import resource
 import sys
 
 import psutil
@@ -16,7 +15,9 @@ from hf_moe_offload.offload import get_offload_engine
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    # VmHWM: peak RSS of this process image. Not ru_maxrss, which on Linux keeps the forking parent's RSS across exec.
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 ckpt, offload_dir, cache, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

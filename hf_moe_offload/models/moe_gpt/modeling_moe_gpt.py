@@ -187,16 +187,15 @@ class MoEGPTExperts(nn.Module):
         self, x_sorted: torch.Tensor, counts: list[int], expert_ids: list[int] | None = None
     ) -> torch.Tensor:
         """x_sorted: (N, C) tokens grouped by expert; counts[i] tokens go to expert `expert_ids[i]` (default i)."""
+        # NOTE: unbind once instead of indexing W[e] per expert: each indexing op's backward would materialise a
+        # full (E, ...) gradient, O(E^2) memory traffic per layer; unbind's backward stacks the slices once.
+        fc1_w, fc1_b, fc2_w, fc2_b = (t.unbind(0) for t in (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias))
         outputs, start = [], 0
         for i, n in enumerate(counts):
             if n == 0:
                 continue
             e = i if expert_ids is None else expert_ids[i]
-            outputs.append(
-                self.expert_forward(
-                    x_sorted[start : start + n], self.fc1_weight[e], self.fc1_bias[e], self.fc2_weight[e], self.fc2_bias[e]
-                )
-            )
+            outputs.append(self.expert_forward(x_sorted[start : start + n], fc1_w[e], fc1_b[e], fc2_w[e], fc2_b[e]))
             start += n
         return torch.cat(outputs) if outputs else x_sorted[:0].clone()
 
