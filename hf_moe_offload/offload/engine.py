@@ -263,6 +263,10 @@ class OffloadEngine:
                         yield weights
                 finally:
                     if not handed_over:
+                        if ready is not None:
+                            # The async H2D copy reads the host record: it must be done before the record can be
+                            # evicted and its cache slot refilled.
+                            ready.synchronize()
                         self.store.release(key)
                     self.stager.done(slot)
         finally:
