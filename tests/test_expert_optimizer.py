@@ -227,3 +227,32 @@ def test_optimizer_refuses_device_tier():
     engine = enable_expert_offload(model, OffloadConfig(mode="device"))
     with pytest.raises(ValueError, match="host or disk"):
         ExpertOptimizer(engine)
+
+
+def test_custom_accelerate_loop_with_gradient_accumulation(tmp_path):
+    """accelerate's `accumulate()` sets sync_gradients; the expert optimizer reads it to find the window's last
+    micro-step (no boundary_fn needed). Equals torch.optim.AdamW on the plain model."""
+    from accelerate import Accelerator
+
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, OffloadConfig(mode="disk", offload_dir=str(tmp_path / "e"),
+                                                        host_cache_experts=4))
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    opt = torch.optim.AdamW(param_groups(model, 0.01), lr=3e-3)
+    model, opt = accelerator.prepare(model, opt)
+    wrapped = ExpertAwareOptimizer(opt, ExpertOptimizer(engine, lr=3e-3, weight_decay=0.01))
+    ref_opt = torch.optim.AdamW(param_groups(reference, 0.01), lr=3e-3)
+    batches = [torch.randint(0, 101, (2, 9)) for _ in range(9)]
+    for i, x in enumerate(batches):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x, labels=x).loss)
+            wrapped.step()  # accelerate makes this a no-op except on the last micro-step of each window
+            wrapped.zero_grad()
+        (reference(x, labels=x).loss / 3).backward()
+        if i % 3 == 2:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    engine.synchronize()
+    assert set(engine.store.steps.values()) == {3}
+    assert_same_weights(accelerator.unwrap_model(model), reference)

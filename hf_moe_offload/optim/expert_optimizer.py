@@ -204,6 +204,8 @@ class ExpertOptimizer:
         With a `grad_scaler`, call `scaler.unscale_(optimizer)` first: non-expert gradients are taken as unscaled,
         expert gradients are unscaled here.
         """
+        if not self.boundary_fn():
+            return None  # not the window's last micro-step (e.g. inside accelerate's accumulate): keep accumulating
         clip_coef = None
         grad_scale = None
         if not self.eager:
