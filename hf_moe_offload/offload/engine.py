@@ -223,6 +223,7 @@ class OffloadEngine:
         self._pending: dict[ExpertKey, Future] = {}  # expert updates in flight (set by the optimizer)
         self._grad_hooks: list[Callable[[ExpertKey, ExpertRecord], bool]] = []
         self._layer_done_hooks: list[Callable[[int], None]] = []
+        self._warned_no_optimizer = False
 
     # --- streaming ---
     def stream(self, layer: int, expert_ids: list[int], keep: bool = False) -> Iterator:
@@ -284,6 +285,13 @@ class OffloadEngine:
             flat = flat.to("cpu")
         record.grad.add_(flat)
         self.store.has_grad[key] = True
+        if not self._grad_hooks and not self._warned_no_optimizer:
+            self._warned_no_optimizer = True
+            logger.warning(
+                "expert gradients are accumulating in the offload store but no ExpertOptimizer is attached, so the "
+                "experts will not be updated: add ExpertOptimizerCallback() to the Trainer (or an ExpertOptimizer to "
+                "your loop); call engine.zero_grad() if you only inspect gradients"
+            )
         for hook in self._grad_hooks:
             if hook(key, record):
                 return
