@@ -308,3 +308,32 @@ def test_disk_store_reads_what_it_wrote_across_evictions(tmp_path):
         assert torch.equal(store.read_param(k), torch.full((10,), float(5 - i)))
     assert store.stats.evictions > 0 and store.stats.disk_read_bytes > 0
     store.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_transformers_moe_families_offload_through_their_layout_adapter(family, tmp_path):
+    """The store and the streaming engine know no module names: transformers' own 3-D experts (gate_up_proj /
+    down_proj) offload through `transformers_3d_layout` with the same equivalence."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(family, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_experts=6, num_local_experts=6,
+                               num_experts_per_tok=2, moe_intermediate_size=48, head_dim=8,
+                               max_position_embeddings=64)
+    reference = AutoModelForCausalLM.from_config(cfg)
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, offload_cfg("disk", tmp_path, depth=2, cache=3))
+    assert len(engine.layers) == 2
+    x = torch.randint(0, 97, (2, 10))
+    ref_out, out = reference(x, labels=x), model(x, labels=x)
+    torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-5, rtol=0)
+    ref_out.loss.backward()
+    out.loss.backward()
+    ref_experts = [m for m in reference.modules() if hasattr(m, "gate_up_proj")]
+    for layer, module in zip(engine.layers, ref_experts):
+        lay = layer.layout
+        for e in range(lay.num_experts):
+            ref = lay.pack([getattr(module, t.name).grad[e] for t in lay.tensors], torch.empty(lay.numel))
+            torch.testing.assert_close(engine.expert_grad((layer.layer, e)), ref, atol=1e-5, rtol=0)
+    assert model.state_dict().keys() == reference.state_dict().keys()

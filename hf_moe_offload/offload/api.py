@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import OffloadConfig
 from .engine import OffloadEngine, ResidentEngine
-from .layout import ExpertLayout, layout_for
+from .layout import ExpertLayout, layout_for, uses_routing_signature
 from .planner import choose_tier, detect_budgets, estimate_memory
 from .store import DiskExpertStore, ExpertStoreError, HostExpertStore
 from .telemetry import OffloadStats
@@ -72,7 +72,7 @@ def enable_expert_offload(
             )
     layouts = [layout_for(m) for _, m in experts]
     first = experts[0][1]
-    model_dtype = first.fc1_weight.dtype if hasattr(first, "fc1_weight") else torch.float32
+    model_dtype = getattr(first, layouts[0].tensors[0].name).dtype
     compute_dtype = config.compute_dtype or model_dtype
     numel = layouts[0].numel
     if any(lay.numel != numel for lay in layouts):
@@ -120,8 +120,9 @@ def enable_expert_offload(
                 for e in range(layout.num_experts):
                     tensors = [getattr(module, t.name)[e].detach().float() for t in layout.tensors]
                     store.write_param((layer, e), layout.pack(tensors, flat))
+        routed = uses_routing_signature(module)  # decided before its tensors leave the module
         _detach_parameters(module, layout)
-        _install(module, engine.layers[layer])
+        _install(module, engine.layers[layer], routed)
     store.flush()
     setattr(model, ENGINE_ATTR, engine)
     if hasattr(model, "save_pretrained"):
@@ -150,8 +151,8 @@ def _detach_parameters(module: nn.Module, layout: ExpertLayout) -> None:
         del module._parameters[t.name]
 
 
-def _install(module: nn.Module, layer) -> None:
-    module.forward = layer.forward
+def _install(module: nn.Module, layer, routed: bool) -> None:
+    module.forward = layer.routed_forward if routed else layer.forward
     module.prefetch = layer.prefetch
     module._offload_layer = layer
     module._offload_handles = [

@@ -115,6 +115,19 @@ class OffloadedExpertsLayer:
         ids = [e for e, n in enumerate(counts) if n]
         self.engine.store.prefetch(self.keys(ids[: self.engine.depth + 1]))
 
+    def routed_forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """transformers' experts signature: sort by expert, stream, weight and combine (index_add_)."""
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.layout.num_experts + 1)[: self.layout.num_experts].tolist()
+        order = order[: sum(counts)]  # ids >= num_experts mark dropped assignments
+        token_index = order // k
+        self.prefetch(counts)
+        y = self.forward(hidden.index_select(0, token_index), counts)
+        y = y * top_k_weights.reshape(-1)[order].to(y.dtype).unsqueeze(-1)
+        return torch.zeros_like(hidden).index_add_(0, token_index, y)
+
     def forward(self, x_sorted: torch.Tensor, counts: list[int], expert_ids: list[int] | None = None) -> torch.Tensor:
         ids = list(range(len(counts))) if expert_ids is None else list(expert_ids)
         total = [0] * self.layout.num_experts

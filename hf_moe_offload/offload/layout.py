@@ -3,8 +3,8 @@
 The store and the streaming engine know nothing of module names: an `ExpertLayout` says which leading-expert-dim
 tensors make up an expert, how they pack into one flat fp32 vector (weights first, then the tensors that get no weight
 decay, so the optimizer sees two contiguous segments), and which function computes one expert. MoE-GPT's layout is
-below; transformers' 3-D `gate_up_proj` (E, 2I, H) / `down_proj` (E, H, I) experts (Mixtral, Qwen3-MoE, OLMoE) fit the
-same shape with their own `expert_forward`.
+below, and transformers' 3-D `gate_up_proj` (E, 2I, H) / `down_proj` (E, H, I) experts (Mixtral, Qwen3-MoE, OLMoE)
+have theirs (`transformers_3d_layout`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -75,11 +76,33 @@ def moe_gpt_layout(experts: nn.Module) -> ExpertLayout:
     return ExpertLayout(tensors, E, forward)
 
 
+def transformers_3d_layout(experts: nn.Module) -> ExpertLayout:
+    """Layout of transformers v5 MoE experts (Mixtral, Qwen3-MoE, OLMoE, ...): `gate_up_proj` (E, 2I, H),
+    `down_proj` (E, H, I), `act_fn`; expert e computes `down(act(gate) * up)`."""
+    E, two_i, H = experts.gate_up_proj.shape
+    I = two_i // 2
+
+    def forward(x, gate_up_proj, down_proj):
+        gate, up = F.linear(x, gate_up_proj).chunk(2, dim=-1)
+        return F.linear(experts.act_fn(gate) * up, down_proj)
+
+    tensors = [ExpertTensor("gate_up_proj", (two_i, H), True), ExpertTensor("down_proj", (H, I), True)]
+    return ExpertLayout(tensors, E, forward)
+
+
 def layout_for(experts: nn.Module) -> ExpertLayout:
     """The layout adapter of a known experts module."""
     if all(hasattr(experts, n) for n in ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "expert_forward")):
         return moe_gpt_layout(experts)
+    if all(hasattr(experts, n) for n in ("gate_up_proj", "down_proj", "act_fn")) and experts.gate_up_proj.dim() == 3:
+        return transformers_3d_layout(experts)
     raise TypeError(
         f"no expert layout adapter for {type(experts).__name__}; write an ExpertLayout for it (see "
         "hf_moe_offload/offload/layout.py)"
     )
+
+
+def uses_routing_signature(experts: nn.Module) -> bool:
+    """transformers' experts are called as `experts(hidden, top_k_index, top_k_weights)` and combine themselves;
+    MoE-GPT's as `experts(x_sorted, counts, expert_ids)` on tokens already sorted by expert."""
+    return hasattr(experts, "gate_up_proj")

@@ -43,12 +43,13 @@ def estimate_memory(model: nn.Module, expert_modules: list[nn.Module], tokens_pe
     expert_ids = {id(p) for m in expert_modules for p in m.parameters(recurse=False)}
     expert_params = sum(p.numel() for m in expert_modules for p in m.parameters(recurse=False))
     non_expert = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids)
-    num_experts = sum(m.fc1_weight.shape[0] if hasattr(m, "fc1_weight") else 1 for m in expert_modules)
+    num_experts = sum(next(m.parameters(recurse=False)).shape[0] for m in expert_modules)
     cfg = getattr(model, "config", None)
     act = 0
     if cfg is not None and tokens_per_batch:
         # Per layer and token: ~ attention (q,k,v,out, 2 LN inputs) + FFN input/middle/output, fp32, kept for backward.
-        per_token_layer = 8 * cfg.hidden_size + 2 * cfg.intermediate_size
+        inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        per_token_layer = 8 * cfg.hidden_size + 2 * inter
         act = tokens_per_batch * cfg.num_hidden_layers * per_token_layer * 4
     return MemoryEstimate(expert_params, non_expert, num_experts, act)
 
