@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from .config import OffloadConfig
 from .engine import OffloadEngine, ResidentEngine
 from .layout import ExpertLayout, layout_for, uses_routing_signature
 from .planner import choose_tier, detect_budgets, estimate_memory
-from .store import DiskExpertStore, ExpertStoreError, HostExpertStore
+from .store import DiskExpertStore, ExpertStore, ExpertStoreError, HostExpertStore
 from .telemetry import OffloadStats
 
 logger = logging.getLogger(__name__)
@@ -48,9 +49,14 @@ def get_offload_engine(model: nn.Module) -> OffloadEngine | None:
 
 
 def enable_expert_offload(
-    model: nn.Module, config: OffloadConfig | None = None, tokens_per_batch: int = 0, _initialize: bool = True
+    model: nn.Module, config: OffloadConfig | None = None, tokens_per_batch: int = 0, _initialize: bool = True,
+    store_factory: Callable[..., ExpertStore] | None = None,
 ) -> OffloadEngine:
-    """Offload the experts of `model` per `config`; returns the engine (also at `get_offload_engine(model)`)."""
+    """Offload the experts of `model` per `config`; returns the engine (also at `get_offload_engine(model)`).
+
+    `store_factory(tier, keys, numel, compute_dtype, stats, cache_experts)`, if given, builds the store of the host
+    or disk tier instead of the per-process one (hf_moe_offload.distributed passes its node-shared stores).
+    """
     config = config or OffloadConfig()
     if get_offload_engine(model) is not None:
         raise RuntimeError("expert offload is already enabled on this model; call disable_expert_offload first")
@@ -84,7 +90,8 @@ def enable_expert_offload(
     if mode == "device":
         store = None
     elif mode == "host":
-        store = HostExpertStore(keys, numel, compute_dtype, stats)
+        store = (HostExpertStore(keys, numel, compute_dtype, stats) if store_factory is None
+                 else store_factory("host", keys, numel, compute_dtype, stats, None))
     else:
         cache = config.host_cache_experts
         if config.host_cache_bytes is not None:
@@ -96,9 +103,12 @@ def enable_expert_offload(
                 )
         if cache is None:  # default: a quarter of the experts, at least prefetch_depth + 2
             cache = max(config.prefetch_depth + 2, len(keys) // 4)
-        store = DiskExpertStore(
-            keys, numel, compute_dtype, stats, os.path.join(config.offload_dir), cache, config.io_threads
-        )
+        if store_factory is None:
+            store = DiskExpertStore(
+                keys, numel, compute_dtype, stats, os.path.join(config.offload_dir), cache, config.io_threads
+            )
+        else:
+            store = store_factory("disk", keys, numel, compute_dtype, stats, cache)
         logger.info(
             "disk tier: %d experts x %.1f MiB in %s, host cache %d experts (%.1f MiB)",
             len(keys), record_bytes / 2**20, config.offload_dir, cache, cache * record_bytes / 2**20,

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -215,6 +216,22 @@ class _StreamedExperts(torch.autograd.Function):
         return gx, None, None, None, None
 
 
+class UpdateCoordinator(Protocol):
+    """Set as `OffloadEngine.coordinator` when several processes share one expert store (hf_moe_offload.distributed,
+    ES-MoE §4.2 dynamic placement): it says which process steps each expert in the current accumulation window and
+    reduces the optimizer's global checks across processes. None (the default) = this process owns every expert."""
+
+    def owns_update(self, key: ExpertKey) -> bool: ...
+
+    def all_reduce_sum(self, value: float) -> float: ...
+
+    def all_reduce_max(self, value: float) -> float: ...
+
+    def pinned_keys(self) -> list[ExpertKey]: ...
+
+    def window_closed(self) -> None: ...
+
+
 class OffloadEngine:
     """Owns the store, the device stager and the per-layer streaming; the expert optimizer plugs in here."""
 
@@ -237,6 +254,7 @@ class OffloadEngine:
         self._grad_hooks: list[Callable[[ExpertKey, ExpertRecord], bool]] = []
         self._layer_done_hooks: list[Callable[[int], None]] = []
         self._warned_no_optimizer = False
+        self.coordinator: UpdateCoordinator | None = None
 
     # --- streaming ---
     def stream(self, layer: int, expert_ids: list[int], keep: bool = False) -> Iterator:
@@ -344,6 +362,8 @@ class OffloadEngine:
     def zero_grad(self) -> None:
         self.synchronize()
         for key in self.store.keys():
+            if self.coordinator is not None and not self.coordinator.owns_update(key):
+                continue  # a shared store: the process that owns this expert clears it
             if self.store.has_grad[key]:
                 record = self.store.acquire(key)
                 record.grad.zero_()
@@ -364,10 +384,13 @@ class OffloadEngine:
     def update_pins(self) -> None:
         """Keep the top `pin_fraction` experts of each layer by last-iteration load resident."""
         pinned: list[ExpertKey] = []
-        for layer in self.layers:
-            k = math.ceil(self.pin_fraction * layer.layout.num_experts) if self.pin_fraction else 0
-            top = sorted(range(len(layer.last_counts)), key=lambda e: -layer.last_counts[e])[:k]
-            pinned += [(layer.layer, e) for e in top if layer.last_counts[e]]
+        if self.coordinator is not None:  # several ranks: pins must agree with the placement (ES-MoE §4.2-4.3)
+            pinned = self.coordinator.pinned_keys()
+        else:
+            for layer in self.layers:
+                k = math.ceil(self.pin_fraction * layer.layout.num_experts) if self.pin_fraction else 0
+                top = sorted(range(len(layer.last_counts)), key=lambda e: -layer.last_counts[e])[:k]
+                pinned += [(layer.layer, e) for e in top if layer.last_counts[e]]
         self.store.set_pinned(pinned)
         self.stager.set_pinned(set(pinned))
         self.pinned = pinned
@@ -390,4 +413,4 @@ class ResidentEngine:
         pass
 
 
-__all__ = ["OffloadEngine", "ResidentEngine", "OffloadedExpertsLayer", "DeviceStager"]
+__all__ = ["OffloadEngine", "ResidentEngine", "OffloadedExpertsLayer", "DeviceStager", "UpdateCoordinator"]

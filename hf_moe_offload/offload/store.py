@@ -124,6 +124,10 @@ class ExpertStore:
         finally:
             self.release(key, dirty=True)
 
+    def _new_record(self, key: ExpertKey, buffer: torch.Tensor) -> ExpertRecord:
+        """The record object over `buffer` (a subclass may return its own record type, e.g. a node-shared one)."""
+        return ExpertRecord(key, buffer, self.compute_dtype)
+
     # To implement per tier
     def acquire(self, key: ExpertKey) -> ExpertRecord:
         raise NotImplementedError
@@ -184,7 +188,8 @@ class DiskExpertStore(ExpertStore):
         self.dir = offload_dir
         try:
             os.makedirs(offload_dir, exist_ok=True)
-            probe = os.path.join(offload_dir, ".write_test")
+            # Per process: several ranks may open one (node-shared) offload_dir at once (hf_moe_offload.distributed).
+            probe = os.path.join(offload_dir, f".write_test{os.getpid()}")
             with open(probe, "wb") as f:
                 f.write(b"0")
             os.remove(probe)
@@ -276,7 +281,7 @@ class DiskExpertStore(ExpertStore):
         buffer = self._slots[slot]
         try:
             self._read_file(key, buffer)
-            record = ExpertRecord(key, buffer, self.compute_dtype)
+            record = self._new_record(key, buffer)
         except BaseException:
             with self._lock:
                 self._free.append(slot)
@@ -324,7 +329,7 @@ class DiskExpertStore(ExpertStore):
                 self._lock.wait()
             if key not in self._cache:
                 slot = self._take_slot()
-                self._cache[key] = (ExpertRecord(key, self._slots[slot], self.compute_dtype), slot)
+                self._cache[key] = (self._new_record(key, self._slots[slot]), slot)
             record = self._cache[key][0]
             self._refs[key] = self._refs.get(key, 0) + 1
         try:

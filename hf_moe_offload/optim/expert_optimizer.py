@@ -130,8 +130,17 @@ class ExpertOptimizer:
                 self._submit(key, None, clip_coef=None)
 
     # --- stepping ---
+    def _owns(self, key: ExpertKey) -> bool:
+        """Several processes sharing one store (hf_moe_offload.distributed): only the owner steps an expert."""
+        coordinator = self.engine.coordinator
+        return coordinator is None or coordinator.owns_update(key)
+
     def _submit(self, key: ExpertKey, record: ExpertRecord | None, clip_coef: float | None,
                 grad_scale: float | None = None) -> None:
+        if not self._owns(key):
+            if record is not None:
+                self.store.release(key, dirty=True)
+            return
         with self._lock:
             if key in self._stepped:
                 if record is not None:
@@ -185,16 +194,19 @@ class ExpertOptimizer:
         self.store.steps[key] = step + 1
 
     def expert_grad_sq_norm(self) -> float:
-        """Sum of squared expert gradient norms (waits for nothing: call after backward)."""
+        """Sum of squared expert gradient norms (waits for nothing: call after backward). With a shared store
+        (hf_moe_offload.distributed) each process sums the experts it owns and the sums are all-reduced: every process
+        must call it."""
         total = 0.0
         for key in self.store.keys():
-            if self.store.has_grad[key]:
+            if self.store.has_grad[key] and self._owns(key):
                 record = self.store.acquire(key)
                 try:
                     total += float(record.grad.double().pow(2).sum())
                 finally:
                     self.store.release(key)
-        return total
+        coordinator = self.engine.coordinator
+        return total if coordinator is None else coordinator.all_reduce_sum(total)
 
     def step(self, non_expert_params: Iterable[torch.nn.Parameter] | None = None) -> float | None:
         """Close the window: step every expert not stepped yet. Returns the clip coefficient applied (deferred mode).
@@ -234,15 +246,18 @@ class ExpertOptimizer:
         return clip_coef
 
     def _expert_grads_overflow(self) -> bool:
+        found = False
         for key in self.store.keys():
-            if self.store.has_grad[key]:
+            if self.store.has_grad[key] and self._owns(key):
                 record = self.store.acquire(key)
                 try:
                     if not torch.isfinite(record.grad).all():
-                        return True
+                        found = True
+                        break
                 finally:
                     self.store.release(key)
-        return False
+        coordinator = self.engine.coordinator
+        return found if coordinator is None else coordinator.all_reduce_max(float(found)) > 0
 
     def _end_window(self) -> None:
         now = time.perf_counter()
@@ -256,6 +271,10 @@ class ExpertOptimizer:
         self.step_seconds = sum(d for _, d in done)
         self.overlapped_seconds = sum(d for end, d in done if end <= now)
         self.engine.update_pins()
+        if self.engine.coordinator is not None:
+            # Shared store: every process's updates must be complete and visible before any process uses an expert
+            # again (the next forward may place expert e on another rank) or saves a checkpoint.
+            self.engine.coordinator.window_closed()
 
     def synchronize(self) -> None:
         self.engine.synchronize()

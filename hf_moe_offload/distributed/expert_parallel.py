@@ -1,0 +1,587 @@
+"""Expert parallelism for a few GPUs under `accelerate launch`: static EP, ES-MoE dynamic placement, PPMoE dispatch.
+
+Each process runs the model on its own micro-batch (data parallel: non-expert parameters go through DDP as usual) and
+the MoE layers exchange tokens so that every expert runs on exactly one rank. `enable_expert_parallel` installs an
+executor on every `MoEGPTSparseMoeBlock` (the hook `executor(x, plan, experts)` of the modeling file). One MoE layer,
+from router to combine, on rank r of k:
+
+    router -> DispatchPlan (local tokens sorted by expert, counts c_r)
+      -> all-gather counts: C (k x E)                                   [one small collective]
+      -> placement: rank_of[e]                                          static: fixed blocks
+                                                                        dynamic: LPT on sum_r C[r, e] (ES-MoE §4.2)
+      -> prefetch the first experts this rank will run                  (ES-MoE §4.1: overlaps the exchange)
+      -> all_to_all(tokens, splits)  -> regroup expert-major            [exchange.py]
+      -> experts(x, counts, expert_ids)   resident, or streamed from the node-shared store
+      -> all_to_all back -> weighted combine (index_add_)
+
+`mode="ppmoe"` (PPMoE §3.3, Algorithm 1) is for inputs replicated across the group (a tensor-parallel region): no
+all-to-all; each rank index-selects its local experts' tokens, and one all-reduce sums the partial outputs.
+
+Gradient scaling. DDP averages the non-expert gradients over k ranks, each computed from its rank's mean loss: the
+result is the gradient of (1/k) sum_r L_r, the loss of one process on the concatenated batch. An expert's gradient
+from an all-to-all backward is sum_r dL_r/dW_e (every rank's tokens flow back to the one rank that ran it): 1/k is
+applied to it (`scale_grad` on the expert output, undone on the token gradient going back), so experts get exactly the
+gradient DDP gives everything else. PPMoE needs no scaling: every rank's loss is the same replicated loss.
+
+Who updates an offloaded expert (dynamic placement, the host optimizer of hf_moe_offload.optim). All ranks of a
+node share one copy of every expert (shared_store.py). In an accumulation window an expert may run on different
+ranks in different micro-steps; within a micro-step it runs on exactly one rank, which adds the complete gradient of
+that micro-step to the shared fp32 gradient: no expert all-reduce. The owner of expert e's update in a window is
+    the rank that runs e in the window's last micro-step, if e gets tokens then;
+    else the rank that pins e (ES-MoE §4.3), else the home rank (layer * E + e) mod k.
+All ranks compute the same owner from the same all-gathered counts. No locks are needed, because each MoE layer's
+count all-gather orders the ranks: a gradient added in micro-step t (during backward of layer l on rank p) happens
+before p joins the all-gather of layer l in micro-step t+1, and whoever adds to or steps e after that point has
+passed that all-gather too. So contributions of different ranks are summed sequentially into the shared fp32 slot,
+the owner steps e once (eagerly during backward, as ES-MoE §4.1, or in `step()`), and at the window's close every
+rank waits for its own updates, writes back what the disk tier changed (`publish`) and meets the others at a barrier
+before anyone touches an expert again. The Adam step counts and record versions live in shared memory too.
+
+Pinning (ES-MoE §4.3) is per rank: at each window's close, every rank pins the top `pin_fraction` of the experts it
+ran (by tokens, at least one), computed identically on all ranks, and placement keeps a pinned expert on its rank at no
+upload cost: pins never contradict the placement.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models.moe_gpt.modeling_moe_gpt import DispatchPlan
+from ..offload.api import enable_expert_offload, get_offload_engine
+from ..offload.config import OffloadConfig
+from ..offload.engine import OffloadEngine
+from ..offload.store import DiskExpertStore, ExpertKey, HostExpertStore
+from .exchange import ExchangePlan, all_gather_counts, all_to_all, copy_to_group, reduce_from_group, scale_grad
+from .placement import Placement, PlacementCost, plan_placement, static_owner, static_placement
+from .shared_store import create_node_shared_store
+
+logger = logging.getLogger(__name__)
+
+MODES = ("static", "dynamic", "ppmoe")
+STATE_ATTR = "_moe_expert_parallel"
+
+
+def _require_distributed() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "expert parallelism needs torch.distributed: start the script with `accelerate launch --num_processes N "
+            "...` (CPU: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu ...) and create the Accelerator (or "
+            "TrainingArguments) before calling enable_expert_parallel"
+        )
+
+
+def _moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """MoE blocks in forward order (modules with the `executor` hook and an `experts` child)."""
+    return [m for m in model.modules() if hasattr(m, "executor") and hasattr(m, "experts") and hasattr(m, "router")]
+
+
+class ExpertParallelCoordinator:
+    """Per-process state of expert parallelism: placements, update ownership, pins, fences (see module docstring).
+
+    Also the `UpdateCoordinator` of the offload engine (hf_moe_offload.offload.engine) in the offloaded tiers.
+    """
+
+    def __init__(self, mode: str, group, num_experts: Sequence[int], engine: OffloadEngine | None,
+                 cost: PlacementCost, pin_fraction: float, validate_replicated: bool):
+        self.mode = mode
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        # DDP averages over the default group (accelerate's); expert gradients from all-to-all get the same divisor.
+        self.ddp_world_size = dist.get_world_size()
+        self.num_experts = list(num_experts)
+        self.engine = engine
+        self.cost = cost
+        self.pin_fraction = pin_fraction
+        self.validate_replicated = validate_replicated
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+                       else torch.device("cpu"))
+        self.placements: dict[int, Placement] = {}  # last training forward of each layer
+        self.expert_tokens: dict[int, list[int]] = {}  # global tokens per expert in that forward
+        self.pins: dict[int, dict[int, int]] = {}  # layer -> {expert: rank}
+        self.executors: list = []
+        # Telemetry: tokens each rank ran in the last forward of each layer, and the running max/mean ratio.
+        self.rank_tokens: dict[int, list[int]] = {}
+        self._imbalance_sum = 0.0
+        self._imbalance_n = 0
+
+    # --- placement (ES-MoE §4.2) ---
+    def place(self, layer: int, counts: torch.Tensor, training: bool) -> Placement:
+        tokens = counts.sum(0).tolist()
+        if self.mode == "dynamic":
+            placement = plan_placement(tokens, self.world_size, self.cost, pinned=self.pins.get(layer))
+        else:
+            placement = static_placement(tokens, self.world_size, self.cost)
+        if training:
+            self.placements[layer] = placement
+            self.expert_tokens[layer] = tokens
+        self.rank_tokens[layer] = placement.tokens
+        total = sum(placement.tokens)
+        if total:
+            self._imbalance_sum += max(placement.tokens) / (total / self.world_size)
+            self._imbalance_n += 1
+        return placement
+
+    def load_imbalance(self, reset: bool = True) -> float:
+        """Mean over MoE-layer forwards of (max tokens on a rank) / (mean tokens per rank); 1.0 is perfect."""
+        value = self._imbalance_sum / self._imbalance_n if self._imbalance_n else 1.0
+        if reset:
+            self._imbalance_sum, self._imbalance_n = 0.0, 0
+        return value
+
+    # --- ownership of expert updates (UpdateCoordinator) ---
+    def owner(self, layer: int, expert: int) -> int:
+        placement = self.placements.get(layer)
+        if placement is not None and placement.rank_of[expert] >= 0:
+            return placement.rank_of[expert]
+        pinned = self.pins.get(layer, {}).get(expert)
+        if pinned is not None:
+            return pinned
+        if self.mode != "dynamic":
+            return static_owner(expert, self.num_experts[layer], self.world_size)
+        return (layer * self.num_experts[layer] + expert) % self.world_size
+
+    def owns_update(self, key: ExpertKey) -> bool:
+        return self.owner(*key) == self.rank
+
+    def all_reduce_sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return float(t)
+
+    def all_reduce_max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t)
+
+    def pinned_keys(self) -> list[ExpertKey]:
+        """This rank's pinned experts (the engine keeps them resident: disk cache, device copies)."""
+        return [(layer, e) for layer, pins in self.pins.items() for e, r in pins.items() if r == self.rank]
+
+    def _recompute_pins(self) -> None:
+        """ES-MoE §4.3: each GPU pins its top n_p experts of the previous iteration, n_p = pin_fraction of the
+        experts it ran. Computed from the window's last placements, identically on every rank."""
+        self.pins = {}
+        if self.mode != "dynamic" or not self.pin_fraction:
+            return
+        for layer, placement in self.placements.items():
+            tokens = self.expert_tokens[layer]
+            pins: dict[int, int] = {}
+            for r in range(self.world_size):
+                ran = placement.experts_of(r)
+                for e in sorted(ran, key=lambda e: (-tokens[e], e))[: math.ceil(self.pin_fraction * len(ran))]:
+                    pins[e] = r
+            self.pins[layer] = pins
+
+    def window_closed(self) -> None:
+        """Fence at the end of an optimizer step (called by every rank's ExpertOptimizer): this rank's expert updates
+        are done and visible (disk tier: written back); once the barrier returns, so are every other rank's. Then the
+        pins for the next window are chosen and applied."""
+        if self.engine is None:
+            return
+        self.engine.synchronize()
+        publish = getattr(self.engine.store, "publish", None)
+        if publish is not None:
+            publish()
+        self._recompute_pins()
+        self.engine.update_pins()
+        dist.barrier(group=self.group)
+
+    def on_layer_backward_done(self, layer: int) -> None:
+        """Engine hook: the gradients this rank just added to layer `layer`'s experts must reach the node-shared files
+        before the next micro-step may place those experts elsewhere (disk tier; a no-op on the host tier)."""
+        publish = getattr(self.engine.store, "publish", None)
+        if publish is not None:
+            publish([(layer, e) for e in range(self.num_experts[layer])])
+
+
+class AllToAllExecutor:
+    """Static expert parallelism or dynamic placement for one MoE layer (the module docstring's data flow)."""
+
+    def __init__(self, coordinator: ExpertParallelCoordinator, layer: int):
+        self.coordinator = coordinator
+        self.layer = layer
+
+    def __repr__(self) -> str:
+        c = self.coordinator
+        return f"AllToAllExecutor(mode={c.mode!r}, layer={self.layer}, rank={c.rank}, world_size={c.world_size})"
+
+    def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts: nn.Module) -> torch.Tensor:
+        c = self.coordinator
+        E = len(plan.counts)
+        counts = all_gather_counts(plan.counts, c.group, device=c.device)  # (k, E)
+        training = torch.is_grad_enabled() and experts.training
+        placement = c.place(self.layer, counts, training)
+        xp = ExchangePlan.build(counts, placement.rank_of, c.rank, device=x.device)
+        prefetch = getattr(experts, "prefetch", None)
+        if prefetch is not None:  # ES-MoE §4.1: the first uploads overlap the permutation and the exchange
+            mine = [0] * E
+            for e, n in zip(xp.expert_ids, xp.expert_counts):
+                mine[e] = n
+            prefetch(mine)
+        rows = plan.token_index.index_select(0, xp.send_order)  # source token of each sent row
+        x_recv = all_to_all(x.index_select(0, rows), xp.output_splits, xp.input_splits, c.group)
+        x_experts = scale_grad(x_recv.index_select(0, xp.regroup), c.ddp_world_size)  # (N_r, C), expert-major
+        y = experts(x_experts, xp.expert_counts, xp.expert_ids)
+        y = _keep_parameters_in_graph(y, experts, ran_any=bool(xp.expert_ids))
+        # Expert gradients = mean over ranks, like DDP's (module docstring); the token gradient is scaled back above.
+        y = scale_grad(y, 1.0 / c.ddp_world_size)
+        y_back = all_to_all(y.index_select(0, xp.ungroup), xp.input_splits, xp.output_splits, c.group)
+        w = plan.weights.index_select(0, xp.send_order)
+        y_back = y_back * w.to(y_back.dtype).unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, rows, y_back)
+
+
+class PPMoEExecutor:
+    """Pipeline-MoE dispatch (PPMoE §3.3, Algorithm 1) for one MoE layer whose input is replicated on the group."""
+
+    def __init__(self, coordinator: ExpertParallelCoordinator, layer: int):
+        self.coordinator = coordinator
+        self.layer = layer
+        self._validated = False
+
+    def __repr__(self) -> str:
+        c = self.coordinator
+        return f"PPMoEExecutor(layer={self.layer}, rank={c.rank}, world_size={c.world_size})"
+
+    def _check_replicated(self, x: torch.Tensor, plan: DispatchPlan) -> None:
+        c = self.coordinator
+        xd = x.detach().double()
+        fingerprint = torch.tensor([float(xd.sum()), float(xd.abs().sum()), *plan.counts], dtype=torch.float64,
+                                   device=c.device)
+        lo, hi = fingerprint.clone(), fingerprint.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=c.group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=c.group)
+        if not torch.equal(lo, hi):
+            raise ValueError(
+                f"mode='ppmoe' needs the MoE input identical on every rank of the group (a tensor-parallel region, "
+                f"PPMoE §3.3), but MoE layer {self.layer} got different inputs: feed every rank the same batch, or "
+                "use mode='static' / 'dynamic' for data-parallel inputs"
+            )
+
+    def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts: nn.Module) -> torch.Tensor:
+        c = self.coordinator
+        if c.validate_replicated and not self._validated:
+            self._check_replicated(x, plan)
+            self._validated = True
+        E = len(plan.counts)
+        training = torch.is_grad_enabled() and experts.training
+        c.place(self.layer, torch.as_tensor([plan.counts]), training)  # static; recorded for update ownership
+        local = [e for e in range(E) if static_owner(e, E, c.world_size) == c.rank]  # a contiguous block
+        starts = [0]
+        for n in plan.counts:
+            starts.append(starts[-1] + n)
+        lo, hi = (starts[local[0]], starts[local[-1] + 1]) if local else (0, 0)
+        counts = [plan.counts[e] for e in local]
+        prefetch = getattr(experts, "prefetch", None)
+        if prefetch is not None:
+            prefetch([plan.counts[e] if e in local else 0 for e in range(E)])
+        # Backward of copy_to_group sums the partial input/weight gradients of all ranks (each saw only its experts).
+        x_in = copy_to_group(x, c.group)
+        w = copy_to_group(plan.weights, c.group)
+        rows = plan.token_index[lo:hi]  # PPMoE: the index selection replaces the all-to-all
+        y = experts(x_in.index_select(0, rows), counts, local)
+        y = _keep_parameters_in_graph(y, experts, ran_any=hi > lo)
+        y = y * w[lo:hi].to(y.dtype).unsqueeze(-1)
+        partial = torch.zeros_like(x).index_add_(0, rows, y)
+        return reduce_from_group(partial, c.group)
+
+
+def _keep_parameters_in_graph(y: torch.Tensor, experts: nn.Module, ran_any: bool) -> torch.Tensor:
+    """Device tier: when this rank ran none of its experts, still give their parameters a (zero) gradient, as the
+    single-process model does, so AdamW steps them (weight decay, moments) in lockstep with the reference."""
+    params = list(experts.parameters(recurse=False))
+    if ran_any or not params or not torch.is_grad_enabled():
+        return y
+    return y + sum(p.reshape(-1)[:1].sum() for p in params) * 0.0
+
+
+def get_expert_parallel(model: nn.Module) -> ExpertParallelCoordinator | None:
+    model = getattr(model, "module", model)  # DDP-wrapped
+    return getattr(model, STATE_ATTR, None)
+
+
+def enable_expert_parallel(
+    model: nn.Module,
+    mode: str = "dynamic",
+    group=None,
+    offload_config: OffloadConfig | None = None,
+    placement_cost: PlacementCost | None = None,
+    pin_fraction: float | None = None,
+    shared_dir: str = "/dev/shm",
+    validate_replicated: bool = True,
+) -> ExpertParallelCoordinator:
+    """Distribute the experts of `model` over the ranks of `group` (default: all processes). Collective: every rank
+    calls it, after the Accelerator / TrainingArguments exist and before `accelerator.prepare` / `Trainer(...)`.
+
+    - `mode="static"`: experts in fixed contiguous blocks per rank, all-to-all exchange. Device tier (resident
+      experts): expert parameters are kept out of DDP; run `sync_expert_parameters(model)` before saving from one rank.
+    - `mode="dynamic"`: ES-MoE §4.2 placement per layer and batch. Needs offloaded experts: pass
+      `offload_config=OffloadConfig(mode="host"|"disk", ...)` (for the disk tier its `offload_dir` must be the same
+      path on every rank of the node), or offload the model first (its store then becomes node-shared).
+    - `mode="ppmoe"`: PPMoE §3.3 index-select + all-reduce, for MoE inputs identical across the group.
+
+    `placement_cost` (dynamic): the LPT cost model; must be identical on every rank. `pin_fraction`: experts pinned
+    per rank (default: the offload config's). Create the `ExpertOptimizer` (or the Trainer with
+    `ExpertOptimizerCallback`) after this call.
+    """
+    _require_distributed()
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError("enable_expert_parallel must run before accelerator.prepare / Trainer wraps the model in DDP "
+                         "(expert parameters have to be excluded from DDP first)")
+    if get_expert_parallel(model) is not None:
+        raise RuntimeError("expert parallelism is already enabled on this model; call disable_expert_parallel first")
+    blocks = _moe_blocks(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no MoE block with an executor hook (MoEGPTSparseMoeBlock)")
+    for block in blocks:
+        if block.executor is not None:
+            raise ValueError(
+                f"{type(block).__name__} already has an executor ({block.executor!r}); enable expert parallelism first "
+                "and compose other executors with its exchange functions (see hf_moe_offload.distributed.exchange)"
+            )
+    engine = get_offload_engine(model)
+    offloaded = engine is not None and engine.store is not None
+    wants_offload = offload_config is not None and offload_config.mode in ("host", "disk", "auto")
+    no_store_message = (
+        "mode='dynamic' places experts per batch, so they must stream from a store: pass "
+        "offload_config=OffloadConfig(mode='host') (or 'disk' with offload_dir), or use mode='static' for resident "
+        "experts"
+    )
+    if mode == "dynamic" and not offloaded and not wants_offload:
+        raise ValueError(no_store_message)
+    if group is None:
+        # A communicator of its own: token exchanges never interleave with DDP's gradient all-reduces.
+        group = dist.new_group(list(range(dist.get_world_size())))
+    if not offloaded and wants_offload:
+        engine = _offload_into_shared_store(model, offload_config, group, shared_dir)
+        offloaded = engine is not None and engine.store is not None
+    elif offloaded:
+        _share_existing_store(engine, offload_config, group, shared_dir)
+    if mode == "dynamic" and not offloaded:  # mode="auto" chose the device tier
+        raise ValueError(no_store_message)
+    layers = []
+    for ordinal, block in enumerate(blocks):
+        layer = block.experts._offload_layer.layer if offloaded else ordinal
+        layers.append(layer)
+    num_experts = [0] * len(blocks)
+    for block, layer in zip(blocks, layers):
+        num_experts[layer] = block.num_experts
+    if pin_fraction is None:
+        pin_fraction = engine.pin_fraction if offloaded else 0.0
+    coordinator = ExpertParallelCoordinator(mode, group, num_experts, engine if offloaded else None,
+                                            placement_cost or PlacementCost(), pin_fraction, validate_replicated)
+    if offloaded:
+        engine.coordinator = coordinator
+        engine.add_layer_done_hook(coordinator.on_layer_backward_done)
+    else:
+        _exclude_from_ddp(model, blocks)
+    executor_cls = PPMoEExecutor if mode == "ppmoe" else AllToAllExecutor
+    for block, layer in zip(blocks, layers):
+        block.executor = executor_cls(coordinator, layer)
+        coordinator.executors.append((block, block.executor))
+    setattr(model, STATE_ATTR, coordinator)
+    logger.info("expert parallelism: mode=%s, %d MoE layers, rank %d of %d, experts %s", mode, len(blocks),
+                coordinator.rank, coordinator.world_size, "offloaded (node-shared store)" if offloaded else "resident")
+    return coordinator
+
+
+def _node_store_factory(group, shared_dir: str, offload_dir: str | None, io_threads: int):
+    def factory(tier, keys, numel, compute_dtype, stats, cache_experts):
+        store, _leader = create_node_shared_store(tier, keys, numel, compute_dtype, stats, group=group,
+                                                  shared_dir=shared_dir, offload_dir=offload_dir,
+                                                  cache_experts=cache_experts, io_threads=io_threads)
+        return store
+
+    return factory
+
+
+def _is_leader(group) -> bool:
+    ranks = dist.get_process_group_ranks(group)
+    return dist.get_rank() == ranks[0]
+
+
+def _offload_into_shared_store(model: nn.Module, config: OffloadConfig, group, shared_dir: str):
+    """Offload the experts straight into a node-shared store; only the node leader writes them (one copy)."""
+    leader = _is_leader(group)
+    factory = _node_store_factory(group, shared_dir, config.offload_dir, config.io_threads)
+    engine = enable_expert_offload(model, config, _initialize=leader, store_factory=factory)
+    dist.barrier(group=group)  # the leader's copy is complete (disk: flushed) before anyone reads it
+    return engine
+
+
+def _share_existing_store(engine: OffloadEngine, config: OffloadConfig | None, group, shared_dir: str) -> None:
+    """Replace an offloaded model's per-process store by a node-shared copy of the leader's (weights, moments and
+    step counts). The ExpertOptimizer, which holds the store, must be created afterwards."""
+    if engine._grad_hooks or engine._layer_done_hooks:
+        raise RuntimeError(
+            "an ExpertOptimizer (or another hook) is already attached to this model's offload engine: call "
+            "enable_expert_parallel before creating the ExpertOptimizer / the Trainer with ExpertOptimizerCallback"
+        )
+    old = engine.store
+    offload_dir = None
+    if old.tier == "disk":
+        if config is None or not config.offload_dir:
+            raise ValueError(
+                "sharing a disk-tier store needs a node-shared directory: pass "
+                "offload_config=OffloadConfig(mode='disk', offload_dir=...) with the same offload_dir on every rank"
+            )
+        offload_dir = config.offload_dir
+        if os.path.abspath(offload_dir) == os.path.abspath(old.dir):
+            raise ValueError(f"offload_dir {offload_dir!r} is this rank's private store; choose a new directory")
+    engine.synchronize()
+    store, leader = create_node_shared_store(
+        old.tier, old.keys(), old.numel, old.compute_dtype, engine.stats, group=group, shared_dir=shared_dir,
+        offload_dir=offload_dir, cache_experts=getattr(old, "cache_experts", None),
+        io_threads=config.io_threads if config is not None else 2,
+    )
+    if leader:
+        for key in old.keys():
+            src = old.acquire(key)
+            try:
+                store.write_param(key, src.param)
+                dst = store.acquire(key)
+                try:
+                    dst.buffer.copy_(src.buffer)
+                    dst.refresh_compute()
+                finally:
+                    store.release(key, dirty=True)
+                store.steps[key] = old.steps[key]
+            finally:
+                old.release(key)
+        store.flush()
+    dist.barrier(group=group)
+    old.close()
+    engine.store = store
+
+
+def _expert_parameter_names(model: nn.Module, blocks: list[nn.Module]) -> list[str]:
+    ids = {id(p) for b in blocks for p in b.experts.parameters()}
+    return [n for n, p in model.named_parameters() if id(p) in ids]
+
+
+def _exclude_from_ddp(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Resident experts are not replicas: each rank's gradient is complete for its experts and zero elsewhere, so DDP
+    must not average them (torch DDP reads `_ddp_params_and_buffers_to_ignore` when it wraps the model)."""
+    names = _expert_parameter_names(model, blocks)
+    existing = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    model._ddp_params_and_buffers_to_ignore = existing + [n for n in names if n not in existing]
+
+
+def sync_expert_parameters(model: nn.Module) -> None:
+    """Device tier (static / ppmoe): copy every expert's weights from the rank that trains it to all ranks, so that
+    any rank (e.g. rank 0 saving a checkpoint) holds the trained model. Collective."""
+    coordinator = get_expert_parallel(model)
+    if coordinator is None:
+        raise RuntimeError("expert parallelism is not enabled on this model")
+    if coordinator.engine is not None:
+        return  # offloaded: one node-shared copy, nothing to gather
+    src_ranks = dist.get_process_group_ranks(coordinator.group)
+    with torch.no_grad():
+        for block, _ in coordinator.executors:
+            E = block.num_experts
+            for p in block.experts.parameters(recurse=False):
+                for r in range(coordinator.world_size):
+                    owned = [e for e in range(E) if static_owner(e, E, coordinator.world_size) == r]
+                    if owned:  # a contiguous block: a contiguous slice of the (E, ...) tensor
+                        dist.broadcast(p.data[owned[0] : owned[-1] + 1], src=src_ranks[r], group=coordinator.group)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, parameters=None) -> float:
+    """`torch.nn.utils.clip_grad_norm_` over all parameters for the device tier under static / ppmoe expert
+    parallelism: expert gradients live on the rank that ran the expert, so their squared norms are all-reduced.
+    Non-expert gradients (replicated after DDP) count once. Returns the total norm. Collective."""
+    coordinator = get_expert_parallel(model)
+    if coordinator is None:
+        raise RuntimeError("expert parallelism is not enabled on this model")
+    inner = getattr(model, "module", model)
+    blocks = [b for b, _ in coordinator.executors]
+    expert_ids = {id(p) for b in blocks for p in b.experts.parameters()}
+    params = [p for p in (parameters if parameters is not None else inner.parameters()) if p.grad is not None]
+    local = sum(float(p.grad.double().pow(2).sum()) for p in params if id(p) in expert_ids)
+    shared = sum(float(p.grad.double().pow(2).sum()) for p in params if id(p) not in expert_ids)
+    total = math.sqrt(coordinator.all_reduce_sum(local) + shared)
+    coef = min(1.0, max_norm / (total + 1e-6))
+    if coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)
+    return total
+
+
+def disable_expert_parallel(model: nn.Module, offload_dir: str | None = None) -> None:
+    """Remove the executors; every rank then holds the whole model again. Collective.
+
+    Device tier: gathers the experts first (`sync_expert_parameters`). Offloaded tiers: the node-shared store is
+    copied into a private store of this process (host tier: host memory; disk tier: files in `offload_dir`, a
+    directory of this rank's own), since processes training independently must not share expert state. Close any
+    ExpertOptimizer first (it holds the shared store).
+    """
+    coordinator = get_expert_parallel(model)
+    if coordinator is None:
+        raise RuntimeError("expert parallelism is not enabled on this model")
+    engine = coordinator.engine
+    if engine is None:
+        sync_expert_parameters(model)
+        names = set(_expert_parameter_names(model, [b for b, _ in coordinator.executors]))
+        model._ddp_params_and_buffers_to_ignore = [
+            n for n in getattr(model, "_ddp_params_and_buffers_to_ignore", []) if n not in names
+        ]
+    else:
+        shared = engine.store
+        if shared.tier == "disk" and not offload_dir:
+            raise ValueError("disable_expert_parallel on the disk tier needs offload_dir: a directory of this rank's "
+                             "own for its private copy of the experts")
+        engine.synchronize()
+        dist.barrier(group=coordinator.group)  # every rank's updates are in the shared copy
+        if shared.tier == "host":
+            private = HostExpertStore(shared.keys(), shared.numel, shared.compute_dtype, engine.stats)
+        else:
+            private = DiskExpertStore(shared.keys(), shared.numel, shared.compute_dtype, engine.stats, offload_dir,
+                                      shared.cache_experts, 2)
+        for key in shared.keys():
+            src = shared.acquire(key)
+            try:
+                private.write_param(key, src.param)
+                dst = private.acquire(key)
+                try:
+                    dst.buffer.copy_(src.buffer)
+                    dst.refresh_compute()
+                finally:
+                    private.release(key, dirty=True)
+                private.steps[key] = shared.steps[key]
+                private.has_grad[key] = shared.has_grad[key]
+            finally:
+                shared.release(key)
+        private.flush()
+        dist.barrier(group=coordinator.group)  # nobody reads the shared copy any more
+        shared.close()
+        engine.store = private
+        engine.coordinator = None
+        if coordinator.on_layer_backward_done in engine._layer_done_hooks:
+            engine._layer_done_hooks.remove(coordinator.on_layer_backward_done)
+    for block, executor in coordinator.executors:
+        if block.executor is executor:
+            block.executor = None
+    delattr(model, STATE_ATTR)
+
+
+__all__ = [
+    "MODES",
+    "ExpertParallelCoordinator",
+    "AllToAllExecutor",
+    "PPMoEExecutor",
+    "enable_expert_parallel",
+    "disable_expert_parallel",
+    "get_expert_parallel",
+    "sync_expert_parameters",
+    "clip_grad_norm_",
+]
