@@ -207,10 +207,11 @@ def test_expert_parallel_equals_one_process_on_the_concatenated_batch(world, tmp
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("tier", ["host", "device"])
+@pytest.mark.parametrize("tier", ["host", "disk", "device"])
 def test_trainer_two_processes_equals_one(tier, tmp_path):
     """Trainer, 2 processes vs 1 on the same global batches, global clipping, warmup + cosine:
-    host: dynamic placement over the node-shared store, ExpertOptimizerCallback (vs plain offload in one process);
+    host/disk: the offloaded model's per-process store becomes node-shared, dynamic placement,
+    ExpertOptimizerCallback (vs plain offload in one process);
     device: static expert parallelism with resident experts, ExpertParallelCallback (vs the plain model).
     Same losses and final weights; the saved model loads anywhere."""
     from transformers import AutoModelForCausalLM
