@@ -191,6 +191,9 @@ def test_expert_parallel_equals_one_process_on_the_concatenated_batch(world, tmp
         assert r["all_ranks_grad_max_abs_diff"] <= GRAD_ATOL, (mode, r)
         assert r["all_ranks_weight_max_abs_diff"] <= WEIGHT_ATOL, (mode, r)
         assert r["all_ranks_weight_max_abs_diff"] <= 1.5 * baseline + 1e-6, (mode, r, baseline)
+    for mode in ("static", "dynamic-host"):  # disable_expert_parallel: every rank holds the whole model again
+        assert modes[mode]["after_disable_no_executor"], mode
+        assert modes[mode]["after_disable_logits_max_abs_diff"] <= 1e-4, (mode, modes[mode])
     for mode in ("static", "ppmoe"):  # resident experts: each rank trains its block, DDP leaves them alone
         assert modes[mode]["experts_excluded_from_ddp"], mode
     for mode in ("dynamic-host", "dynamic-disk"):

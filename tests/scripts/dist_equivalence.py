@@ -32,6 +32,7 @@ from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, MoEGPTConfig, 
 from hf_moe_offload.distributed import (
     ExchangePlan,
     all_to_all,
+    disable_expert_parallel,
     enable_expert_parallel,
     sync_expert_parameters,
 )
@@ -266,6 +267,15 @@ def run_mode(mode: str) -> dict:
         result["adam_steps_by_rank"] = per_rank
         result["shared_step_counts"] = sorted(set(engine.store.steps.values()))
         expert_opt.close()
+    if mode in ("static", "dynamic-host"):
+        # disable_expert_parallel: every rank holds the whole trained model again (offloaded: a private copy).
+        ids = global_batch(98, 0)
+        with torch.no_grad():
+            expected = reference(ids).logits
+            disable_expert_parallel(model)
+            result["after_disable_logits_max_abs_diff"] = (model(ids).logits - expected).abs().max().item()
+        result["after_disable_no_executor"] = all(
+            m.executor is None for m in model.modules() if hasattr(m, "executor"))
     # Every rank must agree (all-reduce the worst differences).
     t = torch.tensor([result["grad_max_abs_diff"], result["weight_max_abs_diff"]], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
