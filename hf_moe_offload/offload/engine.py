@@ -105,6 +105,9 @@ class OffloadedExpertsLayer:
         self.module = module
         self.layout = layout
         self.last_counts: list[int] = [0] * layout.num_experts
+        # Streamed calls of this layer whose backward has not run yet. A layer may be called several times per
+        # micro-step (MPMoE partitions): an expert's gradient is final only in the backward of the last call.
+        self.outstanding = 0
         # Makes autograd call our backward even when no input requires grad (e.g. frozen layers below).
         self._anchor = torch.zeros(0, requires_grad=True)
 
@@ -137,6 +140,7 @@ class OffloadedExpertsLayer:
         self.last_counts = total
         self.engine.stats.tokens_per_expert[str(self.layer)] = total
         if torch.is_grad_enabled() and self.engine.trainable:
+            self.outstanding += 1
             return _StreamedExperts.apply(x_sorted, self._anchor, self, tuple(counts), tuple(ids))
         with torch.no_grad():
             return self.run_forward(x_sorted, counts, ids, rng_states=None)
@@ -316,6 +320,9 @@ class OffloadEngine:
             flat = flat.to("cpu")
         record.grad.add_(flat)
         self.store.has_grad[key] = True
+        if self.layers[key[0]].outstanding > 1:  # more calls of this layer still to run backward (partitions)
+            self.store.release(key, dirty=True)
+            return
         if not self._grad_hooks and not self._warned_no_optimizer:
             self._warned_no_optimizer = True
             logger.warning(
@@ -332,8 +339,11 @@ class OffloadEngine:
         # Plain autograd gives every expert of a layer that ran backward a (possibly zero) gradient.
         for e in range(self.layers[layer].layout.num_experts):
             self.store.has_grad[(layer, e)] = True
-        for hook in self._layer_done_hooks:
-            hook(layer)
+        state = self.layers[layer]
+        state.outstanding = max(0, state.outstanding - 1)
+        if state.outstanding == 0:  # the layer's gradients are final for this micro-step
+            for hook in self._layer_done_hooks:
+                hook(layer)
         prev = layer - 1  # ES-MoE: prefetch in the known reverse order, across layers too
         if prev >= 0:
             counts = self.layers[prev].last_counts
@@ -353,6 +363,12 @@ class OffloadEngine:
         fut = self._pending.pop(key, None)
         if fut is not None:
             fut.result()
+
+    def end_window(self) -> None:
+        """An accumulation window closed: forget calls whose backward never ran (e.g. a forward under grad that was
+        only evaluated), so the next window's eager stepping starts clean."""
+        for layer in self.layers:
+            layer.outstanding = 0
 
     def synchronize(self) -> None:
         """Wait for every expert update in flight."""

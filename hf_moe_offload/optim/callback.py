@@ -44,6 +44,13 @@ class ExpertOptimizerCallback(TrainerCallback):
             logger.warning("ExpertOptimizerCallback: the model has no offloaded experts; nothing to do")
             return
         self._trainer_optimizer = optimizer
+        if args.world_size > 1 and getattr(engine, "coordinator", None) is None:
+            logger.warning(
+                "ExpertOptimizerCallback under %d processes without expert parallelism: every rank updates its own "
+                "copy of the offloaded experts from its own batches, so the copies drift apart. Call "
+                "hf_moe_offload.distributed.enable_expert_parallel(model, mode='dynamic') before the Trainer for "
+                "single-model semantics", args.world_size,
+            )
         if args.max_grad_norm and args.max_grad_norm > 0:
             # Exact global clipping needs the expert gradients too: take it over from the Trainer.
             self._max_grad_norm = args.max_grad_norm

@@ -260,6 +260,7 @@ class ExpertOptimizer:
         return found if coordinator is None else coordinator.all_reduce_max(float(found)) > 0
 
     def _end_window(self) -> None:
+        self.engine.end_window()
         now = time.perf_counter()
         with self._lock:
             done = list(self._durations)
