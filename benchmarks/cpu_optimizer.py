@@ -37,6 +37,7 @@ class _Engine:
         from hf_moe_offload.offload.layout import ExpertLayout, ExpertTensor
 
         self.store = store
+        self.coordinator = None
         layout = ExpertLayout([ExpertTensor("w", (numel,), True)], len(store), None)
         self.layers = [type("L", (), {"layout": layout})()]
         self.pending = {}
@@ -56,6 +57,9 @@ class _Engine:
         self.pending.clear()
 
     def update_pins(self):
+        pass
+
+    def end_window(self):
         pass
 
 
