@@ -1,0 +1,42 @@
+"""Plain MoE-GPT (resident experts) trained with the Trainer; run alone or under accelerate launch (DDP on gloo).
+
+python tests/scripts/ddp_trainer.py OUT --per-device-batch 4        # one process, global batch 4
+accelerate launch --multi_gpu --num_processes 2 ... ddp_trainer.py OUT --per-device-batch 2   # same global batch
+"""
+
+import argparse
+import json
+import os
+
+import torch
+from datasets import Dataset
+from transformers import Trainer, TrainingArguments, default_data_collator
+
+import hf_moe_offload  # noqa: F401
+from hf_moe_offload import MoEGPTConfig, MoEGPTForCausalLM
+
+p = argparse.ArgumentParser()
+p.add_argument("out")
+p.add_argument("--per-device-batch", type=int, required=True)
+args = p.parse_args()
+
+torch.manual_seed(0)
+config = MoEGPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                      num_experts=4, moe_layer_frequency=1, hidden_dropout=0.0, attention_dropout=0.0,
+                      max_position_embeddings=32, router_aux_loss_coef=0.0)
+model = MoEGPTForCausalLM(config)
+g = torch.Generator().manual_seed(1)
+ids = torch.randint(0, 64, (32, 16), generator=g)
+ds = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+targs = TrainingArguments(
+    output_dir=args.out, max_steps=4, per_device_train_batch_size=args.per_device_batch, learning_rate=5e-3,
+    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+    train_sampling_strategy="sequential", dataloader_num_workers=0,
+)
+trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=default_data_collator)
+trainer.train()
+if trainer.is_world_process_zero():
+    trainer.save_model(os.path.join(args.out, "final"))
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    with open(os.path.join(args.out, "result.json"), "w") as f:
+        json.dump({"losses": losses, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}, f)
