@@ -1,0 +1,152 @@
+"""MPMoE for MoE-GPT (and any model whose MoE blocks expose `executor`): micro-batch pipelining of the MoE layer
+(§3.2), memory reuse with the restore strategies S1-S4 (§3.3, Table 2) and the adaptive (n, S) configurator (§4).
+
+    >>> from hf_moe_offload.pipelining import enable_micro_batch_pipelining, disable_micro_batch_pipelining
+    >>> enable_micro_batch_pipelining(model, n="auto", strategy="auto")   # or n=4, strategy="S4"
+    >>> ...train...
+    >>> disable_micro_batch_pipelining(model)
+
+References: MPMoE (Zhang et al., IEEE TPDS 2024; MPipeMoE, IPDPS 2023).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from .configurator import (
+    GranularitySearch,
+    PerformanceModel,
+    PipelineConfigurator,
+    Speeds,
+    measure_speeds,
+    op_counts,
+)
+from .partition import CommStage, LocalComm, PartitionedExecutor, PartPlan, split_plan
+from .restore import RESTORE_STRATEGIES, RestoreStrategy, SavedBytes, restore_strategy
+
+logger = logging.getLogger(__name__)
+
+
+def _moe_blocks(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "executor") and hasattr(m, "experts")]
+
+
+def _dims(model: nn.Module, block: nn.Module) -> tuple[int, int]:
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "intermediate_size"):
+        return cfg.hidden_size, cfg.intermediate_size
+    w = block.experts.fc1_weight  # (E, I, H)
+    return w.shape[2], w.shape[1]
+
+
+def make_layer_profiler(block: nn.Module, top_k: int, executor_kwargs: dict | None = None):
+    """profile_fn(B, n, S) -> seconds of one forward+backward of `block.experts` through a PartitionedExecutor on
+    B random balanced rows (Algorithm 1's "profile the execution time"). Only input gradients are computed, so
+    parameter `.grad`s are untouched."""
+    experts = block.experts
+    if hasattr(experts, "prefetch"):
+        raise ValueError("method='profile' needs resident experts (streamed experts would accumulate gradients); "
+                         "use method='model' with expert offload")
+    from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import DispatchPlan
+
+    p = next(experts.parameters())
+    num_experts = experts.num_experts
+
+    def profile(B: int, n: int, strategy: str) -> float:
+        S = max(1, B // top_k)
+        hidden = p.shape[-1]
+        x = torch.randn(S, hidden, dtype=p.dtype, device=p.device, requires_grad=True)
+        ids = torch.randint(0, num_experts, (S, top_k), device=p.device)
+        w = torch.rand(S, top_k, device=p.device)
+        plan = DispatchPlan.build(w, ids, num_experts)
+        ex = PartitionedExecutor(n, strategy, **(executor_kwargs or {}))
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            out = ex(x, plan, experts)
+            torch.autograd.grad(out, x, torch.ones_like(out))
+            if p.is_cuda:
+                torch.cuda.synchronize(p.device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    return profile
+
+
+def enable_micro_batch_pipelining(
+    model: nn.Module,
+    n: int | str = "auto",
+    strategy: str = "auto",
+    comm: CommStage | None = None,
+    method: str = "model",
+    strategies: tuple[str, ...] = ("S1", "S2", "S3", "S4"),
+    n_max: int = 8,
+    speeds: Speeds | None = None,
+) -> PartitionedExecutor:
+    """Run every MoE block of `model` as n token partitions with restore strategy `strategy` (MPMoE).
+
+    n: int >= 1 or "auto"; strategy: "S1".."S4", "keep" (partitioning without memory reuse) or "auto" (choose among
+    `strategies`). With either on "auto", a `PipelineConfigurator` (performance model by default, `method="profile"`
+    for Algorithm 1 over real timings) picks (n, S) per token count and logs the choice. `comm` is the communication
+    stage (default `LocalComm`, single process). Returns the executor shared by all blocks; reversible with
+    `disable_micro_batch_pipelining`.
+    """
+    blocks = _moe_blocks(model)
+    if not blocks:
+        raise ValueError("model has no MoE block with an `executor` hook (MoEGPTSparseMoeBlock)")
+    if strategy != "auto":
+        restore_strategy(strategy)  # validates the name
+    configurator = None
+    if n == "auto" or strategy == "auto":
+        hidden, intermediate = _dims(model, blocks[0])
+        profile_fn = None
+        if method == "profile":
+            top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
+            profile_fn = make_layer_profiler(blocks[0], top_k, {"comm": comm} if comm is not None else None)
+        configurator = PipelineConfigurator(hidden, intermediate, n=n, strategy=strategy, strategies=strategies,
+                                            method=method, n_max=n_max, speeds=speeds, profile_fn=profile_fn)
+        executor = PartitionedExecutor(1, "keep", comm=comm, configurator=configurator)
+    elif not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int or 'auto', got {n!r}")
+    else:
+        executor = PartitionedExecutor(n, strategy, comm=comm)
+    for block in blocks:
+        if block.executor is not None and not isinstance(block.executor, PartitionedExecutor):
+            raise ValueError(f"{type(block).__name__} already has executor {block.executor!r}; "
+                             "disable it first (e.g. expert parallelism)")
+        block.executor = executor
+    logger.info("micro-batch pipelining on %d MoE blocks: %r", len(blocks), executor)
+    return executor
+
+
+def disable_micro_batch_pipelining(model: nn.Module) -> None:
+    """Restore the plain (unpartitioned) MoE path on every block that runs a PartitionedExecutor."""
+    for block in _moe_blocks(model):
+        if isinstance(block.executor, PartitionedExecutor):
+            block.executor = None
+
+
+__all__ = [
+    "CommStage",
+    "GranularitySearch",
+    "LocalComm",
+    "PartPlan",
+    "PartitionedExecutor",
+    "PerformanceModel",
+    "PipelineConfigurator",
+    "RESTORE_STRATEGIES",
+    "RestoreStrategy",
+    "SavedBytes",
+    "Speeds",
+    "disable_micro_batch_pipelining",
+    "enable_micro_batch_pipelining",
+    "make_layer_profiler",
+    "measure_speeds",
+    "op_counts",
+    "restore_strategy",
+    "split_plan",
+]

@@ -1,0 +1,254 @@
+"""Partitioned (micro-batch) execution of one MoE layer along the token dimension (MPMoE §3.2).
+
+One MoE layer, from plan to output, with n partitions:
+
+    full DispatchPlan (rows sorted by expert)
+      -> split_plan: partition p owns the rows whose source token lies in [bounds[p], bounds[p+1]) (expert order kept)
+      -> for each p:  comm.dispatch (T_DI) -> experts (T_M, T_DO) -> weighting -> comm.combine -> index_add_ into T_O
+         with the partition's saved tensors handled by a `PartitionSaver` (restore strategy, memory reuse §3.3)
+
+Overlap: on CUDA, dispatch of partition p+1 and combine of partition p run on a side stream while partition p's
+experts run on the current stream (events order them); host copies of S1-S3 use their own stream
+(`restore.HostCopier`). On CPU, host copies run on a background thread; dispatch/combine run inline.
+
+The communication stage is pluggable (`CommStage`): `LocalComm` (single process, dispatch = index_select) is the one
+implemented and tested here. An expert-parallel stage built on `hf_moe_offload.distributed.exchange` plugs in as:
+
+    class AllToAllComm:                       # sketch: one micro all-to-all per partition (MPMoE §3.2.2, Fig. 5b)
+        def dispatch(self, x, plan):
+            ex = ExchangePlan(...)            # from all-gathered (ranks x experts) counts of THIS partition
+            x_local = all_to_all(x.index_select(0, plan.token_index)[ex.send_order], ex.recv_sizes, ex.send_sizes, group)
+            return x_local, ex.local_counts, ex
+        def redispatch(self, x, plan, ctx):   # S2/S4, called in backward under no_grad, same order on every rank
+            ...same exchange without autograd...
+        def combine(self, y_local, ctx):
+            return all_to_all(y_local, ctx.send_sizes, ctx.recv_sizes, group)[ctx.inverse_order]
+
+(or `copy_to_group` / `reduce_from_group` for the replicated Pipeline-MoE dispatch). Re-dispatch in backward is a
+collective: every rank restores partitions in the same (reverse) order, which autograd guarantees for the same graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .restore import HostCopier, PartitionSaver, RestoreStrategy, SavedBytes, restore_strategy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PartPlan:
+    """The rows of a DispatchPlan whose source token lies in one partition (same fields as `DispatchPlan`)."""
+
+    token_index: torch.Tensor  # (N_p,) source token of each row, sorted by expert
+    weights: torch.Tensor  # (N_p,) fp32 combine weights
+    counts: list[int]  # rows per expert, length E
+
+
+def partition_bounds(num_tokens: int, n: int) -> list[int]:
+    """Token boundaries of n nearly equal partitions (n need not divide num_tokens)."""
+    return [(p * num_tokens) // n for p in range(n + 1)]
+
+
+def split_plan(plan, num_tokens: int, n: int) -> list[PartPlan]:
+    """Split a DispatchPlan by source token into n partitions, keeping expert order inside each (one host sync)."""
+    if n == 1:
+        return [PartPlan(plan.token_index, plan.weights, list(plan.counts))]
+    E = len(plan.counts)
+    device = plan.token_index.device
+    bounds = torch.tensor(partition_bounds(num_tokens, n)[1:-1], device=device)
+    part = torch.bucketize(plan.token_index, bounds, right=True)  # (N,) partition of each row
+    expert = torch.repeat_interleave(torch.arange(E, device=device), torch.tensor(plan.counts, device=device))
+    counts = torch.bincount(part * E + expert, minlength=n * E).view(n, E).tolist()
+    order = torch.argsort(part, stable=True)  # stable: rows stay sorted by expert inside a partition
+    parts, start = [], 0
+    for p in range(n):
+        rows = order[start : start + sum(counts[p])]
+        start += sum(counts[p])
+        parts.append(PartPlan(plan.token_index[rows], plan.weights[rows], counts[p]))
+    return parts
+
+
+class CommStage(Protocol):
+    """The communication stage of a partition: tokens to the experts and back (S and R of MPMoE Fig. 4b)."""
+
+    def dispatch(self, x: torch.Tensor, plan: PartPlan) -> tuple[torch.Tensor, list[int], Any]:
+        """Layer input x (S, C) -> (T_DI rows for the local experts, their per-expert counts, context for combine)."""
+
+    def redispatch(self, x: torch.Tensor, plan: PartPlan, ctx: Any) -> torch.Tensor:
+        """T_DI again, without autograd (restore strategies S2, S4)."""
+
+    def combine(self, y_local: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Expert outputs -> rows in the order of `plan.token_index` (T_DO back to the token owner)."""
+
+
+class LocalComm:
+    """Single process: dispatch is an index_select, combine is the identity."""
+
+    def dispatch(self, x: torch.Tensor, plan: PartPlan) -> tuple[torch.Tensor, list[int], Any]:
+        return x.index_select(0, plan.token_index), plan.counts, None
+
+    def redispatch(self, x: torch.Tensor, plan: PartPlan, ctx: Any) -> torch.Tensor:
+        with torch.no_grad():
+            return x.index_select(0, plan.token_index)
+
+    def combine(self, y_local: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return y_local
+
+    def __repr__(self) -> str:
+        return "LocalComm()"
+
+
+class _WeightRows(torch.autograd.Function):
+    """y * w[:, None] with w in fp32 (combine weights); saves (y, w) explicitly so the saver sees T_DO."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(y, w)
+        return y * w.to(y.dtype).unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        y, w = ctx.saved_tensors
+        gy = g * w.to(g.dtype).unsqueeze(-1) if ctx.needs_input_grad[0] else None
+        gw = (g * y).sum(-1).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return gy, gw
+
+
+def weight_rows(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _WeightRows.apply(y, w)
+
+
+def _is_streamed(experts: nn.Module) -> bool:
+    """Offloaded experts (hf_moe_offload.offload) expose `prefetch` and recompute T_M themselves."""
+    return hasattr(experts, "prefetch")
+
+
+def _param_storages(experts: nn.Module) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in experts.parameters() if p.device.type != "meta"}
+
+
+class PartitionedExecutor:
+    """`MoEGPTSparseMoeBlock.executor`: run one MoE layer as n token partitions with restore strategy S.
+
+    `n` / `strategy` may be fixed, or chosen per call by a `configurator` (see `configurator.PipelineConfigurator`)
+    from the number of dispatched rows B. `last_stats` holds the saved-bytes accounting of the last forward.
+    """
+
+    def __init__(
+        self,
+        n: int = 2,
+        strategy: str | RestoreStrategy = "S4",
+        comm: CommStage | None = None,
+        configurator=None,
+        overlap: bool = True,
+    ):
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        self.n = n
+        self.strategy = restore_strategy(strategy)
+        self.comm = comm or LocalComm()
+        self.configurator = configurator
+        self.overlap = overlap
+        self.copier = HostCopier()
+        self.last_stats = SavedBytes()
+        self.last_choice: tuple[int, str] = (n, self.strategy.name)
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __repr__(self) -> str:
+        mode = "auto" if self.configurator is not None else f"n={self.n}, strategy={self.strategy.name}"
+        return f"PartitionedExecutor({mode}, comm={self.comm!r})"
+
+    def choose(self, x: torch.Tensor, plan, experts: nn.Module) -> tuple[int, RestoreStrategy]:
+        if self.configurator is None or not torch.is_grad_enabled():
+            n, strategy = self.n, self.strategy
+            if not torch.is_grad_enabled():
+                strategy = restore_strategy("keep")  # nothing is saved for backward: nothing to restore
+            return n, strategy
+        n, name = self.configurator.choose(x, plan, experts)
+        return n, restore_strategy(name)
+
+    def __call__(self, x: torch.Tensor, plan, experts: nn.Module) -> torch.Tensor:
+        n, strategy = self.choose(x, plan, experts)
+        n = max(1, min(n, x.shape[0]))
+        self.last_choice = (n, strategy.name)
+        parts = split_plan(plan, x.shape[0], n)
+        stats = SavedBytes()
+        self.last_stats = stats
+        streamed = _is_streamed(experts)
+        params = _param_storages(experts)
+        out = torch.zeros_like(x)  # T_O
+        side = self._side_stream(x.device) if (x.is_cuda and self.overlap and n > 1) else None
+        savers: list[PartitionSaver] = []
+
+        def dispatch(p: int):
+            part = parts[p]
+            if streamed:
+                experts.prefetch(part.counts)  # ES-MoE §4.1: first uploads overlap the permutation
+            if side is None:
+                return self.comm.dispatch(x, part), None
+            # MPMoE §3.2.1: dispatch of partition p runs on the side stream, overlapping partition p-1's experts.
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):
+                res = self.comm.dispatch(x, part)
+                ev = torch.cuda.Event()
+                ev.record(side)
+            return res, ev
+
+        pending = dispatch(0)
+        for p, part in enumerate(parts):
+            (x_local, counts, ctx), ready = pending
+            if ready is not None:
+                torch.cuda.current_stream(x.device).wait_event(ready)
+                x_local.record_stream(torch.cuda.current_stream(x.device))
+            if p + 1 < n:
+                pending = dispatch(p + 1)
+
+            def run(tdi: torch.Tensor, counts=counts, part=part) -> torch.Tensor:
+                return weight_rows(experts(tdi, counts), part.weights)
+
+            def recompute(tdi: torch.Tensor, counts=counts, part=part, run=run) -> None:
+                if streamed:  # the engine recomputes T_M itself; only T_DO (and w) are re-made here
+                    with torch.no_grad():
+                        y = experts(tdi, counts)
+                    weight_rows(y.requires_grad_(True), part.weights)
+                else:
+                    run(tdi)
+
+            def redispatch(part=part, ctx=ctx) -> torch.Tensor:
+                return self.comm.redispatch(x, part, ctx)
+
+            saver = PartitionSaver(strategy, x_local, params, redispatch, recompute, self.copier, stats)
+            if savers:
+                prev = savers[-1]
+                saver.on_first_unpack = prev.prefetch  # backward runs partitions in reverse: fetch p-1 while p runs
+            savers.append(saver)
+            with saver.hooks():
+                y_local = run(x_local)
+            saver.close()
+            del x_local
+            if side is None:
+                out.index_add_(0, part.token_index, self.comm.combine(y_local, ctx))
+            else:
+                side.wait_stream(torch.cuda.current_stream(x.device))
+                with torch.cuda.stream(side):
+                    y_local.record_stream(side)
+                    out.index_add_(0, part.token_index, self.comm.combine(y_local, ctx))
+            del y_local
+        if side is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
+        return out
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
+__all__ = ["CommStage", "LocalComm", "PartPlan", "PartitionedExecutor", "partition_bounds", "split_plan", "weight_rows"]
