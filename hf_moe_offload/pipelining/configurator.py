@@ -309,9 +309,11 @@ class PerformanceModel:
             t_c / sp.slowdown("comp", ["comm", "mem"]),
             t_m / sp.slowdown("mem", ["comp", "comm"]),
         )  # Eq. 10 for one partition
+        # the last combine and the last copy (forward), or the first combine and the first fetch (backward), overlap
+        r_and_m = max(t_r / sp.slowdown("comm", ["mem"]), t_m / sp.slowdown("mem", ["comm"]))
         if not backward:  # paradigm 2: M follows S and C
-            return t_s + (n - 1) * steady + t_c + max(t_r, t_m)
-        return max(t_r, t_m) + (n - 1) * steady + t_c + t_s  # paradigm 3: C waits for M
+            return t_s + (n - 1) * steady + t_c + r_and_m
+        return r_and_m + (n - 1) * steady + t_c + t_s  # paradigm 3: C waits for M
 
     def time(self, B: int, n: int, strategy: str) -> float:
         rows = B / n

@@ -210,8 +210,11 @@ class PartitionedExecutor:
             if p + 1 < n:
                 pending = dispatch(p + 1)
 
-            def run(tdi: torch.Tensor, counts=counts, part=part) -> torch.Tensor:
-                return weight_rows(experts(tdi, counts), part.weights)
+            def run(tdi: torch.Tensor, counts=counts, part=part, saver=None) -> torch.Tensor:
+                y = experts(tdi, counts)
+                if saver is not None:
+                    saver.phase = "tdo"
+                return weight_rows(y, part.weights)
 
             def recompute(tdi: torch.Tensor, counts=counts, part=part, run=run) -> None:
                 if streamed:  # the engine recomputes T_M itself; only T_DO (and w) are re-made here
@@ -230,7 +233,7 @@ class PartitionedExecutor:
                 saver.on_first_unpack = prev.prefetch  # backward runs partitions in reverse: fetch p-1 while p runs
             savers.append(saver)
             with saver.hooks():
-                y_local = run(x_local)
+                y_local = run(x_local, saver=saver)
             saver.close()
             del x_local
             if side is None:

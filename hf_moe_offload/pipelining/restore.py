@@ -145,14 +145,15 @@ class HostCopier:
 class SavedBytes:
     """Bytes autograd saved for backward inside the partitions' hooks, by tensor kind and by fate.
 
-    kind: "tdi" (expert inputs), "act" (T_M and T_DO: everything else that is not a parameter).
+    kind: "tdi" (expert inputs), "tm" (saved inside the experts: T_M), "tdo" (saved by the weighting: T_DO and the
+    partition's combine weights).
     fate: "device" (kept on the compute device), "host" (offloaded), "dropped" (re-dispatched / recomputed).
     Each storage is counted once (ReLU's output is saved twice, by ReLU and by fc2, but occupies memory once).
     `max_partition` holds the largest single partition's T_DI / T_M+T_DO bytes: the working set that partitions share.
     """
 
     by: dict[tuple[str, str], int] = field(default_factory=dict)
-    max_partition: dict[str, int] = field(default_factory=lambda: {"tdi": 0, "act": 0})
+    max_partition: dict[str, int] = field(default_factory=lambda: {"tdi": 0, "tm": 0, "tdo": 0})
 
     def add(self, kind: str, fate: str, nbytes: int) -> None:
         self.by[(kind, fate)] = self.by.get((kind, fate), 0) + nbytes
@@ -196,7 +197,8 @@ class PartitionSaver:
         self.rng_state = _get_rng(tdi.device)
         self.on_first_unpack: Callable[[], None] | None = None
         self._counted: dict[int, torch.Tensor] = {}  # holds the counted tensors until close(): no address reuse
-        self._part_bytes = {"tdi": 0, "act": 0}
+        self._part_bytes = {"tdi": 0, "tm": 0, "tdo": 0}
+        self.phase = "tm"  # the executor sets "tdo" around the weighting, for the accounting only
         self._tdi_host: HostCopy | None = None
         self._tdi_restored: torch.Tensor | None = None
         self._n_act = 0
@@ -209,7 +211,7 @@ class PartitionSaver:
 
     def close(self) -> None:
         """End of the partition's forward: drop our own reference to T_DI (unless it is kept) and record sizes."""
-        for kind in ("tdi", "act"):
+        for kind in ("tdi", "tm", "tdo"):
             self.stats.max_partition[kind] = max(self.stats.max_partition[kind], self._part_bytes[kind])
         self._counted = {}
         if self.strategy.reuse:
@@ -243,14 +245,14 @@ class PartitionSaver:
                 self._count(t, "tdi", "dropped")
             return ("tdi", meta)
         if not self.strategy.reuse:
-            self._count(t, "act", "device")
+            self._count(t, self.phase, "device")
             return ("raw", t)
         if self.strategy.offload_tm:
-            self._count(t, "act", "host")
+            self._count(t, self.phase, "host")
             copy = self.copier.to_host(t)
             self._host_copies.append(copy)
             return ("host", copy)
-        self._count(t, "act", "dropped")
+        self._count(t, self.phase, "dropped")
         self._n_act += 1
         return ("recompute", self._n_act - 1)
 
