@@ -351,6 +351,27 @@ def _write_rank_experts(state, r, L, E, W, moe_layers, shapes, store_dtype, file
         written.add((i, g, tensor_name))
 
 
+def add_cli(sub) -> None:
+    p = sub.add_parser("convert-fairseq", help="convert a fairseq MoE LM checkpoint (shared + rank files) to MoE-GPT")
+    p.add_argument("src", help=".../model.pt, .../model-shared.pt, or their directory")
+    p.add_argument("dst", help="new output directory")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="store weights in this dtype (default: as stored, usually float16)")
+    p.add_argument("--dict", dest="dict_path", default=None, help="fairseq dict.txt: also write a matching tokenizer")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="allow full unpickling for files that need it (only for files you trust)")
+    p.add_argument("--fairseq-capacity", action="store_true",
+                   help="reproduce fairseq's capacity/drop semantics (evaluation parity); default is dropless")
+
+    def run(args) -> None:
+        dst = convert_fairseq_checkpoint(args.src, args.dst, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                         dict_path=args.dict_path, allow_unsafe_pickle=args.trust_pickle,
+                                         fairseq_capacity=args.fairseq_capacity)
+        print(f"converted to {dst}")
+
+    p.set_defaults(func=run)
+
+
 __all__ = [
     "convert_fairseq_checkpoint",
     "config_from_fairseq",
