@@ -200,7 +200,7 @@ def measure_speeds(
     intermediate: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    rows: Sequence[int] = (16, 64, 256, 1024, 4096),
+    rows: Sequence[int] = (16, 64, 256, 1024),
     comm_fn: Callable[[torch.Tensor], object] | None = None,
     measure_alpha: bool = True,
 ) -> Speeds:
