@@ -136,7 +136,8 @@ def main() -> None:
     times, auto = time_table(args.quick)
     wall = time.perf_counter() - t_start
 
-    lines = ["| model (M/H) | n | S | keep MB | reuse MB | saving MB | Eq. 5 MB | % of bound | phi theory | phi measured |",
+    lines = ["| model (M/H) | n | S | keep MB | reuse MB | saving MB | Eq. 5 MB | % of bound | phi theory "
+             "| phi measured |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in mem:
         lines.append(f"| {r['model']} ({r['M']}/{r['H']}) | {r['n']} | {r['strategy']} | {r['keep_MB']:.1f} | "

@@ -271,7 +271,7 @@ def test_algorithm1_cache_early_stop_and_range_updates():
 
 
 def constant_speeds(comp: float, comm: float, mem: float, alpha: dict | None = None) -> Speeds:
-    points = {"comp": [(1.0, comp), (1e15, comp)], "comm": [(1.0, comm), (1e15, comm)], "mem": [(1.0, mem), (1e15, mem)]}
+    points = {k: [(1.0, v), (1e15, v)] for k, v in (("comp", comp), ("comm", comm), ("mem", mem))}
     return Speeds(points=points, alpha=alpha or {})
 
 
@@ -358,3 +358,35 @@ def test_invalid_arguments_say_what_to_do():
     with pytest.raises(ValueError, match="n must be"):
         enable_micro_batch_pipelining(model, n=0, strategy="S1")
     assert "n=2, strategy=S4" in repr(enable_micro_batch_pipelining(model, n=2, strategy="S4"))
+
+
+@pytest.mark.parametrize("strategy", ["S1", "S4"])
+def test_composes_with_activation_checkpointing(strategy):
+    """The decoder layer's checkpoint installs its own saved-tensor hooks; ours nest inside and still match."""
+    reference = tiny_model()
+    model = copy.deepcopy(reference)
+    model.gradient_checkpointing_enable()
+    model.train()
+    reference.train()
+    enable_micro_batch_pipelining(model, n=3, strategy=strategy)
+    ids = torch.randint(0, 101, (2, 9))
+    model(ids, labels=ids).loss.backward()
+    reference(ids, labels=ids).loss.backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+def test_auto_with_offloaded_experts(tmp_path):
+    reference = tiny_model()
+    model = copy.deepcopy(reference)
+    engine = host_offload(model, tmp_path)
+    with pytest.raises(ValueError, match="resident experts"):
+        enable_micro_batch_pipelining(model, method="profile")
+    ex = enable_micro_batch_pipelining(model, speeds=constant_speeds(1e9, 1e12, 1e12))  # model method, fixed speeds
+    ids = torch.randint(0, 101, (2, 9))
+    out, ref = model(ids, labels=ids), reference(ids, labels=ids)
+    torch.testing.assert_close(out.loss, ref.loss, **TOL)
+    out.loss.backward()
+    ref.loss.backward()
+    assert ex.last_choice[1] in ("S1", "S2")
+    assert_grads_close(expert_grads(model, engine, reference), reference_store_grads(reference, engine))

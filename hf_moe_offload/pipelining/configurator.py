@@ -384,7 +384,9 @@ class PipelineConfigurator:
             if s not in self.searches:
                 self.searches[s] = GranularitySearch(self._cost_fn(s), n_min=1, n_max=self.n_max)
 
-    def choose_for(self, B: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> tuple[int, str]:
+    def choose_for(
+        self, B: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> tuple[int, str]:
         if B in self.choices:
             return self.choices[B]
         self.prepare(dtype, torch.device(device))

@@ -45,7 +45,9 @@ def eq5_saving_elements(rows: int, hidden: int, intermediate: int, n: int) -> fl
     return rows * (2 * hidden * (n - 2) / n + intermediate * (n - 1) / n)
 
 
-def eq6_saving_ratio(rows: int, hidden: int, intermediate: int, num_experts: int, n: int, saving_elements: float) -> float:
+def eq6_saving_ratio(
+    rows: int, hidden: int, intermediate: int, num_experts: int, n: int, saving_elements: float
+) -> float:
     """Eq. 6: phi = (dM_act + dM_buf) / (M_ms + M_act^pipe + M_buf^pipe), with dM_buf = dM_act (elements)."""
     m_ms = 4 * (num_experts * hidden + 2 * intermediate * hidden)  # Eq. 1
     m_act = 4 * rows * hidden + rows * intermediate  # Eq. 2 = Eq. 4

@@ -17,7 +17,8 @@ implemented and tested here. An expert-parallel stage built on `hf_moe_offload.d
     class AllToAllComm:                       # sketch: one micro all-to-all per partition (MPMoE §3.2.2, Fig. 5b)
         def dispatch(self, x, plan):
             ex = ExchangePlan(...)            # from all-gathered (ranks x experts) counts of THIS partition
-            x_local = all_to_all(x.index_select(0, plan.token_index)[ex.send_order], ex.recv_sizes, ex.send_sizes, group)
+            rows = x.index_select(0, plan.token_index)[ex.send_order]
+            x_local = all_to_all(rows, ex.recv_sizes, ex.send_sizes, group)
             return x_local, ex.local_counts, ex
         def redispatch(self, x, plan, ctx):   # S2/S4, called in backward under no_grad, same order on every rank
             ...same exchange without autograd...

@@ -300,7 +300,8 @@ class PartitionSaver:
             return t
 
         devices = [tdi.device] if tdi.is_cuda else []
-        with torch.enable_grad(), torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
+        hooks = torch.autograd.graph.saved_tensors_hooks(record, lambda t: t)
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices), hooks:
             _set_rng(tdi.device, self.rng_state)
             self._recompute(tdi)
         if len(recorded) != self._n_act:
