@@ -12,27 +12,36 @@ experts run on the current stream (events order them); host copies of S1-S3 use 
 (`restore.HostCopier`). On CPU, host copies run on a background thread; dispatch/combine run inline.
 
 The communication stage is pluggable (`CommStage`): `LocalComm` (single process, dispatch = index_select) is the one
-implemented and tested here. An expert-parallel stage built on `hf_moe_offload.distributed.exchange` plugs in as:
+implemented and tested here. Expert parallelism from `hf_moe_offload.distributed` plugs in as a stage built from the
+same pieces its `AllToAllExecutor` uses (sketch, not shipped: one micro all-to-all per partition, MPMoE §3.2.2 Fig. 5b):
 
-    class AllToAllComm:                       # sketch: one micro all-to-all per partition (MPMoE §3.2.2, Fig. 5b)
+    class ExchangeComm:
         def dispatch(self, x, plan):
-            ex = ExchangePlan(...)            # from all-gathered (ranks x experts) counts of THIS partition
-            rows = x.index_select(0, plan.token_index)[ex.send_order]
-            x_local = all_to_all(rows, ex.recv_sizes, ex.send_sizes, group)
-            return x_local, ex.local_counts, ex
-        def redispatch(self, x, plan, ctx):   # S2/S4, called in backward under no_grad, same order on every rank
-            ...same exchange without autograd...
-        def combine(self, y_local, ctx):
-            return all_to_all(y_local, ctx.send_sizes, ctx.recv_sizes, group)[ctx.inverse_order]
+            counts = all_gather_counts(plan.counts, group, device=x.device)     # this partition's (world, E) counts
+            xp = ExchangePlan.build(counts, rank_of, rank, device=x.device)
+            rows = plan.token_index.index_select(0, xp.send_order)
+            x_loc = all_to_all(x.index_select(0, rows), xp.output_splits, xp.input_splits, group)
+            w_loc = all_to_all(plan.weights.index_select(0, xp.send_order)[:, None], xp.output_splits,
+                               xp.input_splits, group)
+            return Dispatched(x_loc.index_select(0, xp.regroup), xp.expert_counts, xp.expert_ids,
+                              w_loc[xp.regroup, 0], ctx=xp)
+        def redispatch(self, x, plan, d):     # S2/S4: same exchange under no_grad, in backward
+            ...
+        def combine(self, y_local, xp):       # back to the token owners, then into plan row order
+            y = all_to_all(y_local.index_select(0, xp.ungroup), xp.input_splits, xp.output_splits, group)
+            return torch.zeros_like(y).index_copy(0, xp.send_order, y)
 
-(or `copy_to_group` / `reduce_from_group` for the replicated Pipeline-MoE dispatch). Re-dispatch in backward is a
-collective: every rank restores partitions in the same (reverse) order, which autograd guarantees for the same graph.
+(plus `scale_grad` for the data-parallel expert-gradient convention, as `AllToAllExecutor` does; or `copy_to_group` /
+`reduce_from_group` for the replicated Pipeline-MoE dispatch). The expert-side weighting is why `Dispatched` carries
+the weights of the received rows. Re-dispatch in backward is a collective: every rank restores its partitions in the
+same (reverse) order, which autograd guarantees for the same graph; the exchange runs on the side stream like the
+local dispatch.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -76,14 +85,25 @@ def split_plan(plan, num_tokens: int, n: int) -> list[PartPlan]:
     return parts
 
 
+@dataclass
+class Dispatched:
+    """What a partition's dispatch delivers to the local experts."""
+
+    x: torch.Tensor  # (N_local, C) T_DI, grouped by expert
+    counts: list[int]  # rows per local expert
+    expert_ids: list[int] | None  # which experts those are (None: 0..len(counts)-1)
+    weights: torch.Tensor  # (N_local,) fp32 combine weights of the local rows (the weighting runs expert-side)
+    ctx: Any = None  # whatever combine / redispatch need
+
+
 class CommStage(Protocol):
     """The communication stage of a partition: tokens to the experts and back (S and R of MPMoE Fig. 4b)."""
 
-    def dispatch(self, x: torch.Tensor, plan: PartPlan) -> tuple[torch.Tensor, list[int], Any]:
-        """Layer input x (S, C) -> (T_DI rows for the local experts, their per-expert counts, context for combine)."""
+    def dispatch(self, x: torch.Tensor, plan: PartPlan) -> Dispatched:
+        """Layer input x (S, C) -> the T_DI rows of the local experts, their counts, ids and weights."""
 
-    def redispatch(self, x: torch.Tensor, plan: PartPlan, ctx: Any) -> torch.Tensor:
-        """T_DI again, without autograd (restore strategies S2, S4)."""
+    def redispatch(self, x: torch.Tensor, plan: PartPlan, d: Dispatched) -> torch.Tensor:
+        """`d.x` again, without autograd (restore strategies S2, S4)."""
 
     def combine(self, y_local: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Expert outputs -> rows in the order of `plan.token_index` (T_DO back to the token owner)."""
@@ -92,10 +112,10 @@ class CommStage(Protocol):
 class LocalComm:
     """Single process: dispatch is an index_select, combine is the identity."""
 
-    def dispatch(self, x: torch.Tensor, plan: PartPlan) -> tuple[torch.Tensor, list[int], Any]:
-        return x.index_select(0, plan.token_index), plan.counts, None
+    def dispatch(self, x: torch.Tensor, plan: PartPlan) -> Dispatched:
+        return Dispatched(x.index_select(0, plan.token_index), plan.counts, None, plan.weights)
 
-    def redispatch(self, x: torch.Tensor, plan: PartPlan, ctx: Any) -> torch.Tensor:
+    def redispatch(self, x: torch.Tensor, plan: PartPlan, d: Dispatched) -> torch.Tensor:
         with torch.no_grad():
             return x.index_select(0, plan.token_index)
 
@@ -188,10 +208,16 @@ class PartitionedExecutor:
         side = self._side_stream(x.device) if (x.is_cuda and self.overlap and n > 1) else None
         savers: list[PartitionSaver] = []
 
+        def prefetch(d: Dispatched) -> None:
+            if streamed:  # ES-MoE §4.1: the partition's first expert uploads start before its compute
+                ids = d.expert_ids if d.expert_ids is not None else range(len(d.counts))
+                per_expert = [0] * len(plan.counts)
+                for e, c in zip(ids, d.counts):
+                    per_expert[e] += c
+                experts.prefetch(per_expert)
+
         def dispatch(p: int):
             part = parts[p]
-            if streamed:
-                experts.prefetch(part.counts)  # ES-MoE §4.1: first uploads overlap the permutation
             if side is None:
                 return self.comm.dispatch(x, part), None
             # MPMoE §3.2.1: dispatch of partition p runs on the side stream, overlapping partition p-1's experts.
@@ -204,29 +230,33 @@ class PartitionedExecutor:
 
         pending = dispatch(0)
         for p, part in enumerate(parts):
-            (x_local, counts, ctx), ready = pending
+            d, ready = pending
             if ready is not None:
                 torch.cuda.current_stream(x.device).wait_event(ready)
-                x_local.record_stream(torch.cuda.current_stream(x.device))
+                d.x.record_stream(torch.cuda.current_stream(x.device))
+            prefetch(d)
             if p + 1 < n:
                 pending = dispatch(p + 1)
+            x_local, ctx = d.x, d.ctx
+            # NOTE: the closures below live until backward; they must not hold T_DI (that would defeat the reuse).
+            d = replace(d, x=None)
 
-            def run(tdi: torch.Tensor, counts=counts, part=part, saver=None) -> torch.Tensor:
-                y = experts(tdi, counts)
+            def run(tdi: torch.Tensor, d=d, saver=None) -> torch.Tensor:
+                y = experts(tdi, d.counts, d.expert_ids)
                 if saver is not None:
                     saver.phase = "tdo"
-                return weight_rows(y, part.weights)
+                return weight_rows(y, d.weights)
 
-            def recompute(tdi: torch.Tensor, counts=counts, part=part, run=run) -> None:
+            def recompute(tdi: torch.Tensor, d=d, run=run) -> None:
                 if streamed:  # the engine recomputes T_M itself; only T_DO (and w) are re-made here
                     with torch.no_grad():
-                        y = experts(tdi, counts)
-                    weight_rows(y.requires_grad_(True), part.weights)
+                        y = experts(tdi, d.counts, d.expert_ids)
+                    weight_rows(y.requires_grad_(True), d.weights)
                 else:
                     run(tdi)
 
-            def redispatch(part=part, ctx=ctx) -> torch.Tensor:
-                return self.comm.redispatch(x, part, ctx)
+            def redispatch(part=part, d=d) -> torch.Tensor:
+                return self.comm.redispatch(x, part, d)
 
             saver = PartitionSaver(strategy, x_local, params, redispatch, recompute, self.copier, stats)
             if savers:
@@ -236,7 +266,7 @@ class PartitionedExecutor:
             with saver.hooks():
                 y_local = run(x_local, saver=saver)
             saver.close()
-            del x_local
+            del x_local, d
             if side is None:
                 out.index_add_(0, part.token_index, self.comm.combine(y_local, ctx))
             else:
@@ -255,4 +285,4 @@ class PartitionedExecutor:
         return self._streams[device]
 
 
-__all__ = ["CommStage", "LocalComm", "PartPlan", "PartitionedExecutor", "partition_bounds", "split_plan", "weight_rows"]
+__all__ = ["CommStage", "Dispatched", "LocalComm", "PartPlan", "PartitionedExecutor", "partition_bounds", "split_plan", "weight_rows"]
