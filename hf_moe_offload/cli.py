@@ -12,9 +12,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
     # Import lazily so that `hf-moe-offload --help` stays fast.
-    from . import train
+    from . import hub, train
+    from .fairseq import convert
 
     train.add_cli(sub)
+    convert.add_cli(sub)
+    hub.add_cli(sub)
     return parser
 
 

@@ -204,3 +204,25 @@ def test_cli_converts(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "converted to" in res.stdout
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
+
+
+@pytest.mark.slow
+def test_recipe_finetunes_a_converted_checkpoint_with_offload(tmp_path):
+    """The issue's path end to end: fairseq files -> convert (with dict.txt) -> sequence-classification fine-tuning
+    with experts streamed into the disk tier and stepped by the expert-wise CPU optimizer."""
+    from hf_moe_offload.data import gpt2_tokenizer
+
+    n = len(gpt2_tokenizer())
+    (tmp_path / "dict.txt").write_text("".join(f"{i} {n - i}\n" for i in range(n)))
+    make_fairseq_checkpoint(tmp_path / "fs", E=4, W=2, V=4 + n)
+    convert_fairseq_checkpoint(str(tmp_path / "fs"), str(tmp_path / "hf"), dict_path=str(tmp_path / "dict.txt"),
+                               dtype=torch.float32)
+    res = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "recipes", "finetune_classification.py"), "--model-path",
+         str(tmp_path / "hf"), "--method", "full", "--offload", "disk", "--offload-dir", str(tmp_path / "experts"),
+         "--output-dir", str(tmp_path / "out"), "--short"],
+        capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert "eval_accuracy" in json.dumps(metrics)
+    assert os.listdir(tmp_path / "experts")  # experts really lived in the disk tier

@@ -346,8 +346,21 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
             tensors = [reader(files[fulls[n]]).get(fulls[n], e).float() for n in layer.layout.names()]
             engine.store.write_param((layer.layer, e), layer.layout.pack(tensors, flat))
     engine.store.flush()
+    # As from_pretrained does, a checkpoint of another head of the same base model loads: tensors outside the base
+    # model that this class lacks (e.g. a causal-LM `lm_head`) are skipped, and head parameters the checkpoint lacks
+    # (e.g. a new classifier `score`) are initialised. Anything missing inside the base model is still an error.
+    base_prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else None
+    own = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+
+    def is_head(name: str) -> bool:
+        return base_prefix is not None and not name.startswith(base_prefix)
+
+    unused = []
     for name, file in files.items():
         if name in expert_names:
+            continue
+        if name not in own and is_head(name):
+            unused.append(name)
             continue
         try:
             set_module_tensor_to_device(model, name, "cpu", value=reader(file).get(name))
@@ -355,8 +368,19 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
             raise CheckpointError(f"{path}: tensor {name} does not belong to this model ({err})") from err
     model.tie_weights()
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if meta and all(is_head(n) for n in meta):
+        modules = {n.rsplit(".", 1)[0] for n in meta}
+        for n in meta:
+            p = model.get_parameter(n)
+            set_module_tensor_to_device(model, n, "cpu", value=torch.empty(p.shape, dtype=p.dtype))
+        for m in sorted(modules):
+            model._init_weights(model.get_submodule(m))
+        logger.warning("%s: newly initialised %s (not in the checkpoint); train them before use", path, sorted(meta))
+        meta = []
     if meta:
         raise CheckpointError(f"{path} is missing weights for {meta[:5]}")
+    if unused:
+        logger.info("%s: checkpoint tensors not used by %s: %s", path, type(model).__name__, unused)
     model.eval()
     return model
 

@@ -1,0 +1,395 @@
+"""Model cards and the Hub: describe a trained MoE, fill the card template, upload a run folder.
+
+- `describe_model(model)`: architecture, total and per-token active parameters, experts (works while experts are
+  offloaded: their sizes come from the offload layouts, not from `parameters()`).
+- `render_model_card(record)` / `write_model_card(folder, record)`: fill `model_cards/TEMPLATE.md` from a run record
+  (the dict a job writes to `metrics.json`). Every `{{placeholder}}` must be filled; a missing one is an error.
+- `push_to_hub(folder, repo_id)`: upload model, tokenizer, card, plots and the remote code with
+  `huggingface_hub.HfApi` (`create_repo` + `upload_folder`), leaving out the expert store and Trainer checkpoints.
+  The card is re-rendered first so that its loading snippets name the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+CARD_FILE = "README.md"
+RECORD_FILE = "metrics.json"
+# Never uploaded: the disk tier's working files, Trainer checkpoints (with their optimizer state) and temp files.
+UPLOAD_IGNORE = ["expert_store/**", "checkpoint-*/**", "runs/**", ".tmp*", "**/.tmp*", "*.tmp*", ".cache/**"]
+REMOTE_CODE_FILES = ("configuration_moe_gpt.py", "modeling_moe_gpt.py")
+_PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+
+
+# --- describing a model ---
+def _unwrap(model: nn.Module) -> nn.Module:
+    model = getattr(model, "module", model)  # DDP
+    if hasattr(model, "get_base_model"):  # peft
+        model = model.get_base_model()
+    return model
+
+
+def describe_model(model: nn.Module) -> dict[str, Any]:
+    """Architecture and parameter counts of an MoE model, offloaded or not.
+
+    `active_params` counts what one token runs through: every non-expert parameter plus `top_k` experts in each MoE
+    layer (embeddings included, as usual for total counts; the tied output projection is counted once).
+    """
+    from .offload.api import find_expert_modules
+    from .offload.layout import layout_for
+
+    model = _unwrap(model)
+    cfg = model.config
+    expert_modules = find_expert_modules(model)
+    per_layer = []
+    expert_param_ids = set()
+    for _name, module in expert_modules:
+        layout = module._offload_layer.layout if hasattr(module, "_offload_layer") else layout_for(module)
+        per_layer.append((layout.num_experts, layout.numel))
+        expert_param_ids |= {id(p) for p in module.parameters(recurse=False)}
+    non_expert = sum(p.numel() for p in model.parameters() if id(p) not in expert_param_ids)
+    expert_total = sum(e * n for e, n in per_layer)
+    top_k = getattr(cfg, "num_experts_per_tok", None) or 1
+    active = non_expert + sum(top_k * n for _e, n in per_layer)
+    return {
+        "model_type": cfg.model_type,
+        "class": type(model).__name__,
+        "num_hidden_layers": getattr(cfg, "num_hidden_layers", None),
+        "hidden_size": getattr(cfg, "hidden_size", None),
+        "num_attention_heads": getattr(cfg, "num_attention_heads", None),
+        "intermediate_size": getattr(cfg, "intermediate_size", None),
+        "vocab_size": getattr(cfg, "vocab_size", None),
+        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+        "moe_layers": len(per_layer),
+        "moe_layer_indices": list(getattr(cfg, "moe_layer_indices", [])),
+        "num_experts": per_layer[0][0] if per_layer else 0,
+        "num_experts_per_tok": top_k,
+        "params_per_expert": per_layer[0][1] if per_layer else 0,
+        "expert_params": expert_total,
+        "non_expert_params": non_expert,
+        "total_params": non_expert + expert_total,
+        "active_params": active,
+        "num_labels": getattr(cfg, "num_labels", None) if "SequenceClassification" in type(model).__name__ else None,
+    }
+
+
+# --- rendering ---
+def _fmt_count(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f} {unit} ({n:,})"
+    return f"{n:,}"
+
+
+def _fmt(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def load_card_template(path: str | os.PathLike | None = None) -> str:
+    """The card template: `path`, else `model_cards/TEMPLATE.md` of the source tree or of the installed package."""
+    if path is not None:
+        return Path(path).read_text(encoding="utf-8")
+    repo_copy = Path(__file__).resolve().parent.parent / "model_cards" / "TEMPLATE.md"
+    if repo_copy.exists():
+        return repo_copy.read_text(encoding="utf-8")
+    try:  # wheels ship it as package data (setup.py maps model_cards/ to hf_moe_offload.model_cards)
+        return (resources.files("hf_moe_offload.model_cards") / "TEMPLATE.md").read_text(encoding="utf-8")
+    except (ModuleNotFoundError, FileNotFoundError) as err:
+        raise FileNotFoundError(
+            "the model card template model_cards/TEMPLATE.md is missing from this installation; reinstall "
+            "hf-moe-offload or pass template=<path>"
+        ) from err
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    return "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+
+
+def _usage(record: dict, where: str) -> tuple[str, str]:
+    task = record.get("task", "causal-lm")
+    auto = "AutoModelForSequenceClassification" if task == "sequence-classification" else "AutoModelForCausalLM"
+    cache = record.get("offload", {}).get("host_cache_experts") or 8
+    with_pkg = [
+        "import hf_moe_offload  # registers the moe_gpt model type with transformers' Auto classes",
+        f"from transformers import {auto}, AutoTokenizer",
+        "",
+        f'model = {auto}.from_pretrained("{where}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
+    ]
+    if task == "causal-lm":
+        with_pkg += [
+            'inputs = tokenizer("The history of", return_tensors="pt")',
+            "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))",
+        ]
+    local = where
+    stream = []
+    if record.get("hub_model_id"):
+        stream.append(f'local = huggingface_hub.snapshot_download("{where}")')
+        local = "local"
+        stream.insert(0, "import huggingface_hub")
+    q = (lambda s: s) if local == "local" else (lambda s: f'"{s}"')
+    with_pkg += [
+        "",
+        "# Experts bigger than memory: stream them from disk while training or fine-tuning",
+        "from hf_moe_offload import OffloadConfig, load_offloaded_pretrained",
+        *stream,
+        f"model = load_offloaded_pretrained({q(local)}, OffloadConfig(mode=\"disk\", offload_dir=\"expert_store\", "
+        f"host_cache_experts={cache}), model_class={auto})",
+    ]
+    without = [
+        f"from transformers import {auto}, AutoTokenizer",
+        "",
+        f'model = {auto}.from_pretrained("{where}", trust_remote_code=True)',
+        f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
+    ]
+    return "\n".join(with_pkg), "\n".join(without)
+
+
+def card_values(record: dict) -> dict[str, str]:
+    """The template's placeholders, formatted from a run record."""
+    m = record.get("model", {})
+    task = record.get("task", "causal-lm")
+    train = record.get("training", {})
+    data = record.get("data", {})
+    metrics = record.get("metrics", {})
+    off = record.get("offload") or {}
+    tele = record.get("telemetry") or {}
+    plots = record.get("plots", {})
+    where = record.get("hub_model_id") or record.get("output_dir") or "path/to/model"
+    name = record.get("hub_model_id") or os.path.basename(os.path.normpath(record.get("output_dir", "moe-gpt"))) or "moe-gpt"
+
+    tags = ["mixture-of-experts", "moe", "hf-moe-offload", m.get("model_type", "moe_gpt")]
+    if train.get("method") == "lora":
+        tags.append("lora")
+    extra = []
+    if data.get("hub_name"):
+        extra.append(f"datasets:\n- {data['hub_name']}")
+    base = record.get("base_model")
+    if base and not os.path.exists(base) and re.fullmatch(r"[\w.-]+/[\w.-]+", base):  # a Hub id, not a local path
+        extra.append(f"base_model: {base}")
+
+    top_k = m.get("num_experts_per_tok", 1)
+    summary = (
+        f"A Mixture-of-Experts {'language model' if task == 'causal-lm' else 'sequence classifier'} "
+        f"({m.get('class', '')}) with {m.get('num_experts')} experts in each of {m.get('moe_layers')} MoE layers "
+        f"({_fmt_count(m.get('total_params')).split(' (')[0]} parameters, "
+        f"{_fmt_count(m.get('active_params')).split(' (')[0]} active per token), "
+        f"trained on {data.get('description', 'n/a')}."
+    )
+    if record.get("note"):
+        summary += f"\n\n{record['note']}"
+
+    if off.get("mode") in ("host", "disk"):
+        rows = [("tier", f"`{off['mode']}`" + (f" (chosen by `mode=\"auto\"`)" if off.get("requested_mode") == "auto" else "")),
+                ("expert state (fp32 weights, grads, Adam)", f"{_fmt(off.get('expert_state_MB'))} MB in "
+                                                             f"{off.get('experts_total')} expert records")]
+        if off["mode"] == "disk":
+            rows.append(("host cache", f"{off.get('host_cache_experts')} experts ({_fmt(off.get('host_cache_MB'))} MB, "
+                                       f"{_fmt(off.get('host_cache_fraction'))} of the experts)"))
+        rows += [("prefetch depth / pinned fraction", f"{off.get('prefetch_depth')} / {off.get('pin_fraction')}"),
+                 ("expert optimizer", "expert-wise Adam(W) on the host (`ExpertOptimizerCallback`)"
+                  if train.get("method", "full") == "full" else "experts frozen (LoRA): streamed, never updated")]
+        if tele:
+            rows += [
+                ("disk read / written", f"{_fmt(tele.get('disk_read_MB'))} MB / {_fmt(tele.get('disk_write_MB'))} MB"),
+                ("host→device / device→host", f"{_fmt(tele.get('h2d_MB'))} MB / {_fmt(tele.get('d2h_MB'))} MB"),
+                ("cache hit rate", _fmt(tele.get("cache_hit_rate"))),
+                ("stall time (compute waiting for an expert)", f"{_fmt(tele.get('stall_s'))} s of "
+                                                               f"{_fmt(tele.get('streamed_compute_s'))} s streamed"),
+            ]
+        offload = _table(rows)
+    elif off.get("mode") == "device":
+        offload = ("Not offloaded: experts stayed resident on the device (`device` tier; dropless sequential expert "
+                   "execution).")
+    else:
+        offload = "Not used."
+    par = record.get("parallel") or {}
+    if par.get("world_size", 1) > 1:
+        offload += (f"\n\n{par['world_size']} processes ({par.get('backend', 'n/a')}); experts: "
+                    f"{par.get('expert_parallel') or 'replicated (data parallel)'}.")
+
+    pipe = record.get("pipelining")
+    pipelining = ("Not used in this run." if not pipe
+                  else _table([(k.replace("_", " "), f"`{v}`") for k, v in pipe.items()]))
+
+    rows = []
+    for key, label in (("train_loss_first", "train loss, first logged"), ("train_loss_last", "train loss, last logged"),
+                       ("train_loss", "train loss, run average"), ("eval_loss", "eval loss"),
+                       ("eval_perplexity", "eval perplexity"), ("initial_accuracy", "eval accuracy before training"),
+                       ("eval_accuracy", "eval accuracy"),
+                       ("tokens_per_second", "training tokens / s"), ("train_runtime_s", "training time (s)")):
+        if metrics.get(key) is not None:
+            rows.append((label, _fmt(metrics[key])))
+    metrics_md = _table(rows) if rows else "No metrics recorded."
+    curves = f"![Training curves]({plots['training_curves']})" if plots.get("training_curves") else ""
+
+    load = record.get("expert_load") or {}
+    if load.get("layers"):
+        lines = [f"| layer | routed tokens (× top-{top_k}) | max / mean (run) | max / mean (last interval) | "
+                 "idle experts (run) |",
+                 "|---|---|---|---|---|"]
+        for layer in load["layers"]:
+            r, li = layer["run"], layer["last_interval"]
+            lines.append(f"| `{layer['name']}` | {r['tokens']:,} | {r['max_over_mean']:.2f} | "
+                         f"{li['max_over_mean']:.2f} | {r['idle_experts']} |")
+        load_md = "\n".join(lines)
+    else:
+        load_md = "No expert load was recorded."
+
+    with_pkg, without = _usage(record, where)
+    hw = record.get("hardware", {})
+    limitations = record.get("limitations") or "See the training data and metrics above."
+    return {
+        "pipeline_tag": "text-classification" if task == "sequence-classification" else "text-generation",
+        "license": record.get("license", "apache-2.0"),
+        "tags": "\n".join(f"- {t}" for t in tags),
+        "front_matter_extra": "".join(f"{e}\n" for e in extra),
+        "model_name": name,
+        "summary": summary,
+        "technique_line": "dropless sequential experts, expert offload with pipelined per-expert streaming "
+                          "(ES-MoE §4.1), expert-wise CPU optimizer, `transformers.Trainer`.",
+        "architecture": f"`{m.get('model_type')}` ({m.get('class')}), pre-norm GPT decoder with MoE FFN layers",
+        "shape": f"{m.get('num_hidden_layers')} / {m.get('hidden_size')} / {m.get('num_attention_heads')} / "
+                 f"{m.get('intermediate_size')}",
+        "moe_layers": f"{m.get('moe_layers')} (layers {', '.join(str(i) for i in m.get('moe_layer_indices', []))})",
+        "experts": f"{m.get('num_experts')}, top-{top_k} routing, dropless "
+                   f"({_fmt_count(m.get('params_per_expert'))} parameters each)",
+        "total_params": _fmt_count(m.get("total_params")),
+        "active_params": _fmt_count(m.get("active_params")),
+        "expert_params": _fmt_count(m.get("expert_params")),
+        "vocab_context": f"{m.get('vocab_size')} / {m.get('max_position_embeddings')} tokens",
+        "data": data.get("description", "n/a") + (f"; {data['train_size']}" if data.get("train_size") else "")
+                + (f"; eval: {data['eval_size']}" if data.get("eval_size") else ""),
+        "tokenizer": data.get("tokenizer", "n/a"),
+        "method": {"full": "full fine-tuning, experts included" if record.get("base_model") else "training from "
+                   "scratch, all parameters", "lora": f"LoRA ({train.get('lora', '')})"}.get(train.get("method", "full"),
+                                                                                          train.get("method", "n/a")),
+        "schedule": f"{train.get('steps')} × {train.get('batch_size')} × {train.get('grad_accum')} × "
+                    f"{par.get('world_size', 1)}" + (f" (sequences of {data['block_size']} tokens)"
+                                                     if data.get("block_size") else ""),
+        "optim": f"{train.get('lr')} (AdamW, {train.get('scheduler', 'cosine')}) / {train.get('precision')} / "
+                 f"{train.get('seed')}",
+        "hardware": hw.get("description", "n/a"),
+        "runtime": f"{_fmt(metrics.get('total_runtime_s'))} s in total, {_fmt(metrics.get('train_runtime_s'))} s "
+                   "training",
+        "command": record.get("command", "n/a"),
+        "offload": offload,
+        "pipelining": pipelining,
+        "metrics": metrics_md,
+        "curves": curves,
+        "expert_load_plot": plots.get("expert_load", "expert_load.png"),
+        "expert_load": load_md,
+        "usage_with_package": with_pkg,
+        "usage_without_package": without,
+        "limitations": limitations,
+    }
+
+
+def render_model_card(record: dict, template: str | None = None) -> str:
+    """Fill the card template from a run record. Raises `ValueError` naming any placeholder it cannot fill."""
+    text = template if template is not None else load_card_template()
+    values = card_values(record)
+    missing = sorted({m.group(1) for m in _PLACEHOLDER.finditer(text)} - set(values))
+    if missing:
+        raise ValueError(f"the model card template has placeholders no run fills: {missing}")
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
+
+
+def write_model_card(folder: str, record: dict, template: str | None = None) -> str:
+    """Write `README.md` (the model card) into `folder`; returns its path."""
+    path = os.path.join(folder, CARD_FILE)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(render_model_card(record, template))
+    return path
+
+
+# --- the Hub ---
+def _check_folder(folder: str) -> None:
+    names = set(os.listdir(folder))
+    problems = []
+    if "config.json" not in names and "adapter_config.json" not in names:
+        problems.append("no config.json (save the model first)")
+    if not any(n.endswith(".safetensors") or n.endswith(".bin") for n in names):
+        problems.append("no weights (*.safetensors)")
+    if CARD_FILE not in names:
+        problems.append(f"no {CARD_FILE} (the model card)")
+    if not any(n.startswith("tokenizer") for n in names):
+        problems.append("no tokenizer files (tokenizer.save_pretrained(folder))")
+    if "config.json" in names:
+        with open(os.path.join(folder, "config.json")) as f:
+            auto_map = json.load(f).get("auto_map", {})
+        absent = [n for n in REMOTE_CODE_FILES if auto_map and n not in names]
+        if absent:
+            problems.append(f"auto_map is set but the remote code {absent} is missing")
+    if problems:
+        raise FileNotFoundError(f"{folder} is not ready to push: " + "; ".join(problems))
+
+
+def push_to_hub(folder: str, repo_id: str, private: bool = False, token: str | None = None,
+                commit_message: str = "Upload MoE model trained with hf_moe_offload") -> str:
+    """Upload a run folder (model, tokenizer, card, plots, metrics, remote code) to the Hub model repo `repo_id`.
+
+    The card is re-rendered from `metrics.json` with `repo_id` so that its snippets load from the Hub. The expert
+    store, Trainer checkpoints and temporary files are not uploaded (`UPLOAD_IGNORE`). Authentication is
+    huggingface_hub's own (`token`, `HF_TOKEN` or `huggingface-cli login`). Returns the repository URL.
+    """
+    from huggingface_hub import HfApi
+
+    record_path = os.path.join(folder, RECORD_FILE)
+    if os.path.exists(record_path):
+        with open(record_path, encoding="utf-8") as f:
+            record = json.load(f)
+        record["hub_model_id"] = repo_id
+        write_model_card(folder, record)
+        with open(record_path, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+    _check_folder(folder)
+    api = HfApi(token=token)
+    try:
+        url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        repo_id = getattr(url, "repo_id", None) or repo_id
+        api.upload_folder(folder_path=folder, repo_id=repo_id, repo_type="model", commit_message=commit_message,
+                          ignore_patterns=UPLOAD_IGNORE)
+    except Exception as err:
+        raise RuntimeError(
+            f"uploading {folder} to the Hub repo {repo_id!r} failed: {err}. The run is saved locally; log in "
+            f"(`hf auth login` or HF_TOKEN) and retry with `hf-moe-offload push {folder} {repo_id}`"
+        ) from err
+    logger.info("pushed %s to https://huggingface.co/%s", folder, repo_id)
+    return f"https://huggingface.co/{repo_id}"
+
+
+def add_cli(sub) -> None:
+    """`hf-moe-offload push FOLDER REPO_ID`: upload a saved run (e.g. after a run without --push-to-hub)."""
+    p = sub.add_parser("push", help="upload a saved run folder (model, tokenizer, card, plots) to the Hub")
+    p.add_argument("folder", help="output dir of a run (holds config.json, weights, README.md, metrics.json)")
+    p.add_argument("repo_id", help="Hub model repo, e.g. your-name/moe-gpt-small")
+    p.add_argument("--private", action="store_true")
+    p.set_defaults(func=lambda args: print(push_to_hub(args.folder, args.repo_id, private=args.private)))
+
+
+__all__ = [
+    "describe_model",
+    "card_values",
+    "render_model_card",
+    "write_model_card",
+    "load_card_template",
+    "push_to_hub",
+    "UPLOAD_IGNORE",
+]

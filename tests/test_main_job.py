@@ -1,0 +1,104 @@
+"""The main job (`hf-moe-offload train`), its model card and push_to_hub up to the network boundary (issue 8)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+import hf_moe_offload  # noqa: F401  (registers moe_gpt with the Auto classes)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """One short run of the README's main-job command (the default model and data, fewer steps)."""
+    out = tmp_path_factory.mktemp("main_job") / "run"
+    res = subprocess.run([sys.executable, "-m", "hf_moe_offload.cli", "train", "--short", "--output-dir", str(out)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return out, res.stdout
+
+
+@pytest.mark.slow
+def test_main_job_prints_figures_and_saves_a_loadable_model(run_dir):
+    out, stdout = run_dir
+    for line in ("train loss", "eval", "perplexity", "offload", "disk tier", "expert load", "saved"):
+        assert line in stdout, stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    history = [h["loss"] for h in metrics["log_history"] if "loss" in h]
+    assert history[-1] < history[0]  # the loss goes down
+    # experts really lived on disk behind a cache smaller than the experts
+    assert "disk" in json.dumps(metrics["offload"])
+    for name in ("README.md", "expert_load.png", "tokenizer.json", "model.safetensors.index.json"):
+        assert (out / name).exists(), name
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("The history of", return_tensors="pt").input_ids
+    assert model(ids).logits.shape[-1] == model.config.vocab_size
+    with open(out / "expert_load.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_model_card_contents(run_dir):
+    out, _ = run_dir
+    card = (out / "README.md").read_text()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert card.startswith("---\n") and "library_name: transformers" in card  # Hub metadata header
+    for needle in ("experts", "active per token", "Expert offload", "disk", "Wikipedia", "perplexity",
+                   "expert_load.png", "trust_remote_code=True", "import hf_moe_offload"):
+        assert needle in card, needle
+    assert "{{" not in card  # every placeholder filled
+    ppl = metrics["metrics"]["eval_perplexity"]
+    line = next(l for l in card.splitlines() if "eval perplexity" in l)
+    assert abs(float(line.strip("| ").split("|")[-1]) - ppl) <= 1e-3 * ppl, line  # the run's figure, not a stale one
+
+
+@pytest.mark.slow
+def test_push_to_hub_uploads_model_tokenizer_card_and_code(run_dir):
+    """Mocks only the network calls (create_repo, upload_folder) and checks what would be uploaded."""
+    from huggingface_hub import HfApi
+
+    from hf_moe_offload.hub import UPLOAD_IGNORE, push_to_hub
+
+    out, _ = run_dir
+    seen = {}
+
+    def fake_upload(self, folder_path, repo_id, repo_type, commit_message, ignore_patterns):
+        import fnmatch
+
+        files = []
+        for root, _, names in os.walk(folder_path):
+            for n in names:
+                rel = os.path.relpath(os.path.join(root, n), folder_path)
+                if not any(fnmatch.fnmatch(rel, p) for p in ignore_patterns):
+                    files.append(rel)
+        seen.update(files=sorted(files), repo_id=repo_id, card=open(os.path.join(folder_path, "README.md")).read())
+
+    with mock.patch.object(HfApi, "create_repo", return_value=mock.Mock(repo_id="me/moe-test")) as create, \
+            mock.patch.object(HfApi, "upload_folder", fake_upload):
+        url = push_to_hub(str(out), "me/moe-test", token="hf_fake")
+    assert url.endswith("me/moe-test") and create.called
+    files = set(seen["files"])
+    assert {"config.json", "model.safetensors.index.json", "tokenizer.json", "README.md", "expert_load.png",
+            "modeling_moe_gpt.py", "configuration_moe_gpt.py"} <= files
+    assert not any(f.startswith("expert_store") for f in files), "the offload store must not be uploaded"
+    assert "me/moe-test" in seen["card"]  # snippets load from the Hub repo
+    assert UPLOAD_IGNORE
+
+
+def test_push_refuses_an_incomplete_folder(tmp_path):
+    from hf_moe_offload.hub import push_to_hub
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="not ready to push"):
+        push_to_hub(str(tmp_path), "me/x", token="hf_fake")
