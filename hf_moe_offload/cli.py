@@ -24,7 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args.func(args)
+    try:
+        args.func(args)
+    finally:
+        # Under `accelerate launch`: tear the process group down before exit (gloo may abort otherwise).
+        from .distributed import end_process_groups
+
+        end_process_groups()
     return 0
 
 

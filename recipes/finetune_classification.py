@@ -52,6 +52,7 @@ from transformers import AutoModelForSequenceClassification, DataCollatorWithPad
 
 from hf_moe_offload import jobs
 from hf_moe_offload.data import OFFLINE_POLARITY, load_classification_dataset
+from hf_moe_offload.distributed import end_process_groups
 from hf_moe_offload.hub import describe_model
 from hf_moe_offload.offload.checkpoint import save_offloaded_pretrained
 from hf_moe_offload.train import print_figures
@@ -235,3 +236,4 @@ def _data_description(args: argparse.Namespace, dataset: str | None, config: str
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    end_process_groups()  # under accelerate launch: a live gloo group can abort the exit

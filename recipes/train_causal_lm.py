@@ -38,6 +38,7 @@ import sys
 
 import torch
 
+from hf_moe_offload.distributed import end_process_groups
 from hf_moe_offload.train import add_arguments, run
 
 # ES-MoE §5 (see the docstring); everything can be overridden on the command line.
@@ -78,3 +79,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    end_process_groups()  # under accelerate launch: a live gloo group can abort the exit

@@ -2,7 +2,15 @@
 (§4.2) with a node-shared expert store, and Pipeline-MoE dispatch (PPMoE §3.3)."""
 
 from .callback import ExpertParallelCallback
-from .exchange import ExchangePlan, all_gather_counts, all_to_all, copy_to_group, reduce_from_group, scale_grad
+from .exchange import (
+    ExchangePlan,
+    all_gather_counts,
+    all_to_all,
+    copy_to_group,
+    end_process_groups,
+    reduce_from_group,
+    scale_grad,
+)
 from .expert_parallel import (
     AllToAllExecutor,
     ExpertParallelCoordinator,
@@ -23,6 +31,7 @@ __all__ = [
     "scale_grad",
     "all_gather_counts",
     "ExchangePlan",
+    "end_process_groups",
     "PlacementCost",
     "Placement",
     "plan_placement",

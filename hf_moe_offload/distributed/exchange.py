@@ -194,6 +194,21 @@ def _concat_ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(starts - out_starts, lengths, output_size=total) + torch.arange(total)
 
 
+
+def end_process_groups() -> None:
+    """Barrier, then destroy every process group: the last call of a script run under `accelerate launch`.
+
+    A process that exits with a live gloo group can abort (SIGABRT, "terminate called without an active exception"):
+    gloo's worker threads still hold work objects whose tensors are freed while the interpreter is torn down. The
+    barrier keeps a rank that finished early (e.g. while rank 0 saves) from tearing down a group still in use.
+    No-op without an initialised process group. The `Trainer` never destroys its group; `accelerator.end_training()`
+    does, without the barrier.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 __all__ = [
     "all_to_all",
     "copy_to_group",
@@ -201,4 +216,5 @@ __all__ = [
     "scale_grad",
     "all_gather_counts",
     "ExchangePlan",
+    "end_process_groups",
 ]

@@ -14,6 +14,7 @@ from transformers import Trainer, TrainingArguments, default_data_collator
 
 import hf_moe_offload  # noqa: F401
 from hf_moe_offload import MoEGPTConfig, MoEGPTForCausalLM
+from hf_moe_offload.distributed import end_process_groups
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -40,3 +41,4 @@ if trainer.is_world_process_zero():
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump({"losses": losses, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}, f)
+end_process_groups()  # a live gloo group can abort the exit (SIGABRT)

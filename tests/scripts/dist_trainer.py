@@ -31,6 +31,7 @@ from hf_moe_offload import (
     enable_expert_offload,
     save_offloaded_pretrained,
 )
+from hf_moe_offload.distributed import end_process_groups
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -99,3 +100,4 @@ if trainer.is_world_process_zero():
         model.save_pretrained(os.path.join(args.out, "final"))
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(result, f)
+end_process_groups()  # a live gloo group can abort the exit (SIGABRT)

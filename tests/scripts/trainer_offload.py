@@ -20,6 +20,7 @@ from hf_moe_offload import (
     enable_expert_offload,
     save_offloaded_pretrained,
 )
+from hf_moe_offload.distributed import end_process_groups
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -66,3 +67,4 @@ if rank == 0:
     save_offloaded_pretrained(model, os.path.join(args.out, "final"))
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(result, f)
+end_process_groups()  # a live gloo group can abort the exit (SIGABRT)
