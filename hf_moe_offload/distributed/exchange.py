@@ -194,7 +194,6 @@ def _concat_ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(starts - out_starts, lengths, output_size=total) + torch.arange(total)
 
 
-
 def end_process_groups() -> None:
     """Barrier, then destroy every process group: the last call of a script run under `accelerate launch`.
 

@@ -107,6 +107,7 @@ class ExpertParallelCoordinator:
         self.expert_tokens: dict[int, list[int]] = {}  # global tokens per expert in that forward
         self.pins: dict[int, dict[int, int]] = {}  # layer -> {expert: rank}
         self.executors: list = []
+        self.ppmoe_validated: set[int] = set()  # layers whose replicated input was checked (mode="ppmoe")
         # Telemetry: tokens each rank ran in the last forward of each layer, and the running max/mean ratio.
         self.rank_tokens: dict[int, list[int]] = {}
         self._imbalance_sum = 0.0
@@ -194,6 +195,12 @@ class ExpertParallelCoordinator:
         self.engine.update_pins()
         dist.barrier(group=self.group)
 
+    def comm_stage(self):
+        """The communication stage of MPMoE's partitioned layer for this mode (hf_moe_offload.pipelining)."""
+        from .comm_stages import AllToAllComm, PPMoEComm  # noqa: PLC0415 (comm_stages imports this module)
+
+        return PPMoEComm(self) if self.mode == "ppmoe" else AllToAllComm(self)
+
     def on_layer_backward_done(self, layer: int) -> None:
         """Engine hook: the gradients this rank just added to layer `layer`'s experts must reach the node-shared files
         before the next micro-step may place those experts elsewhere (disk tier; a no-op on the host tier)."""
@@ -245,32 +252,16 @@ class PPMoEExecutor:
     def __init__(self, coordinator: ExpertParallelCoordinator, layer: int):
         self.coordinator = coordinator
         self.layer = layer
-        self._validated = False
 
     def __repr__(self) -> str:
         c = self.coordinator
         return f"PPMoEExecutor(layer={self.layer}, rank={c.rank}, world_size={c.world_size})"
 
-    def _check_replicated(self, x: torch.Tensor, plan: DispatchPlan) -> None:
-        c = self.coordinator
-        xd = x.detach().double()
-        fingerprint = torch.tensor([float(xd.sum()), float(xd.abs().sum()), *plan.counts], dtype=torch.float64,
-                                   device=c.device)
-        lo, hi = fingerprint.clone(), fingerprint.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=c.group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=c.group)
-        if not torch.equal(lo, hi):
-            raise ValueError(
-                f"mode='ppmoe' needs the MoE input identical on every rank of the group (a tensor-parallel region, "
-                f"PPMoE §3.3), but MoE layer {self.layer} got different inputs: feed every rank the same batch, or "
-                "use mode='static' / 'dynamic' for data-parallel inputs"
-            )
-
     def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts: nn.Module) -> torch.Tensor:
         c = self.coordinator
-        if c.validate_replicated and not self._validated:
-            self._check_replicated(x, plan)
-            self._validated = True
+        if c.validate_replicated and self.layer not in c.ppmoe_validated:
+            check_replicated(c, self.layer, x, plan.counts)
+            c.ppmoe_validated.add(self.layer)
         E = len(plan.counts)
         training = torch.is_grad_enabled() and experts.training
         c.place(self.layer, torch.as_tensor([plan.counts]), training)  # static; recorded for update ownership
@@ -292,6 +283,22 @@ class PPMoEExecutor:
         y = y * w[lo:hi].to(y.dtype).unsqueeze(-1)
         partial = torch.zeros_like(x).index_add_(0, rows, y)
         return reduce_from_group(partial, c.group)
+
+
+def check_replicated(c: ExpertParallelCoordinator, layer: int, x: torch.Tensor, counts: Sequence[int]) -> None:
+    """mode="ppmoe": raise unless the MoE input (and its routing) is identical on every rank of the group."""
+    xd = x.detach().double()
+    fingerprint = torch.tensor([float(xd.sum()), float(xd.abs().sum()), *counts], dtype=torch.float64,
+                               device=c.device)
+    lo, hi = fingerprint.clone(), fingerprint.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=c.group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=c.group)
+    if not torch.equal(lo, hi):
+        raise ValueError(
+            f"mode='ppmoe' needs the MoE input identical on every rank of the group (a tensor-parallel region, "
+            f"PPMoE §3.3), but MoE layer {layer} got different inputs: feed every rank the same batch, or "
+            "use mode='static' / 'dynamic' for data-parallel inputs"
+        )
 
 
 def _keep_parameters_in_graph(y: torch.Tensor, experts: nn.Module, ran_any: bool) -> torch.Tensor:
@@ -528,6 +535,9 @@ def disable_expert_parallel(model: nn.Module, offload_dir: str | None = None) ->
     coordinator = get_expert_parallel(model)
     if coordinator is None:
         raise RuntimeError("expert parallelism is not enabled on this model")
+    if any(block.executor is not executor and block.executor is not None for block, executor in coordinator.executors):
+        raise RuntimeError("micro-batch pipelining runs over this model's expert parallelism: call "
+                           "hf_moe_offload.pipelining.disable_micro_batch_pipelining(model) first")
     engine = coordinator.engine
     if engine is None:
         sync_expert_parameters(model)

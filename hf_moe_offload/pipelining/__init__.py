@@ -92,42 +92,66 @@ def enable_micro_batch_pipelining(
     n: int >= 1 or "auto"; strategy: "S1".."S4", "keep" (partitioning without memory reuse) or "auto" (choose among
     `strategies`). With either on "auto", a `PipelineConfigurator` (performance model by default, `method="profile"`
     for Algorithm 1 over real timings) picks (n, S) per token count and logs the choice. `comm` is the communication
-    stage (default `LocalComm`, single process). Returns the executor shared by all blocks; reversible with
-    `disable_micro_batch_pipelining`.
+    stage: by default `LocalComm` (single process), or, on a model with expert parallelism
+    (`hf_moe_offload.distributed.enable_expert_parallel`, called first), that mode's stage (`AllToAllComm` /
+    `PPMoEComm`: partitions exchange tokens with one micro all-to-all, or index-select + all-reduce, each). Returns the
+    executor shared by all blocks; reversible with `disable_micro_batch_pipelining`.
     """
     blocks = _moe_blocks(model)
     if not blocks:
         raise ValueError("model has no MoE block with an `executor` hook (MoEGPTSparseMoeBlock)")
+    parallel = _expert_parallel_executors(model)
+    if parallel:
+        if comm is not None:
+            raise ValueError("this model runs expert parallelism, which brings its own communication stage; "
+                             "leave comm=None")
+        comm = _get_expert_parallel(model).comm_stage()
     if strategy != "auto":
         restore_strategy(strategy)  # validates the name
     configurator = None
     if n == "auto" or strategy == "auto":
         hidden, intermediate = _dims(model, blocks[0])
         profile_fn = None
+        if method == "profile" and parallel:
+            raise ValueError("method='profile' is for a single process; use method='model' with expert parallelism")
         if method == "profile":
             top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
             profile_fn = make_layer_profiler(blocks[0], top_k, {"comm": comm} if comm is not None else None)
         configurator = PipelineConfigurator(hidden, intermediate, n=n, strategy=strategy, strategies=strategies,
-                                            method=method, n_max=n_max, speeds=speeds, profile_fn=profile_fn)
+                                            method=method, n_max=n_max, speeds=speeds, profile_fn=profile_fn,
+                                            comm_fn=getattr(comm, "benchmark_fn", None))
         executor = PartitionedExecutor(1, "keep", comm=comm, configurator=configurator)
     elif not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int or 'auto', got {n!r}")
     else:
         executor = PartitionedExecutor(n, strategy, comm=comm)
     for block in blocks:
-        if block.executor is not None and not isinstance(block.executor, PartitionedExecutor):
-            raise ValueError(f"{type(block).__name__} already has executor {block.executor!r}; "
-                             "disable it first (e.g. expert parallelism)")
+        current = block.executor
+        if current is not None and not isinstance(current, PartitionedExecutor) and current is not parallel.get(block):
+            raise ValueError(f"{type(block).__name__} already has executor {current!r}; disable it first")
         block.executor = executor
     logger.info("micro-batch pipelining on %d MoE blocks: %r", len(blocks), executor)
     return executor
 
 
 def disable_micro_batch_pipelining(model: nn.Module) -> None:
-    """Restore the plain (unpartitioned) MoE path on every block that runs a PartitionedExecutor."""
+    """Restore the unpartitioned MoE path (plain, or the expert-parallel executor) on every pipelined block."""
+    parallel = _expert_parallel_executors(model)
     for block in _moe_blocks(model):
         if isinstance(block.executor, PartitionedExecutor):
-            block.executor = None
+            block.executor = parallel.get(block)
+
+
+def _get_expert_parallel(model: nn.Module):
+    from hf_moe_offload.distributed.expert_parallel import get_expert_parallel  # noqa: PLC0415 (optional part)
+
+    return get_expert_parallel(model)
+
+
+def _expert_parallel_executors(model: nn.Module) -> dict[nn.Module, object]:
+    """block -> its expert-parallel executor, when `enable_expert_parallel` ran on the model."""
+    coordinator = _get_expert_parallel(model)
+    return dict(coordinator.executors) if coordinator is not None else {}
 
 
 __all__ = [

@@ -208,6 +208,9 @@ def measure_speeds(
 
     `comm_fn(x)` times the real communication stage (e.g. an all-to-all of x); default: the local dispatch
     (index_select), the "communication" of a single process. Raw timings are MAX-reduced across ranks.
+    NOTE: a `comm_fn` is a collective, and the slowdown measurements loop the *other* ops in background threads for
+    as long as the timed op runs, a number of iterations that differs per rank; there the looping communication is
+    the local dispatch instead (a collective is only ever run a fixed number of times, in the same order everywhere).
     """
     device = torch.device(device)
     times: list[float] = []
@@ -221,11 +224,12 @@ def measure_speeds(
     pairs: list[tuple[str, str]] = []
     if measure_alpha:
         ops = _ops(hidden, intermediate, rows[-1], dtype, device, comm_fn)
+        looped = _ops(hidden, intermediate, rows[-1], dtype, device) if comm_fn is not None else ops
         for y in KINDS:
             for x in KINDS + ("all",):
                 if x == y:
                     continue
-                others = [ops[o][0] for o in KINDS if o != y] if x == "all" else [ops[x][0]]
+                others = [looped[o][0] for o in KINDS if o != y] if x == "all" else [looped[x][0]]
                 pairs.append((y, x))
                 times.append(_concurrent_time(ops[y][0], others, device))
     times = all_reduce_max(times, device)
@@ -353,6 +357,7 @@ class PipelineConfigurator:
         n_max: int = 8,
         speeds: Speeds | None = None,
         profile_fn: Callable[[int, int, str], float] | None = None,
+        comm_fn: Callable[[torch.Tensor], object] | None = None,
     ):
         if method not in ("model", "profile"):
             raise ValueError(f"method must be 'model' or 'profile', got {method!r}")
@@ -363,6 +368,7 @@ class PipelineConfigurator:
         self.strategies = list(strategies) if strategy == "auto" else [strategy]
         self.speeds = speeds
         self.profile_fn = profile_fn
+        self.comm_fn = comm_fn
         self.model: PerformanceModel | None = None
         self.searches: dict[str, GranularitySearch] = {}
         self.choices: dict[int, tuple[int, str]] = {}
@@ -377,7 +383,7 @@ class PipelineConfigurator:
     def prepare(self, dtype: torch.dtype, device: torch.device) -> None:
         if self.method == "model" and self.model is None:
             if self.speeds is None:
-                self.speeds = measure_speeds(self.hidden, self.intermediate, dtype, device)
+                self.speeds = measure_speeds(self.hidden, self.intermediate, dtype, device, comm_fn=self.comm_fn)
             self.model = PerformanceModel(self.speeds, self.hidden, self.intermediate,
                                           torch.empty(0, dtype=dtype).element_size())
         for s in self.strategies:

@@ -11,31 +11,13 @@ Overlap: on CUDA, dispatch of partition p+1 and combine of partition p run on a 
 experts run on the current stream (events order them); host copies of S1-S3 use their own stream
 (`restore.HostCopier`). On CPU, host copies run on a background thread; dispatch/combine run inline.
 
-The communication stage is pluggable (`CommStage`): `LocalComm` (single process, dispatch = index_select) is the one
-implemented and tested here. Expert parallelism from `hf_moe_offload.distributed` plugs in as a stage built from the
-same pieces its `AllToAllExecutor` uses (sketch, not shipped: one micro all-to-all per partition, MPMoE §3.2.2 Fig. 5b):
-
-    class ExchangeComm:
-        def dispatch(self, x, plan):
-            counts = all_gather_counts(plan.counts, group, device=x.device)     # this partition's (world, E) counts
-            xp = ExchangePlan.build(counts, rank_of, rank, device=x.device)
-            rows = plan.token_index.index_select(0, xp.send_order)
-            x_loc = all_to_all(x.index_select(0, rows), xp.output_splits, xp.input_splits, group)
-            w_loc = all_to_all(plan.weights.index_select(0, xp.send_order)[:, None], xp.output_splits,
-                               xp.input_splits, group)
-            return Dispatched(x_loc.index_select(0, xp.regroup), xp.expert_counts, xp.expert_ids,
-                              w_loc[xp.regroup, 0], ctx=xp)
-        def redispatch(self, x, plan, d):     # S2/S4: same exchange under no_grad, in backward
-            ...
-        def combine(self, y_local, xp):       # back to the token owners, then into plan row order
-            y = all_to_all(y_local.index_select(0, xp.ungroup), xp.input_splits, xp.output_splits, group)
-            return torch.zeros_like(y).index_copy(0, xp.send_order, y)
-
-(plus `scale_grad` for the data-parallel expert-gradient convention, as `AllToAllExecutor` does; or `copy_to_group` /
-`reduce_from_group` for the replicated Pipeline-MoE dispatch). The expert-side weighting is why `Dispatched` carries
-the weights of the received rows. Re-dispatch in backward is a collective: every rank restores its partitions in the
-same (reverse) order, which autograd guarantees for the same graph; the exchange runs on the side stream like the
-local dispatch.
+The communication stage is pluggable (`CommStage`): `LocalComm` (single process, dispatch = index_select) here;
+with expert parallelism (`hf_moe_offload.distributed`), `AllToAllComm` (static EP / ES-MoE dynamic placement: one
+micro all-to-all per partition, MPMoE §3.2.2 Fig. 5b) and `PPMoEComm` (index-select + all-reduce, PPMoE §3.3), in
+`distributed/comm_stages.py`. `enable_micro_batch_pipelining` picks the stage of a model's expert parallelism itself.
+The expert-side weighting is why `Dispatched` carries the weights of the received rows. Re-dispatch in backward
+(S2/S4) is then a collective: every rank restores its partitions in the same (reverse) order, which autograd's
+deterministic scheduling of the same graph guarantees.
 """
 
 from __future__ import annotations
@@ -59,6 +41,7 @@ class PartPlan:
     token_index: torch.Tensor  # (N_p,) source token of each row, sorted by expert
     weights: torch.Tensor  # (N_p,) fp32 combine weights
     counts: list[int]  # rows per expert, length E
+    index: int = 0  # which partition (0..n-1)
 
 
 def partition_bounds(num_tokens: int, n: int) -> list[int]:
@@ -81,7 +64,7 @@ def split_plan(plan, num_tokens: int, n: int) -> list[PartPlan]:
     for p in range(n):
         rows = order[start : start + sum(counts[p])]
         start += sum(counts[p])
-        parts.append(PartPlan(plan.token_index[rows], plan.weights[rows], counts[p]))
+        parts.append(PartPlan(plan.token_index[rows], plan.weights[rows], counts[p], p))
     return parts
 
 
@@ -97,7 +80,13 @@ class Dispatched:
 
 
 class CommStage(Protocol):
-    """The communication stage of a partition: tokens to the experts and back (S and R of MPMoE Fig. 4b)."""
+    """The communication stage of a partition: tokens to the experts and back (S and R of MPMoE Fig. 4b).
+
+    Optional members: `begin(x, parts, experts)`, called once per layer call before the first dispatch (a collective
+    stage exchanges the counts of all partitions and places the experts there, once per layer call); `collective =
+    True` when every rank must run the same number of partitions (the executor then never clamps n to the local
+    token count); `benchmark_fn(x)`, a real exchange of x for the configurator's micro-benchmarks.
+    """
 
     def dispatch(self, x: torch.Tensor, plan: PartPlan) -> Dispatched:
         """Layer input x (S, C) -> the T_DI rows of the local experts, their counts, ids and weights."""
@@ -197,9 +186,13 @@ class PartitionedExecutor:
 
     def __call__(self, x: torch.Tensor, plan, experts: nn.Module) -> torch.Tensor:
         n, strategy = self.choose(x, plan, experts)
-        n = max(1, min(n, x.shape[0]))
+        if not getattr(self.comm, "collective", False):  # collective stages: the same n on every rank, parts may be empty
+            n = max(1, min(n, x.shape[0]))
         self.last_choice = (n, strategy.name)
         parts = split_plan(plan, x.shape[0], n)
+        begin = getattr(self.comm, "begin", None)
+        if begin is not None:
+            begin(x, parts, experts)
         stats = SavedBytes()
         self.last_stats = stats
         streamed = _is_streamed(experts)

@@ -12,6 +12,10 @@ Modes (one launch runs them all, each on a fresh model):
                 ranks of a tensor-parallel group do.
 Per mode: (1) one micro-batch's gradients vs the reference's, before any update; (2) STEPS optimizer steps of ACCUM
 micro-steps (AdamW, weight decay, lr 1e-2), then every weight vs the reference's.
+
+A mode may carry MPMoE micro-batch pipelining on top, as `MODE@N:S` (e.g. `static@3:S4`, `ppmoe@auto:auto`): its MoE
+layers then run as N token partitions exchanging through the mode's communication stage (one micro all-to-all, or
+index-select + all-reduce, per partition) with restore strategy S; the report is keyed by the whole spec.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from hf_moe_offload.distributed import (
     sync_expert_parameters,
 )
 from hf_moe_offload.offload import get_offload_engine
+from hf_moe_offload.pipelining import disable_micro_batch_pipelining, enable_micro_batch_pipelining
 
 NOISE_ONLY = ("k_proj.bias",)  # exactly-zero true gradient: Adam amplifies rounding noise to +-lr (see test_expert_optimizer)
 LR, WD = 1e-2, 0.1
@@ -156,8 +161,9 @@ def shared_mapping_inode() -> str | None:
     return None
 
 
-def run_mode(mode: str) -> dict:
+def run_mode(spec: str) -> dict:
     result: dict = {}
+    mode, _, pipelining = spec.partition("@")
     tier = {"dynamic-host": "host", "dynamic-disk": "disk"}.get(mode)
     ep_mode = "dynamic" if tier else mode
     model = new_model()
@@ -168,6 +174,11 @@ def run_mode(mode: str) -> dict:
     # "ddp": the baseline, plain data parallelism (every rank runs every expert, DDP averages all gradients): how
     # close any data-parallel run gets to the single-process one in fp32.
     coordinator = enable_expert_parallel(model, mode=ep_mode, offload_config=offload) if mode != "ddp" else None
+    executor = None
+    if pipelining:
+        n, strategy = pipelining.split(":")
+        executor = enable_micro_batch_pipelining(model, n="auto" if n == "auto" else int(n), strategy=strategy)
+        choices = set()
     engine = get_offload_engine(model)
     engine = engine if engine is not None and engine.store is not None else None
     if engine is not None:
@@ -234,6 +245,8 @@ def run_mode(mode: str) -> dict:
             x = local_batch(mode, ids)
             with accelerator.accumulate(ddp_model):
                 accelerator.backward(ddp_model(x, labels=x).loss)
+                if executor is not None:
+                    choices.add(executor.last_choice)
                 if coordinator is not None:
                     for layer, placement in coordinator.placements.items():
                         for e, r in enumerate(placement.rank_of):
@@ -254,6 +267,14 @@ def run_mode(mode: str) -> dict:
     )
     if coordinator is not None:
         result["load_imbalance_max_over_mean"] = coordinator.load_imbalance()
+    if executor is not None:
+        result["pipelining_choices"] = sorted(choices)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, sorted(choices))
+        result["pipelining_same_choice_on_every_rank"] = all(c == everyone[0] for c in everyone)
+        result["pipelining_comm"] = repr(executor.comm)
+        result["pipelining_saved_bytes_dropped_or_host"] = executor.last_stats.total(fate="dropped") + \
+            executor.last_stats.total(fate="host")
     result["experts_moved_between_ranks_within_a_window"] = moved
     if engine is not None:
         keys = engine.store.keys()
@@ -267,6 +288,15 @@ def run_mode(mode: str) -> dict:
         result["adam_steps_by_rank"] = per_rank
         result["shared_step_counts"] = sorted(set(engine.store.steps.values()))
         expert_opt.close()
+    if executor is not None:
+        try:
+            disable_expert_parallel(model)  # refused (no collective runs) while partitions use its exchange
+            result["disable_expert_parallel_refused_while_pipelined"] = False
+        except RuntimeError as err:
+            result["disable_expert_parallel_refused_while_pipelined"] = "disable_micro_batch_pipelining" in str(err)
+        disable_micro_batch_pipelining(model)
+        result["after_disable_pipelining_expert_parallel_executors"] = all(
+            block.executor is ex for block, ex in coordinator.executors)
     if mode in ("static", "dynamic-host"):
         # disable_expert_parallel: every rank holds the whole trained model again (offloaded: a private copy).
         ids = global_batch(98, 0)

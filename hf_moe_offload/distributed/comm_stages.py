@@ -1,0 +1,171 @@
+"""Expert parallelism as the communication stage of MPMoE's partitioned MoE layer (MPMoE §3.2.2, Fig. 5b).
+
+`enable_micro_batch_pipelining` (hf_moe_offload.pipelining) runs a layer as n token partitions; on a model with
+expert parallelism each partition's tokens travel through one of these stages instead of `LocalComm`:
+
+- `AllToAllComm` (modes "static" and "dynamic"): one placement per layer call (from the counts of all partitions of
+  all ranks, gathered in one collective), then one micro all-to-all per partition each way. The placement must not
+  change between partitions: an expert runs on exactly one rank per micro-step, which is what lets its gradient be
+  complete on that rank (ES-MoE §4.2; see `expert_parallel.py`).
+- `PPMoEComm` (mode "ppmoe", PPMoE §3.3): the layer input is replicated; each partition index-selects the rows of this
+  rank's experts and one all-reduce per partition sums the partial outputs (of the partition's rows).
+
+Gradient scaling follows `AllToAllExecutor`: expert gradients come out as the mean over ranks (DDP's convention for
+every other parameter). Here the weighting runs expert-side (inside the partition), so the 1/world applied to the
+gradient entering the combine also reaches the combine weights; `scale_grad(.., world)` on the received tokens and
+weights undoes it for everything but the expert parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..pipelining.partition import Dispatched, PartPlan
+from .expert_parallel import _keep_parameters_in_graph, check_replicated
+from .exchange import ExchangePlan, all_gather_counts, all_to_all, copy_to_group, reduce_from_group, scale_grad
+from .placement import static_owner
+
+
+def _zero_grad_once(y: torch.Tensor, experts: nn.Module | None) -> tuple[torch.Tensor, None]:
+    """Device tier, a rank that runs none of its experts in a layer call: give their parameters a zero gradient in
+    the call's first combine (see `expert_parallel._keep_parameters_in_graph`); then forget them for this call."""
+
+    if experts is not None:
+        y = _keep_parameters_in_graph(y, experts, ran_any=False)
+    return y, None
+
+
+def _layer_of(coordinator, experts: nn.Module) -> int:
+    for block, executor in coordinator.executors:
+        if block.experts is experts:
+            return executor.layer
+    raise ValueError(f"{type(experts).__name__} is not an experts module of this expert-parallel model")
+
+
+class AllToAllComm:
+    """Static expert parallelism or ES-MoE dynamic placement, one micro all-to-all per partition."""
+
+    collective = True
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+        self._plans: list[ExchangePlan] = []
+        self._keep_params: nn.Module | None = None
+
+    def __repr__(self) -> str:
+        c = self.coordinator
+        return f"AllToAllComm(mode={c.mode!r}, rank={c.rank}, world_size={c.world_size})"
+
+    def begin(self, x: torch.Tensor, parts: list[PartPlan], experts: nn.Module) -> None:
+        c = self.coordinator
+        n, E = len(parts), len(parts[0].counts)
+        local = torch.tensor([p.counts for p in parts], dtype=torch.long).reshape(-1)
+        counts = all_gather_counts(local.tolist(), c.group, device=c.device).view(c.world_size, n, E)
+        training = torch.is_grad_enabled() and experts.training
+        placement = c.place(_layer_of(c, experts), counts.sum(1), training)  # one placement for all partitions
+        self._plans = [ExchangePlan.build(counts[:, p], placement.rank_of, c.rank, device=x.device)
+                       for p in range(n)]
+        self._keep_params = None if any(xp.expert_ids for xp in self._plans) else experts
+
+    def _exchange(self, x: torch.Tensor, part: PartPlan, xp: ExchangePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.coordinator
+        rows = part.token_index.index_select(0, xp.send_order)
+        x_recv = all_to_all(x.index_select(0, rows), xp.output_splits, xp.input_splits, c.group)
+        return rows, x_recv.index_select(0, xp.regroup)
+
+    def dispatch(self, x: torch.Tensor, part: PartPlan) -> Dispatched:
+        c = self.coordinator
+        xp = self._plans[part.index]
+        _, x_local = self._exchange(x, part, xp)
+        w = part.weights.index_select(0, xp.send_order).unsqueeze(-1)
+        w_local = all_to_all(w, xp.output_splits, xp.input_splits, c.group).index_select(0, xp.regroup)[:, 0]
+        return Dispatched(scale_grad(x_local, c.ddp_world_size), xp.expert_counts, xp.expert_ids,
+                          scale_grad(w_local, c.ddp_world_size), ctx=xp)
+
+    def redispatch(self, x: torch.Tensor, part: PartPlan, d: Dispatched) -> torch.Tensor:
+        with torch.no_grad():
+            return self._exchange(x, part, d.ctx)[1]
+
+    def combine(self, y_local: torch.Tensor, xp: ExchangePlan) -> torch.Tensor:
+        c = self.coordinator
+        y_local, self._keep_params = _zero_grad_once(y_local, self._keep_params)
+        y = scale_grad(y_local, 1.0 / c.ddp_world_size)
+        y_back = all_to_all(y.index_select(0, xp.ungroup), xp.input_splits, xp.output_splits, c.group)
+        # y_back is in send order (destination-major); put it back in the partition's row order.
+        return torch.zeros_like(y_back).index_copy(0, xp.send_order, y_back)
+
+    def benchmark_fn(self, x: torch.Tensor) -> torch.Tensor:
+        """An even all-to-all of x (rows split over the ranks): the configurator's communication micro-benchmark."""
+        c = self.coordinator
+        k = c.world_size
+        send = [x.shape[0] // k + (1 if q < x.shape[0] % k else 0) for q in range(k)]  # the same on every rank
+        with torch.no_grad():
+            return all_to_all(x, [send[c.rank]] * k, send, c.group)
+
+
+class PPMoEComm:
+    """Pipeline-MoE dispatch per partition: index-select this rank's experts' rows, all-reduce the partial outputs."""
+
+    collective = True
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+        self._x: torch.Tensor | None = None
+        self._local: list[int] = []
+        self._keep_params: nn.Module | None = None
+
+    def __repr__(self) -> str:
+        c = self.coordinator
+        return f"PPMoEComm(rank={c.rank}, world_size={c.world_size})"
+
+    def begin(self, x: torch.Tensor, parts: list[PartPlan], experts: nn.Module) -> None:
+        c = self.coordinator
+        layer = _layer_of(c, experts)
+        E = len(parts[0].counts)
+        counts = [sum(p.counts[e] for p in parts) for e in range(E)]
+        if c.validate_replicated and layer not in c.ppmoe_validated:
+            check_replicated(c, layer, x, counts)
+            c.ppmoe_validated.add(layer)
+        training = torch.is_grad_enabled() and experts.training
+        c.place(layer, torch.as_tensor([counts]), training)  # static; recorded for update ownership
+        self._local = [e for e in range(E) if static_owner(e, E, c.world_size) == c.rank]  # a contiguous block
+        # One copy_to_group per layer call: its backward all-reduces the partial input gradients of all partitions.
+        self._x = copy_to_group(x, c.group)
+        self._keep_params = None if any(p.counts[e] for p in parts for e in self._local) else experts
+
+    def _rows(self, part: PartPlan) -> tuple[int, int]:
+        starts = [0]
+        for n in part.counts:
+            starts.append(starts[-1] + n)
+        return (starts[self._local[0]], starts[self._local[-1] + 1]) if self._local else (0, 0)
+
+    def dispatch(self, x: torch.Tensor, part: PartPlan) -> Dispatched:
+        c = self.coordinator
+        lo, hi = self._rows(part)
+        x_local = self._x.index_select(0, part.token_index[lo:hi])  # PPMoE: the index selection replaces the all-to-all
+        w = copy_to_group(part.weights, c.group)[lo:hi]
+        ctx = (lo, hi, part.token_index.numel())
+        return Dispatched(x_local, [part.counts[e] for e in self._local], list(self._local), w, ctx=ctx)
+
+    def redispatch(self, x: torch.Tensor, part: PartPlan, d: Dispatched) -> torch.Tensor:
+        lo, hi = d.ctx[0], d.ctx[1]
+        with torch.no_grad():
+            return x.index_select(0, part.token_index[lo:hi])
+
+    def combine(self, y_local: torch.Tensor, ctx) -> torch.Tensor:
+        lo, hi, rows = ctx
+        y_local, self._keep_params = _zero_grad_once(y_local, self._keep_params)
+        C = y_local.shape[-1]
+        partial = torch.cat([y_local.new_zeros(lo, C), y_local, y_local.new_zeros(rows - hi, C)])
+        return reduce_from_group(partial, self.coordinator.group)
+
+    def benchmark_fn(self, x: torch.Tensor) -> torch.Tensor:
+        """An all-reduce of x: the configurator's communication micro-benchmark."""
+        out = x.clone()
+        dist.all_reduce(out, group=self.coordinator.group)
+        return out
+
+
+__all__ = ["AllToAllComm", "PPMoEComm"]
