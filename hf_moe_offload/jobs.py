@@ -1,12 +1,14 @@
 """The pieces every training job of this package shares: the main job (`hf-moe-offload train`) and the recipes.
 
 In the order a job uses them:
-1. argument groups (`add_model_arguments`, `add_offload_arguments`, `add_training_arguments`) and
-   `training_arguments(args)`, which also creates the process group under `accelerate launch`;
+1. argument groups (`add_model_arguments`, `add_offload_arguments`, `add_pipelining_arguments`,
+   `add_training_arguments`) and `training_arguments(args)`, which also creates the process group under
+   `accelerate launch`;
 2. `load_tokenizer`, then `prepare_model`: a preset built from scratch, or `--model-path` loaded with its experts
    streamed straight into the offload store (`load_offloaded_pretrained`), offloaded per `offload_config(args)`;
 3. `distribute(model, engine)`: under several processes, offloaded experts go to one node-shared store with ES-MoE
-   dynamic placement (§4.2); resident experts stay plain data-parallel;
+   dynamic placement (§4.2); resident experts stay plain data-parallel; then `pipeline(model, args)`: MPMoE
+   micro-batch pipelining of the MoE layers (over the expert-parallel exchange when there is one);
 4. `training_callbacks(engine)`: expert load, offload totals and, when experts are offloaded and trained, the
    expert-wise CPU optimizer (`ExpertOptimizerCallback`, required: without it offloaded experts never update);
 5. `finish_run(...)`: save model + tokenizer (streaming save), plots, `metrics.json`, the model card, and push.
@@ -84,6 +86,29 @@ def add_offload_arguments(p: argparse.ArgumentParser, mode: str = "disk") -> Non
     g.add_argument("--pin-fraction", type=float, default=0.25, help="most-loaded experts kept resident (ES-MoE §4.3)")
     g.add_argument("--device-budget-mb", type=float, default=None, help="--offload auto: device memory budget")
     g.add_argument("--host-budget-mb", type=float, default=None, help="--offload auto: host memory budget")
+
+
+def _partitions(value: str) -> str | int:
+    value = str(value).strip().lower()
+    if value in ("off", "auto"):
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected 'off', 'auto' or a number of partitions >= 1, got {value!r}")
+    return n
+
+
+def add_pipelining_arguments(p: argparse.ArgumentParser, partitions: str = "off") -> None:
+    g = p.add_argument_group("micro-batch pipelining (MPMoE §3.2-§4)")
+    g.add_argument("--pipelining", type=_partitions, default=partitions, metavar="{off,auto,N}",
+                   help="run each MoE layer as N token partitions that share their buffers; 'auto': the MPMoE "
+                        "configurator picks N and the restore strategy per batch size (logged); default: %(default)s")
+    g.add_argument("--restore-strategy", default="auto", choices=("auto", "S1", "S2", "S3", "S4", "keep"),
+                   help="how partition buffers are restored for backward (MPMoE Table 2): S1 offload both, S2 "
+                        "re-dispatch + offload, S3 offload + recompute, S4 re-dispatch + recompute, keep: no reuse")
 
 
 def add_training_arguments(p: argparse.ArgumentParser, output_dir: str, steps: int, batch_size: int, lr: float,
@@ -283,6 +308,32 @@ def distribute(model: nn.Module, engine, args: argparse.Namespace, trainable_exp
     return info
 
 
+def pipeline(model: nn.Module, args: argparse.Namespace):
+    """`--pipelining`: MPMoE micro-batch pipelining on every MoE layer (after `distribute`, so that partitions use the
+    expert-parallel exchange). Returns the executor, or None when off."""
+    if getattr(args, "pipelining", "off") == "off":
+        return None
+    from .pipelining import enable_micro_batch_pipelining
+
+    return enable_micro_batch_pipelining(model, n=args.pipelining, strategy=args.restore_strategy)
+
+
+def pipelining_summary(executor) -> dict[str, Any] | None:
+    """What the card and metrics.json report about `--pipelining`."""
+    if executor is None:
+        return None
+    conf = executor.configurator
+    info: dict[str, Any] = {
+        "partitions": "auto" if conf is not None and conf.n == "auto" else (conf.n if conf is not None else executor.n),
+        "restore_strategy": ("auto" if conf is not None and len(conf.strategies) > 1
+                             else conf.strategies[0] if conf is not None else executor.strategy.name),
+        "communication_stage": repr(executor.comm),
+    }
+    if conf is not None:
+        info["chosen"] = "; ".join(f"{B} rows -> n={n}, {S}" for B, (n, S) in sorted(conf.choices.items())) or "none"
+    return info
+
+
 # --- 4. callbacks ---
 def training_callbacks(engine, trainable_experts: bool = True) -> tuple[list, ExpertLoadCallback, OffloadTotalsCallback]:
     """(callbacks for the Trainer, the expert-load recorder, the offload-totals recorder)."""
@@ -450,6 +501,7 @@ __all__ = [
     "JOB_PRESETS",
     "add_model_arguments",
     "add_offload_arguments",
+    "add_pipelining_arguments",
     "add_training_arguments",
     "offload_config",
     "training_arguments",
@@ -458,6 +510,8 @@ __all__ = [
     "prepare_model",
     "freeze_offloaded_experts",
     "distribute",
+    "pipeline",
+    "pipelining_summary",
     "training_callbacks",
     "lm_nll_per_sequence",
     "perplexity_metrics",

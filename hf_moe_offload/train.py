@@ -56,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--max-eval-blocks", type=int, default=d["max_eval_blocks"],
                    help="evaluation sequences (periodic and final evaluation use the same ones)")
     jobs.add_offload_arguments(p, mode=d["offload"])
+    jobs.add_pipelining_arguments(p)
     jobs.add_training_arguments(p, output_dir=d["output_dir"], steps=d["steps"], batch_size=d["batch_size"],
                                 lr=d["lr"], grad_accum=d["grad_accum"], logging_steps=d["logging_steps"])
 
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
     tokens_per_step = args.batch_size * args.grad_accum * world_size * args.block_size
     model, engine = jobs.prepare_model(args, tokenizer, tokens_per_batch=args.batch_size * args.block_size)
     parallel = jobs.distribute(model, engine, args)
+    pipelined = jobs.pipeline(model, args)
     callbacks, load, totals = jobs.training_callbacks(engine)
     trainer = Trainer(
         model=model, args=targs, train_dataset=train_ds, eval_dataset=eval_ds, data_collator=default_data_collator,
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
         "model": describe_model(model),
         "base_model": args.model_path,
         "offload": jobs.offload_summary(engine, args),
-        "pipelining": None,  # MPMoE pipelining (hf_moe_offload.pipelining) is not part of this job yet
+        "pipelining": jobs.pipelining_summary(pipelined),
         "parallel": parallel,
         "data": {
             "name": dataset_name,
@@ -158,6 +160,11 @@ def print_figures(record: dict) -> None:
                      f"expert state{cache}; prefetch {off['prefetch_depth']}, pinned {off['pin_fraction']}")
     else:
         lines.append(f"offload      {off.get('mode', 'none')} (experts resident)")
+    pipe = record.get("pipelining")
+    if pipe:
+        chosen = f"; chosen {pipe['chosen']}" if pipe.get("chosen") else ""
+        lines.append(f"pipelining   MPMoE n={pipe['partitions']}, restore strategy {pipe['restore_strategy']}, "
+                     f"{pipe['communication_stage']}{chosen}")
     if m.get("train_loss_first") is not None:
         rate = (f", {m['train_tokens']:,} tokens, {m['tokens_per_second']:,.0f} tokens/s" if m.get("tokens_per_second")
                 else f", {m.get('train_samples_per_second') or 0:,.1f} examples/s")

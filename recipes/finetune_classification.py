@@ -26,8 +26,10 @@ Launch (the default task, `polarity`, is offline: 200 labelled movie-review sent
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml recipes/finetune_classification.py \
         --task boolq --model-path path/to/converted-fairseq-moe --method lora --offload host
 
-    # two CPU processes (gloo), a smoke run
+    # two CPU processes (gloo), a smoke run; with MPMoE partitions over the expert exchange (n=2, strategy S4)
     accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml recipes/finetune_classification.py --short
+    accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml recipes/finetune_classification.py \
+        --short --pipelining 2 --restore-strategy S4
 
     # your own data: local csv/json with a text column (or two) and an integer/bool label column
     python recipes/finetune_classification.py --model-path outputs/moe-gpt-small --train-file train.csv \
@@ -92,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--lora-alpha", type=int, default=16)
     jobs.add_model_arguments(p, preset="moe-tiny", num_experts=8, block_size=128, dropout=0.1)
     jobs.add_offload_arguments(p, mode="host")
+    jobs.add_pipelining_arguments(p)
     jobs.add_training_arguments(p, output_dir="outputs/moe-classifier", steps=200, batch_size=16, lr=None,
                                 logging_steps=10)
     return p
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{trainable:,} trainable parameters"
     trainable_experts = args.method == "full"
     parallel = jobs.distribute(model, engine, args, trainable_experts=trainable_experts)
+    pipelined = jobs.pipeline(model, args)
     callbacks, load, totals = jobs.training_callbacks(engine, trainable_experts=trainable_experts)
     accuracy = evaluate.load(METRIC_DIR)
 
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": describe_model(model),
         "base_model": args.model_path,
         "offload": jobs.offload_summary(engine, args),
-        "pipelining": None,  # MPMoE pipelining (hf_moe_offload.pipelining) is not part of this recipe yet
+        "pipelining": jobs.pipelining_summary(pipelined),
         "parallel": parallel,
         "data": {
             "name": dataset or "local files",

@@ -19,6 +19,11 @@ Launch (each runs offline on tiny data too: add --train-file FILE.txt and small 
     accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml recipes/train_causal_lm.py \
         --preset moe-m --num-experts 64 --offload host
 
+    # ... the same with MPMoE micro-batch pipelining: partitions of each MoE layer overlap their all-to-all with
+    # expert compute and share buffers; (n, restore strategy) chosen by the configurator (MPMoE §4)
+    accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml recipes/train_causal_lm.py \
+        --preset moe-m --num-experts 64 --offload host --pipelining auto
+
     # two CPU processes (gloo), a tiny smoke run on the offline Wikipedia sample
     accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml recipes/train_causal_lm.py \
         --preset moe-tiny --num-experts 4 --dataset offline-wikipedia --block-size 64 --short

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -28,9 +29,16 @@ def _metrics(folder):
 @pytest.mark.slow
 def test_causal_lm_recipe(tmp_path):
     _run([sys.executable, os.path.join(RECIPES, "train_causal_lm.py"), "--preset", "moe-tiny", "--num-experts", "4",
-          "--dataset", "offline-wikipedia", "--block-size", "64", "--short", "--output-dir", str(tmp_path / "lm")])
-    assert "eval_perplexity" in json.dumps(_metrics(tmp_path / "lm"))
-    assert (tmp_path / "lm" / "README.md").exists()
+          "--dataset", "offline-wikipedia", "--block-size", "64", "--short", "--pipelining", "auto",
+          "--output-dir", str(tmp_path / "lm")])
+    metrics = _metrics(tmp_path / "lm")
+    assert "eval_perplexity" in json.dumps(metrics)
+    # MPMoE's configurator chose (n, S) for the training batch size, and the card says so.
+    pipe = metrics["pipelining"]
+    assert pipe["partitions"] == "auto" and pipe["restore_strategy"] == "auto", pipe
+    assert "rows -> n=" in pipe["chosen"] and pipe["communication_stage"] == "LocalComm()", pipe
+    card = (tmp_path / "lm" / "README.md").read_text()
+    assert "rows -> n=" in card
 
 
 @pytest.mark.slow
@@ -48,10 +56,26 @@ def test_cpu_two_process_launch_config(tmp_path):
     """recipes/accelerate_configs/cpu_2proc.yaml really starts two gloo processes."""
     res = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                 os.path.join(CONFIGS, "cpu_2proc.yaml"), os.path.join(RECIPES, "finetune_classification.py"),
-                "--short", "--output-dir", str(tmp_path / "cls")], timeout=900)
+                "--short", "--pipelining", "2", "--restore-strategy", "S4", "--output-dir", str(tmp_path / "cls")],
+               timeout=900)
     metrics = _metrics(tmp_path / "cls")
     assert metrics["parallel"]["world_size"] == 2 and metrics["parallel"]["backend"] == "gloo", metrics["parallel"]
+    # Trained experts went to dynamic placement; MPMoE partitions exchange tokens through its all-to-all.
+    assert "dynamic placement" in metrics["parallel"]["expert_parallel"], metrics["parallel"]
+    assert metrics["pipelining"]["partitions"] == 2 and metrics["pipelining"]["restore_strategy"] == "S4"
+    assert metrics["pipelining"]["communication_stage"].startswith("AllToAllComm(mode='dynamic'"), metrics["pipelining"]
     assert "eval_accuracy" in json.dumps(metrics)
+
+
+def test_pipelining_flag_rejects_nonsense():
+    from hf_moe_offload.train import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args(["--pipelining", "4"]).pipelining == 4
+    assert p.parse_args(["--pipelining", "AUTO"]).pipelining == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--pipelining", "0"])
 
 
 @pytest.mark.parametrize("name,processes", [("single_gpu.yaml", 1), ("multi_gpu.yaml", None), ("cpu_2proc.yaml", 2)])
