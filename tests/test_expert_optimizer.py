@@ -159,12 +159,32 @@ def test_fp16_overflow_skips_expert_steps(tmp_path):
 def test_per_expert_clipping_stays_eager_and_bounds_each_expert(tmp_path):
     model = small_model()
     engine = enable_expert_offload(model, OffloadConfig(mode="host"))
-    experts = ExpertOptimizer(engine, lr=1e-2, max_grad_norm=1e-3, clip_mode="per_expert")
-    assert experts.eager
+    # The raw expert gradients of the same micro-batch, from an identical model with no optimizer attached.
     x = torch.randint(0, 101, (2, 9))
+    raw_model = small_model()
+    raw_engine = enable_expert_offload(raw_model, OffloadConfig(mode="host"))
+    raw_model(x, labels=x).loss.backward()
+    raw = {k: raw_engine.expert_grad(k).clone() for k in raw_engine.store.keys()}
+    clip = 1e-3
+    assert max(g.norm().item() for g in raw.values()) > 10 * clip  # clipping really bites
+
+    experts = ExpertOptimizer(engine, lr=1e-2, max_grad_norm=clip, clip_mode="per_expert")
+    assert experts.eager
+    seen = {}
+    adam = experts._adam
+
+    def recording_adam(key, record, lr):
+        seen[key] = record.grad.clone()  # what Adam is handed, after clipping
+        return adam(key, record, lr)
+
+    experts._adam = recording_adam
     model(x, labels=x).loss.backward()
     engine.synchronize()
     assert all(v == 1 for v in engine.store.steps.values())
+    assert set(seen) == set(raw)
+    for key, g in raw.items():  # each expert clipped by its own norm: g * min(1, clip / (|g| + 1e-6))
+        expected = g * min(1.0, clip / (g.norm().item() + 1e-6))
+        torch.testing.assert_close(seen[key], expected, atol=1e-9, rtol=1e-5, msg=str(key))
     experts.close()
 
 
