@@ -174,8 +174,9 @@ def test_non_deterministic_gating_refused(tmp_path):
 
 @pytest.mark.slow
 def test_converter_peak_rss_is_bounded_by_one_rank_file(tmp_path):
-    """4 rank files of ~20 MB (fp32): converting must not hold them all (RSS growth < largest input + shard + slack)."""
-    make_fairseq_checkpoint(tmp_path / "fs", E=16, W=4, layers=4, moe_freq=1, d=128, ffn=1280, heads=4, V=64,
+    """8 rank files of ~20 MB (fp32, 162 MB in all): peak RSS growth while converting stays below the largest input
+    file + 32 MiB of slack (measured: +25 MB), i.e. one rank file at a time, never all of them."""
+    make_fairseq_checkpoint(tmp_path / "fs", E=32, W=8, layers=4, moe_freq=1, d=128, ffn=1280, heads=4, V=64,
                             dtype=torch.float32)
     sizes = [os.path.getsize(tmp_path / "fs" / f) for f in os.listdir(tmp_path / "fs")]
     largest, total = max(sizes), sum(sizes)
@@ -192,9 +193,9 @@ print(json.dumps({{"growth": peak - base}}))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     growth = json.loads(res.stdout.strip().splitlines()[-1])["growth"]
-    slack = 60 * 2**20  # torch.load / pickle buffers, model shell for the key check, tqdm
-    assert growth < largest * 2 + slack, (growth, largest, total)  # load buffer + the loaded state of one file
-    assert growth < total, (growth, total)  # and clearly below materialising every file
+    slack = 32 * 2**20  # the shared file (~1 MB), pickle buffers, the model shell for the key check, tqdm
+    assert largest + slack < total / 3  # the bound below really separates one file from all of them
+    assert growth < largest + slack, (growth, largest, total)
 
 
 def test_cli_converts(tmp_path):

@@ -35,7 +35,7 @@ def test_main_job_prints_figures_and_saves_a_loadable_model(run_dir):
     history = [h["loss"] for h in metrics["log_history"] if "loss" in h]
     assert history[-1] < history[0]  # the loss goes down
     # experts really lived on disk behind a cache smaller than the experts
-    assert "disk" in json.dumps(metrics["offload"])
+    assert metrics["offload"]["mode"] == "disk" and metrics["offload"]["host_cache_fraction"] < 1, metrics["offload"]
     for name in ("README.md", "expert_load.png", "tokenizer.json", "model.safetensors.index.json"):
         assert (out / name).exists(), name
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -155,7 +155,14 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     getattr(ckpt, "activation_checkpointing_enable", ckpt.gradient_checkpointing_enable)()
     x = torch.randint(2, 97, (2, 12))
     ref(x, labels=x).loss.backward()
+    calls = []  # checkpointing really is on: backward re-runs every layer's forward (transformers checkpoints
+    # `forward`, not `__call__`, so the layer's own hooks fire once; its children's fire again in the recomputation)
+    hooks = [layer.self_attn.register_forward_hook(lambda *a: calls.append(torch.is_grad_enabled()))
+             for layer in ckpt.model.layers]
     ckpt(x, labels=x).loss.backward()
+    for h in hooks:
+        h.remove()
+    assert len(calls) == 2 * len(ckpt.model.layers), calls
     for (n, p), (_, q) in zip(ref.named_parameters(), ckpt.named_parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=0, msg=n)
 

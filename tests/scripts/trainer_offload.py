@@ -37,6 +37,7 @@ config = MoEGPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_at
                       num_experts=4, moe_layer_frequency=1, hidden_dropout=0.0, attention_dropout=0.0,
                       max_position_embeddings=32)
 model = MoEGPTForCausalLM(config)
+plain_numel = sum(p.numel() for p in model.parameters())  # every weight, experts included, before offloading
 rank = int(os.environ.get("RANK", "0"))
 engine = enable_expert_offload(model, OffloadConfig(mode=args.tier, offload_dir=os.path.join(args.out, f"experts-{rank}"),
                                                     host_cache_experts=3, prefetch_depth=1))
@@ -56,10 +57,15 @@ trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=defau
 trainer.train(resume_from_checkpoint=args.resume)
 if rank == 0:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    opt_names = {n for n, p in model.named_parameters() if any(p is q for g in trainer.optimizer.param_groups for q in g["params"])}
+    opt_numel = sum(q.numel() for g in trainer.optimizer.param_groups for q in g["params"])
+    expert_numel = sum(layer.layout.numel * layer.layout.num_experts for layer in engine.layers)
     result = {
         "losses": losses,
-        "trainer_optimizer_has_experts": any("experts" in n for n in opt_names),
+        # The Trainer's optimizer holds exactly the non-expert weights: the experts (all of the rest) are stepped
+        # only by the host optimizer.
+        "trainer_optimizer_numel": opt_numel,
+        "expert_numel": expert_numel,
+        "plain_model_numel": plain_numel,
         "expert_steps": sorted(set(engine.store.steps.values())),
         "logged_keys": sorted({k for h in trainer.state.log_history for k in h}),
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
