@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 
 def make_fairseq_checkpoint(folder, *, E=4, W=2, layers=4, moe_freq=2, d=32, ffn=48, heads=4, V=60, max_pos=64,
-                            learned_pos=False, top1=False, dtype=torch.float16, seed=0, eval_capacity=-1.0):
+                            learned_pos=False, top1=False, dtype=torch.float16, seed=0, eval_capacity=-1.0,
+                            normalize_before_dropping=False):
     """Writes model-shared.pt and model-rank-{r}.pt (L = E/W experts per file); returns (shared_sd, experts, cfg)
     where experts[(i, g)] = {fc1.weight, fc1.bias, fc2.weight, fc2.bias} for global expert g of layer i."""
     g = torch.Generator().manual_seed(seed)
@@ -26,7 +27,7 @@ def make_fairseq_checkpoint(folder, *, E=4, W=2, layers=4, moe_freq=2, d=32, ffn
         "decoder_learned_pos": learned_pos, "layernorm_embedding": False, "activation_fn": "gelu",
         "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.0, "moe_freq": moe_freq,
         "moe_expert_count": E, "moe_gating_use_fp32": True, "moe_second_expert_policy": "all",
-        "moe_normalize_gate_prob_before_dropping": False, "moe_top1_expert": top1,
+        "moe_normalize_gate_prob_before_dropping": normalize_before_dropping, "moe_top1_expert": top1,
         "moe_eval_capacity_token_fraction": eval_capacity, "tokens_per_sample": max_pos,
         "max_target_positions": max_pos,
     }
@@ -129,9 +130,12 @@ def reference_logits(shared, experts, cfg, tokens, capacity: bool = False, train
                 k2 = loc2.sum(-1) < C
             else:
                 k1 = k2 = torch.ones(S, dtype=torch.bool)
-            g1 = probs.gather(-1, i1[:, None])[:, 0] * k1
-            g2 = probs.gather(-1, i2[:, None])[:, 0] * k2
-            if not top1:
+            p1, p2 = probs.gather(-1, i1[:, None])[:, 0], probs.gather(-1, i2[:, None])[:, 0]
+            if not top1 and cfg["moe_normalize_gate_prob_before_dropping"]:  # fairseq top2gating: before the drops
+                den = (p1 + p2).clamp(min=torch.finfo(torch.float).eps)
+                p1, p2 = p1 / den, p2 / den
+            g1, g2 = p1 * k1, p2 * k2
+            if not top1 and not cfg["moe_normalize_gate_prob_before_dropping"]:
                 den = (g1 + g2).clamp(min=torch.finfo(torch.float).eps)
                 g1, g2 = g1 / den, g2 / den
             y = torch.zeros_like(x)

@@ -54,15 +54,20 @@ def test_converted_logits_equal_spec_reference(tmp_path, learned_pos, top1):
     torch.testing.assert_close(got[real], ref[real], atol=ATOL, rtol=0)
 
 
-def test_capacity_mode_matches_fairseq_drops(tmp_path):
-    shared, experts, cfg = make_fairseq_checkpoint(tmp_path / "fs", E=4, W=4, eval_capacity=0.25)
+@pytest.mark.parametrize("before_dropping", [False, True])
+def test_capacity_mode_matches_fairseq_drops(tmp_path, before_dropping):
+    shared, experts, cfg = make_fairseq_checkpoint(tmp_path / "fs", E=4, W=4, eval_capacity=0.25,
+                                                   normalize_before_dropping=before_dropping)
     convert_fairseq_checkpoint(str(tmp_path / "fs"), str(tmp_path / "hf"), fairseq_capacity=True)
     model = load(tmp_path / "hf")
     assert model.config.drop_tokens and model.config.eval_capacity_token_fraction == 0.25
+    assert model.config.normalize_top2_before_dropping == before_dropping
     tokens = torch.randint(4, 60, (2, 16))
     ref = reference_logits(shared, experts, cfg, tokens, capacity=True)
     dropless = reference_logits(shared, experts, cfg, tokens, capacity=False)
     assert (ref - dropless).abs().max() > 1e-3  # capacity really dropped something in this batch
+    other = dict(cfg, moe_normalize_gate_prob_before_dropping=not before_dropping)
+    assert (ref - reference_logits(shared, experts, other, tokens, capacity=True)).abs().max() > 1e-3  # flag matters
     torch.testing.assert_close(model(tokens).logits, ref, atol=ATOL, rtol=0)
 
 

@@ -148,6 +148,7 @@ def config_from_fairseq(cfg: dict, shared: dict[str, torch.Tensor], num_experts:
         layer_norm_eps=1e-5,
         router_aux_loss_coef=float(get("moe_gate_loss_wt", 0.01)),
         normalize_top2_weights=True,
+        normalize_top2_before_dropping=bool(get("moe_normalize_gate_prob_before_dropping", False)),
         drop_tokens=fairseq_capacity,
         eval_capacity_token_fraction=float(get("moe_eval_capacity_token_fraction", -1.0) or -1.0),
         position_embedding_type="learned" if learned else "sinusoidal",

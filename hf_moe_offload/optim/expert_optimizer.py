@@ -301,7 +301,8 @@ class ExpertOptimizer:
 
 class ExpertAwareOptimizer:
     """Wraps the non-expert optimizer for hand-written (accelerate) loops: `step()` closes the expert window
-    (clipping globally if configured) and then steps the non-expert parameters; `zero_grad()` clears both.
+    (clipping globally if configured) and then steps the non-expert parameters; `zero_grad()` clears the non-expert
+    gradients (an expert's store gradient is cleared by its own step, so a skipped window keeps accumulating).
 
     Under `accelerate`, prepare the inner optimizer as usual and wrap the prepared one; scheduler steps still act on
     `param_groups`, which this wrapper shares, and `ExpertOptimizer.lr_fn` reads them.

@@ -38,6 +38,9 @@ class MoEGPTConfig(PretrainedConfig):
         router_z_loss_coef (`float`): weight of the router z-loss `mean(logsumexp(logits)^2)` (ST-MoE).
         normalize_top2_weights (`bool`): top-2 combine weights are `p_i / (p_1 + p_2)` (fairseq) instead of raw `p_i`.
             Top-1 always uses the raw probability, as fairseq does.
+        normalize_top2_before_dropping (`bool`): with `drop_tokens`, normalize the top-2 weights before capacity
+            drops them (fairseq `moe_normalize_gate_prob_before_dropping`: a kept choice keeps `p_i / (p_1 + p_2)`)
+            instead of after (default: a token whose second choice was dropped gets weight 1 on its first).
         second_expert_policy (`str`): only `"all"` (deterministic second choice, fairseq's released models).
         drop_tokens (`bool`): `False` (default) is dropless: every token reaches its experts. `True` applies
             fairseq's capacity semantics (capacity `2*ceil(S/E)` for top-2, `ceil(S/E)` for top-1; top-1 choices
@@ -87,6 +90,7 @@ class MoEGPTConfig(PretrainedConfig):
         router_aux_loss_coef: float = 0.01,
         router_z_loss_coef: float = 0.0,
         normalize_top2_weights: bool = True,
+        normalize_top2_before_dropping: bool = False,
         second_expert_policy: str = "all",
         drop_tokens: bool = False,
         eval_capacity_token_fraction: float = -1.0,
@@ -120,6 +124,7 @@ class MoEGPTConfig(PretrainedConfig):
         self.router_aux_loss_coef = router_aux_loss_coef
         self.router_z_loss_coef = router_z_loss_coef
         self.normalize_top2_weights = normalize_top2_weights
+        self.normalize_top2_before_dropping = normalize_top2_before_dropping
         self.second_expert_policy = second_expert_policy
         self.drop_tokens = drop_tokens
         self.eval_capacity_token_fraction = eval_capacity_token_fraction

@@ -109,6 +109,7 @@ class MoEGPTRouter(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.normalize_top2 = config.normalize_top2_weights
+        self.normalize_before_dropping = getattr(config, "normalize_top2_before_dropping", False)
         self.drop_tokens = config.drop_tokens
         self.eval_capacity_token_fraction = config.eval_capacity_token_fraction
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
@@ -128,12 +129,15 @@ class MoEGPTRouter(nn.Module):
             top2 = logits.masked_fill(F.one_hot(top1, self.num_experts).bool(), float("-inf")).argmax(dim=-1)
             experts = torch.stack([top1, top2], dim=-1)
         weights = probs.gather(-1, experts)
+        normalize = self.top_k == 2 and self.normalize_top2
+        if normalize and self.drop_tokens and self.normalize_before_dropping:
+            weights, normalize = _normalized(weights), False
         if self.drop_tokens:
             kept = self._capacity_keep_mask(experts)
             weights = weights * kept
             experts = experts.masked_fill(~kept, self.num_experts)
-        if self.top_k == 2 and self.normalize_top2:
-            weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).eps)
+        if normalize:
+            weights = _normalized(weights)
         return logits, weights, experts
 
     def _capacity_keep_mask(self, experts: torch.Tensor) -> torch.Tensor:
@@ -151,6 +155,10 @@ class MoEGPTRouter(nn.Module):
             kept.append((slot.sum(dim=-1) < capacity))
             taken = taken + mask.sum(dim=0)
         return torch.stack(kept, dim=-1)
+
+
+def _normalized(weights: torch.Tensor) -> torch.Tensor:
+    return weights / weights.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).eps)
 
 
 def load_balancing_loss(probs: torch.Tensor, top1: torch.Tensor, num_experts: int) -> torch.Tensor:
