@@ -113,8 +113,8 @@ def overlap(num_experts: int, steps: int, tier: str) -> dict:
         model = copy.deepcopy(base)
         engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=f"/tmp/bench-ovl-{mode}",
                                                             host_cache_experts=num_experts, prefetch_depth=2))
-        # Deferred mode = global clipping with a bound never reached: same math, steps only after backward.
-        experts = ExpertOptimizer(engine, lr=1e-3, max_grad_norm=None if mode == "overlapped" else 1e30)
+        # The same math, with every expert step deferred to after backward (no global-norm pass either way).
+        experts = ExpertOptimizer(engine, lr=1e-3, defer_steps=mode == "after_backward")
         opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), experts)
         for i, x in enumerate(batches):
             if i == 1:

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from .offload.api import get_offload_engine
-from .offload.telemetry import OffloadStats
+from .offload.telemetry import OffloadStats, add_to_logs
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class ExpertLoadCallback(TrainerCallback):
         counts = self._snapshot(args, state.global_step)
         if counts:
             ratios = [load_summary(r)["max_over_mean"] for r in counts if sum(r)]
-            logs["expert_load/max_over_mean"] = round(sum(ratios) / len(ratios), 4)
+            add_to_logs(state, logs, {"expert_load/max_over_mean": round(sum(ratios) / len(ratios), 4)})
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._acc and any(sum(r) for r in self._acc):

@@ -109,6 +109,28 @@ def test_eager_steps_run_during_backward_only_at_the_boundary(tmp_path):
     experts.close()
 
 
+@pytest.mark.parametrize("defer", [False, True])
+def test_overlap_accounting_splits_step_time_at_the_step_call(defer):
+    """`overlapped_seconds` is the part of the previous window's expert-step time that ran before `step()` was called
+    (hidden behind backward). Deferred steps start only inside `step()`: exactly none of it; eager steps start
+    during backward. The figures appear once the next window closes."""
+    model = small_model()
+    engine = enable_expert_offload(model, OffloadConfig(mode="host"))
+    experts = ExpertOptimizer(engine, lr=1e-2, defer_steps=defer)
+    assert experts.eager is not defer
+    x = torch.randint(0, 101, (2, 9))
+    for _ in range(2):
+        model(x, labels=x).loss.backward()
+        experts.step()
+    assert experts.step_seconds > 0
+    assert 0.0 <= experts.overlapped_seconds <= experts.step_seconds
+    if defer:
+        assert experts.overlapped_seconds == 0.0
+    engine.synchronize()
+    assert all(v == 2 for v in engine.store.steps.values())
+    experts.close()
+
+
 def test_adam_without_decoupled_decay_matches_torch_adam(tmp_path):
     reference = small_model()
     model = copy.deepcopy(reference)
@@ -204,6 +226,17 @@ def test_trainer_callback_end_to_end_and_resume_in_new_process(tmp_path):
     assert result["expert_numel"] > 0
     assert result["trainer_optimizer_numel"] + result["expert_numel"] == result["plain_model_numel"], result
     assert result["expert_steps"] == [4]
+    # Telemetry reaches the Trainer's logs at every logging step: disk-tier traffic, cache, stalls, optimizer time.
+    logs = result["telemetry_logs"]
+    assert len(logs) == 4
+    for key in ("offload/disk_read_MB", "offload/disk_write_MB", "offload/cache_hit_rate", "offload/stall_fraction",
+                "offload/expert_load_max_over_mean", "expert_optim/step_s", "expert_optim/overlap"):
+        assert all(key in h for h in logs), key
+    assert sum(h["offload/disk_read_MB"] for h in logs) > 0 and all(0 <= h["offload/cache_hit_rate"] <= 1 for h in logs)
+    # Every logged step closed a window; its figures are the previous window's (complete by then). Global clipping
+    # defers every expert step to after backward: nothing of it is overlapped.
+    assert all(h["expert_optim/step_s"] > 0 for h in logs[1:])
+    assert all(h["expert_optim/overlap"] == 0.0 for h in logs)
     for step in (2, 4):
         ckpt = full / f"checkpoint-{step}"
         reader = SafetensorsReader(str(ckpt / "expert_state.safetensors"))

@@ -18,6 +18,7 @@ import logging
 
 from transformers import TrainerCallback
 
+from ..offload.telemetry import add_to_logs
 from .expert_parallel import clip_grad_norm_, get_expert_parallel, sync_expert_parameters
 
 logger = logging.getLogger(__name__)
@@ -52,11 +53,13 @@ class ExpertParallelCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
         if logs is None:
             return
+        values = {}
         if self.last_grad_norm is not None:
-            logs["grad_norm_expert_parallel"] = round(self.last_grad_norm, 4)
+            values["grad_norm_expert_parallel"] = round(self.last_grad_norm, 4)
         coordinator = get_expert_parallel(model) if model is not None else None
         if coordinator is not None:
-            logs["expert_parallel/load_max_over_mean"] = round(coordinator.load_imbalance(), 4)
+            values["expert_parallel/load_max_over_mean"] = round(coordinator.load_imbalance(), 4)
+        add_to_logs(state, logs, values)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if self._max_grad_norm is not None:

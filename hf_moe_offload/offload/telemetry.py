@@ -39,3 +39,14 @@ class OffloadStats:
         if imbalance:
             out[f"{prefix}expert_load_max_over_mean"] = sum(imbalance) / len(imbalance)
         return out
+
+
+def add_to_logs(state, logs: dict, values: dict) -> None:
+    """Add `values` to a Trainer log from a callback's `on_log`: to `logs` (what later callbacks, e.g. the printer,
+    see) and to the entry the Trainer already appended to `state.log_history` (it copies `logs` before `on_log`).
+
+    NOTE: `report_to` integrations are registered before user callbacks, so they have sent `logs` already.
+    """
+    logs.update(values)
+    if state.log_history and state.log_history[-1].get("step") == state.global_step:
+        state.log_history[-1].update(values)

@@ -24,6 +24,7 @@ from transformers import TrainerCallback
 
 from ..offload.api import get_offload_engine
 from ..offload.checkpoint import EXPERT_STATE_FILE, load_expert_state, save_expert_state
+from ..offload.telemetry import add_to_logs
 from .expert_optimizer import ExpertOptimizer
 
 logger = logging.getLogger(__name__)
@@ -96,11 +97,14 @@ class ExpertOptimizerCallback(TrainerCallback):
         if self.expert_optimizer is None or logs is None:
             return
         opt = self.expert_optimizer
-        logs["expert_optim/step_s"] = round(opt.step_seconds, 4)
-        logs["expert_optim/overlap"] = round(opt.overlapped_seconds / opt.step_seconds, 3) if opt.step_seconds else 0.0
+        values = {
+            "expert_optim/step_s": round(opt.step_seconds, 4),
+            "expert_optim/overlap": round(opt.overlapped_seconds / opt.step_seconds, 3) if opt.step_seconds else 0.0,
+        }
         if opt.last_expert_grad_norm is not None:
-            logs["grad_norm_with_experts"] = opt.last_expert_grad_norm
-        logs.update({k: round(v, 4) for k, v in opt.engine.stats.as_log_dict().items()})
+            values["grad_norm_with_experts"] = opt.last_expert_grad_norm
+        values.update({k: round(v, 4) for k, v in opt.engine.stats.as_log_dict().items()})
+        add_to_logs(state, logs, values)
         opt.engine.stats.reset()
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -72,6 +72,7 @@ class ExpertOptimizer:
         lr_fn: Callable[[], float] | None = None,
         boundary_fn: Callable[[], bool] | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        defer_steps: bool = False,
     ):
         if engine.store is None:
             raise ValueError("ExpertOptimizer needs offloaded experts (mode host or disk); on the device tier use "
@@ -87,25 +88,31 @@ class ExpertOptimizer:
         self.lr_fn = lr_fn
         self.boundary_fn = boundary_fn or accelerate_sync_gradients
         self.grad_scaler = grad_scaler
+        self.defer_steps = defer_steps
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="expert-adam")
         self._lock = threading.Lock()
         self._stepped: set[ExpertKey] = set()  # experts already stepped in this window
         self._window_lr: float | None = None
         self.skipped_steps = 0
         self.last_expert_grad_norm: float | None = None
-        # Timing of the last window (for the overlap figure): busy seconds on workers, and how much was finished
-        # by the time step() was called (i.e. hidden behind backward).
+        # Timing of the previous window (complete once the next one closes, because every forward waits for its
+        # experts' updates): busy seconds of its expert steps, and the part of them that ran before step() was called,
+        # i.e. hidden behind backward (ES-MoE §4.1 overlap).
         self.step_seconds = 0.0
         self.overlapped_seconds = 0.0
-        self._window_start = time.perf_counter()
-        self._durations: list[tuple[float, float]] = []  # (end time, duration)
+        self._window = 0
+        self._jobs: list[tuple[int, float, float]] = []  # (window, start, end) of each expert step
+        self._step_called: dict[int, float] = {}
         engine.add_grad_hook(self._on_grad)
         engine.add_layer_done_hook(self._on_layer_done)
 
     # --- modes ---
     @property
     def eager(self) -> bool:
-        """Step during backward (ES-MoE overlap) unless global clipping or loss scaling needs all gradients."""
+        """Step during backward (ES-MoE overlap) unless global clipping or loss scaling needs all gradients (or
+        `defer_steps=True` asks for every step after backward: the baseline of the overlap measurement)."""
+        if self.defer_steps:
+            return False
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             return False
         return self.max_grad_norm is None or self.clip_mode == "per_expert"
@@ -150,10 +157,11 @@ class ExpertOptimizer:
         if self._window_lr is None:
             self._window_lr = self.current_lr()
         lr = self._window_lr
-        self.engine.set_pending(key, self._pool.submit(self._step_expert, key, record, lr, clip_coef, grad_scale))
+        job = self._pool.submit(self._step_expert, key, record, lr, clip_coef, grad_scale, self._window)
+        self.engine.set_pending(key, job)
 
     def _step_expert(self, key: ExpertKey, record: ExpertRecord | None, lr: float, clip_coef: float | None,
-                     grad_scale: float | None) -> None:
+                     grad_scale: float | None, window: int) -> None:
         t0 = time.perf_counter()
         if record is None:
             record = self.store.acquire(key)
@@ -176,7 +184,7 @@ class ExpertOptimizer:
             self.store.release(key, dirty=True)
             end = time.perf_counter()
             with self._lock:
-                self._durations.append((end, end - t0))
+                self._jobs.append((window, t0, end))
 
     def _adam(self, key: ExpertKey, record: ExpertRecord, lr: float) -> None:
         layout = self.engine.layers[key[0]].layout
@@ -218,6 +226,7 @@ class ExpertOptimizer:
         """
         if not self.boundary_fn():
             return None  # not the window's last micro-step (e.g. inside accelerate's accumulate): keep accumulating
+        self._step_called[self._window] = time.perf_counter()
         clip_coef = None
         grad_scale = None
         if not self.eager:
@@ -261,16 +270,17 @@ class ExpertOptimizer:
 
     def _end_window(self) -> None:
         self.engine.end_window()
-        now = time.perf_counter()
         with self._lock:
-            done = list(self._durations)
-            self._durations.clear()
+            closing = self._window
+            self._window += 1
+            previous = [(start, end) for w, start, end in self._jobs if w == closing - 1]
+            self._jobs = [job for job in self._jobs if job[0] >= closing]
             self._stepped.clear()
         self._window_lr = None
-        # Only updates that finished before step() count as overlapped with backward (the rest overlap the
-        # non-expert step and the next forward); exact accounting happens on the next window, so keep it simple.
-        self.step_seconds = sum(d for _, d in done)
-        self.overlapped_seconds = sum(d for end, d in done if end <= now)
+        called = self._step_called.pop(closing - 1, None)
+        if called is not None:
+            self.step_seconds = sum(end - start for start, end in previous)
+            self.overlapped_seconds = sum(max(0.0, min(end, called) - start) for start, end in previous)
         self.engine.update_pins()
         if self.engine.coordinator is not None:
             # Shared store: every process's updates must be complete and visible before any process uses an expert

@@ -68,6 +68,8 @@ if rank == 0:
         "plain_model_numel": plain_numel,
         "expert_steps": sorted(set(engine.store.steps.values())),
         "logged_keys": sorted({k for h in trainer.state.log_history for k in h}),
+        "telemetry_logs": [{k: v for k, v in h.items() if k.startswith(("offload/", "expert_optim/"))}
+                           for h in trainer.state.log_history if "loss" in h],
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
     }
     save_offloaded_pretrained(model, os.path.join(args.out, "final"))
