@@ -167,6 +167,58 @@ def test_upload_order_forward_then_reverse_backward_with_lookahead(tmp_path):
     assert bwd == list(reversed(used))
 
 
+def test_disk_prefetch_order_forward_then_reverse_across_layers(tmp_path):
+    """Disk tier: reads are requested (`prefetch`) before they are needed, in the known order: forward layer by layer
+    in expert order, backward from the last layer to the first, each layer in reverse expert order, with `depth`
+    experts requested ahead, and the previous layer's first backward experts requested as soon as a layer's backward
+    is done (ES-MoE §4.1: application-level prefetch, never page-fault driven)."""
+    model = small_model(num_experts=5, num_hidden_layers=2)
+    depth = 2
+    engine = enable_expert_offload(model, offload_cfg("disk", tmp_path, depth=depth, pin=0.0, cache=4))
+    store, events = engine.store, []
+    orig = store.acquire, store.release, store.prefetch
+
+    def acquire(key):
+        events.append(("acquire", key))
+        return orig[0](key)
+
+    def release(key, dirty=False):
+        events.append(("release", key))
+        return orig[1](key, dirty)
+
+    def prefetch(keys):
+        keys = list(keys)
+        events.extend(("prefetch", k) for k in keys)
+        return orig[2](keys)
+
+    store.acquire, store.release, store.prefetch = acquire, release, prefetch
+
+    def check_pass(expected: list[tuple[int, int]]) -> None:
+        assert [k for kind, k in events if kind == "acquire"] == expected
+        for i, (kind, key) in enumerate(events):
+            if kind == "acquire":  # every read was requested before it was needed
+                assert ("prefetch", key) in events[:i], key
+            if kind == "release":  # lookahead: the next `depth` experts of the layer were requested already
+                layer_keys = [k for k in expected if k[0] == key[0]]
+                ahead = layer_keys[layer_keys.index(key) + 1 : layer_keys.index(key) + 1 + depth]
+                assert all(("prefetch", k) in events[:i] for k in ahead), (key, ahead)
+
+    model.model.layers[1].self_attn.register_full_backward_pre_hook(
+        lambda *a: events.append(("attention backward", None)))
+    x = torch.randint(0, 101, (4, 16))
+    out = model(x, labels=x)
+    used = {layer.layer: [e for e, n in enumerate(layer.last_counts) if n] for layer in engine.layers}
+    check_pass([(0, e) for e in used[0]] + [(1, e) for e in used[1]])
+    events.clear()
+    out.loss.backward()
+    check_pass([(1, e) for e in reversed(used[1])] + [(0, e) for e in reversed(used[0])])
+    # Cross-layer: layer 0's first backward experts were requested before layer 1's attention backward ran, so the
+    # reads overlap it.
+    attn_bwd = next(i for i, (kind, _) in enumerate(events) if kind == "attention backward")
+    early = [k for kind, k in events[:attn_bwd] if kind == "prefetch" and k[0] == 0]
+    assert early == [(0, e) for e in list(reversed(used[0]))[: depth + 1]], (early, used[0])
+
+
 def test_pinning_keeps_hot_experts_in_the_disk_cache(tmp_path):
     model = small_model(num_experts=8, num_hidden_layers=1)
     engine = enable_expert_offload(model, offload_cfg("disk", tmp_path, depth=1, pin=0.25, cache=5))
@@ -337,3 +389,59 @@ def test_transformers_moe_families_offload_through_their_layout_adapter(family, 
             ref = lay.pack([getattr(module, t.name).grad[e] for t in lay.tensors], torch.empty(lay.numel))
             torch.testing.assert_close(engine.expert_grad((layer.layer, e)), ref, atol=1e-5, rtol=0)
     assert model.state_dict().keys() == reference.state_dict().keys()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_bf16_compute_copies_on_cpu_stay_current_and_masters_stay_fp32(tier, tmp_path):
+    """compute_dtype=bf16 on a CPU (the CUDA variant is in test_cuda.py): experts compute from bf16 copies of the fp32
+    masters; after every expert update the copy is refreshed (bf16 of the new master, exactly), and the streamed
+    model follows an fp32 reference within bf16 rounding (stated: logits 2e-2, losses over 3 AdamW steps 2e-2)."""
+    from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer
+
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    cfg = offload_cfg(tier, tmp_path, pin=0.0, cache=4)
+    cfg.compute_dtype = torch.bfloat16
+    engine = enable_expert_offload(model, cfg)
+    x = torch.randint(0, 101, (2, 9))
+    diff = (model(x).logits - reference(x).logits).abs().max().item()
+    assert 0 < diff <= 2e-2, diff  # bf16 expert matmuls: not bit-equal, close
+    opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), ExpertOptimizer(engine, lr=1e-3))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    for _ in range(3):
+        x = torch.randint(0, 101, (3, 11))
+        loss, ref_loss = model(x, labels=x).loss, reference(x, labels=x).loss
+        assert abs(loss.item() - ref_loss.item()) <= 2e-2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    engine.synchronize()
+    assert all(v == 3 for v in engine.store.steps.values())
+    for key in engine.store.keys():
+        record = engine.store.acquire(key)
+        try:
+            assert record.param.dtype == torch.float32 and record.compute.dtype == torch.bfloat16
+            assert torch.equal(record.compute, record.param.to(torch.bfloat16))  # refreshed after the update
+        finally:
+            engine.store.release(key)
+
+
+def test_device_tier_is_the_plain_model(tmp_path):
+    """mode="device": experts stay resident parameters (dropless, mask-free); outputs and gradients equal the plain
+    model's exactly, and no store exists."""
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, OffloadConfig(mode="device"))
+    assert engine.mode == "device" and engine.store is None
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    for _ in range(2):
+        x = torch.randint(0, 101, (3, 11))
+        out, ref_out = model(x, labels=x), reference(x, labels=x)
+        torch.testing.assert_close(out.logits, ref_out.logits, atol=0, rtol=0)
+        out.loss.backward()
+        ref_out.loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=n)
