@@ -102,3 +102,28 @@ def test_push_refuses_an_incomplete_folder(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="not ready to push"):
         push_to_hub(str(tmp_path), "me/x", token="hf_fake")
+
+
+@pytest.mark.slow
+def test_push_to_hub_flag_of_the_cli(tmp_path, capsys):
+    """`hf-moe-offload train --push-to-hub --hub-model-id ...` pushes the finished run (upload mocked at the
+    network boundary) and prints the URL; the card names the repo."""
+    from huggingface_hub import HfApi
+
+    from hf_moe_offload.cli import main
+
+    uploaded = {}
+
+    def fake_upload(self, folder_path, repo_id, repo_type, commit_message, ignore_patterns):
+        uploaded.update(folder=folder_path, repo_id=repo_id, files=sorted(os.listdir(folder_path)))
+
+    out = tmp_path / "run"
+    with mock.patch.object(HfApi, "create_repo", return_value=mock.Mock(repo_id="me/tiny-moe")), \
+            mock.patch.object(HfApi, "upload_folder", fake_upload):
+        assert main(["train", "--short", "--steps", "2", "--max-eval-blocks", "4", "--num-experts", "4",
+                     "--output-dir", str(out), "--push-to-hub", "--hub-model-id", "me/tiny-moe"]) == 0
+    assert uploaded["repo_id"] == "me/tiny-moe" and os.path.samefile(uploaded["folder"], out)
+    assert {"README.md", "config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(uploaded["files"])
+    assert "pushed" in capsys.readouterr().out
+    assert "me/tiny-moe" in (out / "README.md").read_text()
+    assert json.loads((out / "metrics.json").read_text())["hub_model_id"] == "me/tiny-moe"
