@@ -204,6 +204,9 @@ def test_expert_parallel_equals_one_process_on_the_concatenated_batch(world, tmp
         assert r["adam_steps_per_expert_all_ranks"] == [3] and r["shared_step_counts"] == [3], r
         assert r["experts_moved_between_ranks_within_a_window"] > 0, r
         assert all(n > 0 for n in r["adam_steps_by_rank"]), r
+        # ES-MoE §4.3 per rank, consistent with placement.
+        assert r["pins_identical_on_every_rank"] and r["pins_match_last_placement"] and r["engine_keeps_own_pins"], r
+        assert all(n > 0 for n in r["pins_per_rank"]), r
         # ES-MoE §4.2: dynamic placement balances the ranks' tokens better than static blocks.
         assert r["load_imbalance_max_over_mean"] < modes["static"]["load_imbalance_max_over_mean"], (r, modes["static"])
 

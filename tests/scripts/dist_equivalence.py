@@ -267,6 +267,18 @@ def run_mode(spec: str) -> dict:
     )
     if coordinator is not None:
         result["load_imbalance_max_over_mean"] = coordinator.load_imbalance()
+    if coordinator is not None and coordinator.mode == "dynamic":
+        # ES-MoE §4.3 per rank: each rank pins its hottest experts of the last window, the same table on every rank,
+        # every pin on a rank that ran that expert in the last placement, and each engine keeps exactly its own.
+        tables = [None] * world
+        dist.all_gather_object(tables, coordinator.pins)
+        result["pins_identical_on_every_rank"] = all(t == tables[0] for t in tables)
+        result["pins_per_rank"] = [sum(r == q for pins in coordinator.pins.values() for r in pins.values())
+                                   for q in range(world)]
+        result["pins_match_last_placement"] = all(coordinator.placements[layer].rank_of[e] == r
+                                                  for layer, pins in coordinator.pins.items() for e, r in pins.items())
+        result["engine_keeps_own_pins"] = sorted(engine.pinned) == sorted(coordinator.pinned_keys()) and all(
+            coordinator.pins[layer][e] == rank for layer, e in engine.pinned)
     if executor is not None:
         result["pipelining_choices"] = sorted(choices)
         everyone = [None] * world
