@@ -22,9 +22,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..pipelining.partition import Dispatched, PartPlan
+from ..pipelining.partition import Dispatched, PartPlan, Pending
 from .expert_parallel import _keep_parameters_in_graph, check_replicated
-from .exchange import ExchangePlan, all_gather_counts, all_to_all, copy_to_group, reduce_from_group, scale_grad
+from .exchange import (
+    ExchangePlan,
+    all_gather_counts,
+    all_to_all,
+    all_to_all_async,
+    copy_to_group,
+    reduce_from_group,
+    scale_grad,
+)
 from .placement import static_owner
 
 
@@ -49,8 +57,11 @@ class AllToAllComm:
 
     collective = True
 
-    def __init__(self, coordinator):
+    def __init__(self, coordinator, overlap: bool = True):
         self.coordinator = coordinator
+        # CPU tensors (gloo): exchanges are asynchronous collectives, returned `Pending` so that they overlap the
+        # experts of a neighbouring partition; CUDA tensors: the executor runs them on its side stream instead.
+        self.overlap = overlap
         self._plans: list[ExchangePlan] = []
         self._keep_params: nn.Module | None = None
 
@@ -69,32 +80,59 @@ class AllToAllComm:
                        for p in range(n)]
         self._keep_params = None if any(xp.expert_ids for xp in self._plans) else experts
 
-    def _exchange(self, x: torch.Tensor, part: PartPlan, xp: ExchangePlan) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.coordinator
-        rows = part.token_index.index_select(0, xp.send_order)
-        x_recv = all_to_all(x.index_select(0, rows), xp.output_splits, xp.input_splits, c.group)
-        return rows, x_recv.index_select(0, xp.regroup)
+    def _send_rows(self, x: torch.Tensor, part: PartPlan, xp: ExchangePlan) -> torch.Tensor:
+        return x.index_select(0, part.token_index.index_select(0, xp.send_order))
 
-    def dispatch(self, x: torch.Tensor, part: PartPlan) -> Dispatched:
+    def _async(self, t: torch.Tensor) -> bool:
+        return self.overlap and not t.is_cuda
+
+    def dispatch(self, x: torch.Tensor, part: PartPlan) -> Dispatched | Pending:
         c = self.coordinator
         xp = self._plans[part.index]
-        _, x_local = self._exchange(x, part, xp)
-        w = part.weights.index_select(0, xp.send_order).unsqueeze(-1)
-        w_local = all_to_all(w, xp.output_splits, xp.input_splits, c.group).index_select(0, xp.regroup)[:, 0]
-        return Dispatched(scale_grad(x_local, c.ddp_world_size), xp.expert_counts, xp.expert_ids,
-                          scale_grad(w_local, c.ddp_world_size), ctx=xp)
+        send = (self._send_rows(x, part, xp), part.weights.index_select(0, xp.send_order).unsqueeze(-1))
+
+        def finish(x_recv: torch.Tensor, w_recv: torch.Tensor) -> Dispatched:
+            x_local = x_recv.index_select(0, xp.regroup)  # expert-major
+            w_local = w_recv.index_select(0, xp.regroup)[:, 0]
+            return Dispatched(scale_grad(x_local, c.ddp_world_size), xp.expert_counts, xp.expert_ids,
+                              scale_grad(w_local, c.ddp_world_size), ctx=xp)
+
+        if not self._async(x):
+            return finish(*(all_to_all(t, xp.output_splits, xp.input_splits, c.group) for t in send))
+        (x_recv, wait_x), (w_recv, wait_w) = (all_to_all_async(t, xp.output_splits, xp.input_splits, c.group)
+                                              for t in send)
+
+        def done() -> Dispatched:
+            wait_x()
+            wait_w()
+            return finish(x_recv, w_recv)
+
+        return Pending(done)
 
     def redispatch(self, x: torch.Tensor, part: PartPlan, d: Dispatched) -> torch.Tensor:
-        with torch.no_grad():
-            return self._exchange(x, part, d.ctx)[1]
+        xp = d.ctx
+        with torch.no_grad():  # backward, in the same order on every rank: synchronous
+            recv = all_to_all(self._send_rows(x, part, xp), xp.output_splits, xp.input_splits, self.coordinator.group)
+            return recv.index_select(0, xp.regroup)
 
-    def combine(self, y_local: torch.Tensor, xp: ExchangePlan) -> torch.Tensor:
+    def combine(self, y_local: torch.Tensor, xp: ExchangePlan) -> torch.Tensor | Pending:
         c = self.coordinator
         y_local, self._keep_params = _zero_grad_once(y_local, self._keep_params)
-        y = scale_grad(y_local, 1.0 / c.ddp_world_size)
-        y_back = all_to_all(y.index_select(0, xp.ungroup), xp.input_splits, xp.output_splits, c.group)
-        # y_back is in send order (destination-major); put it back in the partition's row order.
-        return torch.zeros_like(y_back).index_copy(0, xp.send_order, y_back)
+        y = scale_grad(y_local, 1.0 / c.ddp_world_size).index_select(0, xp.ungroup)
+
+        def finish(y_back: torch.Tensor) -> torch.Tensor:
+            # y_back is in send order (destination-major); put it back in the partition's row order.
+            return torch.zeros_like(y_back).index_copy(0, xp.send_order, y_back)
+
+        if not self._async(y):
+            return finish(all_to_all(y, xp.input_splits, xp.output_splits, c.group))
+        y_back, wait = all_to_all_async(y, xp.input_splits, xp.output_splits, c.group)
+
+        def done() -> torch.Tensor:
+            wait()
+            return finish(y_back)
+
+        return Pending(done)
 
     def benchmark_fn(self, x: torch.Tensor) -> torch.Tensor:
         """An even all-to-all of x (rows split over the ranks): the configurator's communication micro-benchmark."""

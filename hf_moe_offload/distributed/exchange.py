@@ -5,6 +5,7 @@ ones in `expert_parallel.py`, MPMoE's partitioned executor in `hf_moe_offload.pi
 
 - `all_to_all`: dispatch/combine with per-rank (uneven) split sizes; backward is the transposed all-to-all
   (`all_to_all_single` works with uneven splits on gloo and NCCL; list `all_to_all` with unequal sizes does not on gloo).
+  `all_to_all_async`: the same, started asynchronously (returns the output and a `wait`).
 - `copy_to_group` / `reduce_from_group`: Pipeline-MoE dispatch (PPMoE §3.3, Algorithm 1) for inputs replicated
   across a group (tensor-parallel region): identity forward + all-reduce backward, and all-reduce forward + identity
   backward (Megatron-LM's f and g).
@@ -18,7 +19,7 @@ Collectives run on the tensors' device: CPU tensors on gloo, CUDA tensors on NCC
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +30,18 @@ ProcessGroup = dist.ProcessGroup
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group):
+    def forward(ctx, x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group,
+                in_flight: list | None = None):
         ctx.splits = (output_split_sizes, input_split_sizes)
         ctx.group = group
         out = x.new_empty((sum(output_split_sizes), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes, input_split_sizes, group=group)
+        send = x.contiguous()
+        if in_flight is None:
+            dist.all_to_all_single(out, send, output_split_sizes, input_split_sizes, group=group)
+        else:  # `out` is filled when the work completes: the caller waits before reading it
+            work = dist.all_to_all_single(out, send, output_split_sizes, input_split_sizes, group=group,
+                                          async_op=True)
+            in_flight.append((work, send))  # keep the send buffer alive until then
         return out
 
     @staticmethod
@@ -42,7 +50,7 @@ class _AllToAll(torch.autograd.Function):
         grad_in = grad.new_empty((sum(input_split_sizes), *grad.shape[1:]))
         # The transpose of an all-to-all is the all-to-all with the split sizes swapped.
         dist.all_to_all_single(grad_in, grad.contiguous(), input_split_sizes, output_split_sizes, group=ctx.group)
-        return grad_in, None, None, None
+        return grad_in, None, None, None, None
 
 
 def all_to_all(
@@ -57,10 +65,33 @@ def all_to_all(
     Every rank of `group` must call it with matching sizes: `input_split_sizes[q]` on rank s equals
     `output_split_sizes[s]` on rank q.
     """
+    return _AllToAll.apply(tokens, *_checked_splits(tokens, output_split_sizes, input_split_sizes), group)
+
+
+def all_to_all_async(
+    tokens: torch.Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+    group: ProcessGroup | None = None,
+) -> tuple[torch.Tensor, Callable[[], None]]:
+    """`all_to_all` started asynchronously (MPMoE §3.2: the exchange of one partition overlaps the experts of
+    another): returns (output, wait). The output's rows are valid only after `wait()`; until then nothing may read
+    it. Backward is the synchronous reverse exchange."""
+    in_flight: list = []
+    out = _AllToAll.apply(tokens, *_checked_splits(tokens, output_split_sizes, input_split_sizes), group, in_flight)
+
+    def wait() -> None:
+        while in_flight:
+            in_flight.pop()[0].wait()
+
+    return out, wait
+
+
+def _checked_splits(tokens: torch.Tensor, output_split_sizes, input_split_sizes) -> tuple[list[int], list[int]]:
     if tokens.shape[0] != sum(input_split_sizes):
         raise ValueError(f"all_to_all: tokens has {tokens.shape[0]} rows but input_split_sizes sum to "
                          f"{sum(input_split_sizes)}")
-    return _AllToAll.apply(tokens, [int(n) for n in output_split_sizes], [int(n) for n in input_split_sizes], group)
+    return [int(n) for n in output_split_sizes], [int(n) for n in input_split_sizes]
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -210,6 +241,7 @@ def end_process_groups() -> None:
 
 __all__ = [
     "all_to_all",
+    "all_to_all_async",
     "copy_to_group",
     "reduce_from_group",
     "scale_grad",

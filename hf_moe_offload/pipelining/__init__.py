@@ -86,6 +86,7 @@ def enable_micro_batch_pipelining(
     strategies: tuple[str, ...] = ("S1", "S2", "S3", "S4"),
     n_max: int = 8,
     speeds: Speeds | None = None,
+    overlap: bool = True,
 ) -> PartitionedExecutor:
     """Run every MoE block of `model` as n token partitions with restore strategy `strategy` (MPMoE).
 
@@ -95,7 +96,8 @@ def enable_micro_batch_pipelining(
     stage: by default `LocalComm` (single process), or, on a model with expert parallelism
     (`hf_moe_offload.distributed.enable_expert_parallel`, called first), that mode's stage (`AllToAllComm` /
     `PPMoEComm`: partitions exchange tokens with one micro all-to-all, or index-select + all-reduce, each). Returns the
-    executor shared by all blocks; reversible with `disable_micro_batch_pipelining`.
+    executor shared by all blocks; reversible with `disable_micro_batch_pipelining`. `overlap=False` runs every
+    exchange synchronously, in line (the baseline of the overlap measurement).
     """
     blocks = _moe_blocks(model)
     if not blocks:
@@ -106,6 +108,8 @@ def enable_micro_batch_pipelining(
             raise ValueError("this model runs expert parallelism, which brings its own communication stage; "
                              "leave comm=None")
         comm = _get_expert_parallel(model).comm_stage()
+        if hasattr(comm, "overlap"):
+            comm.overlap = overlap
     if strategy != "auto":
         restore_strategy(strategy)  # validates the name
     configurator = None
@@ -120,11 +124,11 @@ def enable_micro_batch_pipelining(
         configurator = PipelineConfigurator(hidden, intermediate, n=n, strategy=strategy, strategies=strategies,
                                             method=method, n_max=n_max, speeds=speeds, profile_fn=profile_fn,
                                             comm_fn=getattr(comm, "benchmark_fn", None))
-        executor = PartitionedExecutor(1, "keep", comm=comm, configurator=configurator)
+        executor = PartitionedExecutor(1, "keep", comm=comm, configurator=configurator, overlap=overlap)
     elif not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int or 'auto', got {n!r}")
     else:
-        executor = PartitionedExecutor(n, strategy, comm=comm)
+        executor = PartitionedExecutor(n, strategy, comm=comm, overlap=overlap)
     for block in blocks:
         current = block.executor
         if current is not None and not isinstance(current, PartitionedExecutor) and current is not parallel.get(block):

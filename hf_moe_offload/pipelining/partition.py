@@ -9,7 +9,9 @@ One MoE layer, from plan to output, with n partitions:
 
 Overlap: on CUDA, dispatch of partition p+1 and combine of partition p run on a side stream while partition p's
 experts run on the current stream (events order them); host copies of S1-S3 use their own stream
-(`restore.HostCopier`). On CPU, host copies run on a background thread; dispatch/combine run inline.
+(`restore.HostCopier`). On CPU, host copies run on a background thread, and a stage whose exchanges are asynchronous
+collectives (gloo) returns them `Pending`: dispatch of p+1 and combine of p are in flight while the experts of p
+(and p+1) compute, and are waited for only when their rows are needed. The local dispatch runs inline.
 
 The communication stage is pluggable (`CommStage`): `LocalComm` (single process, dispatch = index_select) here;
 with expert parallelism (`hf_moe_offload.distributed`), `AllToAllComm` (static EP / ES-MoE dynamic placement: one
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -79,6 +82,17 @@ class Dispatched:
     ctx: Any = None  # whatever combine / redispatch need
 
 
+@dataclass
+class Pending:
+    """An exchange in flight (an asynchronous collective): `finish()` waits for it and returns its result."""
+
+    finish: Callable[[], Any]
+
+
+def _resolve(value):
+    return value.finish() if isinstance(value, Pending) else value
+
+
 class CommStage(Protocol):
     """The communication stage of a partition: tokens to the experts and back (S and R of MPMoE Fig. 4b).
 
@@ -86,6 +100,8 @@ class CommStage(Protocol):
     stage exchanges the counts of all partitions and places the experts there, once per layer call); `collective =
     True` when every rank must run the same number of partitions (the executor then never clamps n to the local
     token count); `benchmark_fn(x)`, a real exchange of x for the configurator's micro-benchmarks.
+    `dispatch` and `combine` may return a `Pending` (asynchronous collectives); the executor finishes it when the
+    result is needed, after computing something else.
     """
 
     def dispatch(self, x: torch.Tensor, plan: PartPlan) -> Dispatched:
@@ -221,9 +237,17 @@ class PartitionedExecutor:
                 ev.record(side)
             return res, ev
 
+        combining: list[tuple[Pending, torch.Tensor]] = []  # combines in flight (CPU, asynchronous stage)
+
+        def finish_combines() -> None:
+            while combining:
+                combined, token_index = combining.pop(0)
+                out.index_add_(0, token_index, combined.finish())
+
         pending = dispatch(0)
         for p, part in enumerate(parts):
             d, ready = pending
+            d = _resolve(d)  # an asynchronous dispatch: issued during the previous partition's experts
             if ready is not None:
                 torch.cuda.current_stream(x.device).wait_event(ready)
                 d.x.record_stream(torch.cuda.current_stream(x.device))
@@ -261,13 +285,19 @@ class PartitionedExecutor:
             saver.close()
             del x_local, d
             if side is None:
-                out.index_add_(0, part.token_index, self.comm.combine(y_local, ctx))
+                combined = self.comm.combine(y_local, ctx)
+                finish_combines()  # the previous partition's combine overlapped this partition's experts
+                if isinstance(combined, Pending):
+                    combining.append((combined, part.token_index))
+                else:
+                    out.index_add_(0, part.token_index, combined)
             else:
                 side.wait_stream(torch.cuda.current_stream(x.device))
                 with torch.cuda.stream(side):
                     y_local.record_stream(side)
                     out.index_add_(0, part.token_index, self.comm.combine(y_local, ctx))
             del y_local
+        finish_combines()
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
         return out
@@ -278,4 +308,5 @@ class PartitionedExecutor:
         return self._streams[device]
 
 
-__all__ = ["CommStage", "Dispatched", "LocalComm", "PartPlan", "PartitionedExecutor", "partition_bounds", "split_plan", "weight_rows"]
+__all__ = ["CommStage", "Dispatched", "LocalComm", "PartPlan", "PartitionedExecutor", "Pending", "partition_bounds",
+           "split_plan", "weight_rows"]
