@@ -135,6 +135,32 @@ def test_left_padded_batch_generation_matches_single():
 
 
 # --- training ---
+def test_outputs_follow_the_transformers_conventions():
+    """The small tester of the usual output contract: hidden states (embeddings + one per layer), router logits of
+    the MoE layers only, inputs_embeds == input_ids, return_dict=False tuples, tied output embedding, aux_loss."""
+    model = tiny_model(moe_layer_frequency=2)
+    cfg = model.config
+    x = torch.randint(2, 97, (2, 7))
+    out = model(x, labels=x, output_hidden_states=True, output_router_logits=True)
+    assert len(out.hidden_states) == cfg.num_hidden_layers + 1
+    assert all(h.shape == (2, 7, cfg.hidden_size) for h in out.hidden_states)
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if (i + 1) % cfg.moe_layer_frequency == 0]
+    assert len(out.router_logits) == len(moe_layers)
+    assert all(r.shape == (2 * 7, cfg.num_experts) and r.dtype == torch.float32 for r in out.router_logits)
+    assert out.aux_loss is not None and out.aux_loss.ndim == 0
+    embeds = model.get_input_embeddings()(x)
+    torch.testing.assert_close(model(inputs_embeds=embeds).logits, out.logits, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
+        model(input_ids=x, inputs_embeds=embeds)
+    as_tuple = model(x, labels=x, return_dict=False)  # MoeCausalLMOutputWithPast order: loss, aux_loss, logits, ...
+    assert isinstance(as_tuple, tuple)
+    for got, want in zip(as_tuple[:3], (out.loss, out.aux_loss, out.logits)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tie_word_embeddings
+    untied = tiny_model(tie_word_embeddings=False)
+    assert untied.get_output_embeddings().weight is not untied.get_input_embeddings().weight
+
+
 def test_loss_decreases_with_adamw():
     model = tiny_model().train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
