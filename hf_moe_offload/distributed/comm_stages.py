@@ -39,7 +39,6 @@ from .placement import static_owner
 def _zero_grad_once(y: torch.Tensor, experts: nn.Module | None) -> tuple[torch.Tensor, None]:
     """Device tier, a rank that runs none of its experts in a layer call: give their parameters a zero gradient in
     the call's first combine (see `expert_parallel._keep_parameters_in_graph`); then forget them for this call."""
-
     if experts is not None:
         y = _keep_parameters_in_graph(y, experts, ran_any=False)
     return y, None

@@ -202,7 +202,7 @@ class PartitionedExecutor:
 
     def __call__(self, x: torch.Tensor, plan, experts: nn.Module) -> torch.Tensor:
         n, strategy = self.choose(x, plan, experts)
-        if not getattr(self.comm, "collective", False):  # collective stages: the same n on every rank, parts may be empty
+        if not getattr(self.comm, "collective", False):  # collective: the same n on every rank, parts may be empty
             n = max(1, min(n, x.shape[0]))
         self.last_choice = (n, strategy.name)
         parts = split_plan(plan, x.shape[0], n)
