@@ -124,7 +124,8 @@ def add_training_arguments(p: argparse.ArgumentParser, output_dir: str, steps: i
     g.add_argument("--max-grad-norm", type=float, default=1.0,
                    help="global clipping over experts and non-experts (0 disables; then expert steps overlap backward)")
     g.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                   help="bf16/fp16 autocast with fp32 master weights (fp16 needs a GPU and --offload device)")
+                   help="bf16/fp16 autocast with fp32 master weights (fp16 needs a GPU; its loss scaling covers the "
+                        "expert steps)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--logging-steps", type=int, default=logging_steps)
     g.add_argument("--eval-steps", type=int, default=eval_steps, help="default: 4 evaluations per run")
@@ -169,12 +170,6 @@ def offload_config(args: argparse.Namespace, precision: str | None = None, subdi
 
 def training_arguments(args: argparse.Namespace, **overrides: Any) -> TrainingArguments:
     """TrainingArguments from the shared flags. Creating them initialises the process group under a launcher."""
-    if args.precision == "fp16" and args.offload != "device":
-        raise ValueError(
-            "--precision fp16 with offloaded experts is not supported: the Trainer's loss scaler is not handed to "
-            "the expert optimizer, so expert gradients would stay scaled. Use --precision bf16 (or fp32), or "
-            "--offload device"
-        )
     if args.precision == "fp16" and not torch.cuda.is_available():
         raise ValueError("--precision fp16 needs a CUDA GPU; on CPU use --precision bf16 or fp32")
     eval_steps = args.eval_steps or max(1, args.steps // 4)

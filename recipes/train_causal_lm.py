@@ -1,8 +1,8 @@
 """Causal-LM training of the ES-MoE model sizes (MoE-S / MoE-M / MoE-L, ES-MoE Table 4) on WikiText-103 (ES-MoE §5).
 
 ES-MoE §5 settings used as defaults here: GPT-3 shapes, top-1 routing, load-balancing loss 0.01, per-device batch
-of 32 sequences, mixed precision (bf16 here: fp16 needs the loss scaler inside the expert optimizer, not wired to the
-Trainer yet), experts offloaded with the tier chosen from the memory budgets (ES-MoE §4.3 adaptive offload). The
+of 32 sequences, mixed precision (bf16 by default here; `--precision fp16` works on GPUs, its loss scaler covering
+the expert steps), experts offloaded with the tier chosen from the memory budgets (ES-MoE §4.3 adaptive offload). The
 sequence length (1024) and vocabulary (GPT-2's 50,257 instead of the paper's 51,200) are ours.
 
 Launch (each runs offline on tiny data too: add --train-file FILE.txt and small sizes, as the tests do):

@@ -178,6 +178,74 @@ def test_fp16_overflow_skips_expert_steps(tmp_path):
     experts.close()
 
 
+class _AcceleratedOptimizerLike:
+    """What accelerate hands the Trainer's callbacks under fp16: the optimizer, with its GradScaler as `.scaler`.
+    (accelerate gives no scaler on CPU, so the Trainer loop cannot run fp16 here; its order is replayed by hand.)"""
+
+    def __init__(self, optimizer, scaler):
+        self.optimizer, self.scaler = optimizer, scaler
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+
+def test_trainer_callback_fp16_overflow_skips_every_step_and_backs_off(tmp_path):
+    """ExpertOptimizerCallback with the Trainer's fp16 GradScaler, in Trainer order (backward of the scaled loss ->
+    on_pre_optimizer_step -> scaler.step -> scaler.update): a finite window equals plain AdamW with global clipping
+    on the unscaled gradients; an overflow in one expert gradient skips the expert steps AND the non-expert step, and
+    the scale backs off, like GradScaler.step."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from hf_moe_offload import ExpertOptimizerCallback
+
+    reference = small_model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, OffloadConfig(mode="host"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    opt = _AcceleratedOptimizerLike(inner, scaler)
+    args = TrainingArguments(output_dir=str(tmp_path), max_grad_norm=0.5, learning_rate=1e-2, weight_decay=0.0,
+                             use_cpu=True, report_to=[])
+    state, control = TrainerState(), TrainerControl()
+    callback = ExpertOptimizerCallback()
+    callback.on_train_begin(args, state, control, model=model, optimizer=opt)
+    assert callback.expert_optimizer.grad_scaler is scaler and not callback.expert_optimizer.eager
+
+    def train_step(x, poison_expert=False):
+        scaler.scale(model(x, labels=x).loss).backward()
+        if poison_expert:
+            record = engine.store.acquire((0, 1))
+            record.grad[0] = float("inf")
+            engine.store.release((0, 1), dirty=True)
+        callback.on_pre_optimizer_step(args, state, control, model=model)
+        scaler.step(inner)
+        scaler.update()
+        inner.zero_grad()
+
+    x = torch.randint(0, 101, (2, 9))
+    train_step(x)
+    reference(x, labels=x).loss.backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    ref_opt.step()
+    ref_opt.zero_grad()
+    engine.synchronize()
+    assert all(v == 1 for v in engine.store.steps.values())
+    assert_same_weights(model, reference)
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scale = scaler.get_scale()
+    train_step(torch.randint(0, 101, (2, 9)), poison_expert=True)
+    engine.synchronize()
+    assert all(v == 1 for v in engine.store.steps.values())  # no expert stepped
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)  # nothing else either
+    assert scaler.get_scale() == scale * scaler.get_backoff_factor()
+    assert callback.expert_optimizer.skipped_steps == 1
+    callback.on_train_end(args, state, control)
+
+
 def test_per_expert_clipping_stays_eager_and_bounds_each_expert(tmp_path):
     model = small_model()
     engine = enable_expert_offload(model, OffloadConfig(mode="host"))

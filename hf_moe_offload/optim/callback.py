@@ -7,7 +7,10 @@ What it does, in Trainer order (clip -> on_pre_optimizer_step -> optimizer.step 
   On resume it restores the expert state saved in the checkpoint folder.
 - during backward: experts are stepped as their gradients finish on the micro-step that closes the accumulation
   window (the Trainer's `sync_gradients`), overlapping the rest of backward (ES-MoE §4.1).
-- on_pre_optimizer_step: closes the window (deferred mode: clip, then step all experts).
+- on_pre_optimizer_step: closes the window (deferred mode: clip, then step all experts). With fp16 (the Trainer's
+  accelerate `GradScaler`): unscales the non-expert gradients, unscales and checks the expert ones, and an overflow
+  anywhere skips every step of the window, experts and non-experts alike, and backs the scale off (`GradScaler.step`
+  semantics; an expert overflow is handed to the scaler as an inf in a non-expert gradient).
 - on_save: writes `expert_state.safetensors` (fp32 master weights, Adam moments, steps) into the checkpoint folder.
 - on_log: adds optimizer time, overlap and offload telemetry to the logs.
 
@@ -38,6 +41,7 @@ class ExpertOptimizerCallback(TrainerCallback):
         self.expert_optimizer: ExpertOptimizer | None = None
         self._max_grad_norm = None
         self._trainer_optimizer = None
+        self._scaler = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         engine = get_offload_engine(model)
@@ -45,6 +49,10 @@ class ExpertOptimizerCallback(TrainerCallback):
             logger.warning("ExpertOptimizerCallback: the model has no offloaded experts; nothing to do")
             return
         self._trainer_optimizer = optimizer
+        # accelerate's AcceleratedOptimizer carries the fp16 GradScaler (None for fp32/bf16 and on CPU).
+        self._scaler = getattr(optimizer, "scaler", None)
+        if self._scaler is not None and not self._scaler.is_enabled():
+            self._scaler = None
         if args.world_size > 1 and getattr(engine, "coordinator", None) is None:
             logger.warning(
                 "ExpertOptimizerCallback under %d processes without expert parallelism: every rank updates its own "
@@ -66,6 +74,7 @@ class ExpertOptimizerCallback(TrainerCallback):
             clip_mode=self.clip_mode,
             workers=self.workers,
             lr_fn=lambda: optimizer.param_groups[0]["lr"],
+            grad_scaler=self._scaler,
         )
         resume = self.resume_from_checkpoint
         if resume is None and state.global_step > 0:
@@ -84,7 +93,15 @@ class ExpertOptimizerCallback(TrainerCallback):
         if self.expert_optimizer is None:
             return
         params = [p for g in self._trainer_optimizer.param_groups for p in g["params"]]
-        self.expert_optimizer.step(non_expert_params=params)
+        overflow = None
+        if self._scaler is not None:
+            overflow = self.expert_optimizer.expert_grads_overflow()
+            with_grad = [p for p in params if p.grad is not None]
+            if overflow and with_grad:
+                # Make the scaler see the experts' overflow: it then skips the non-expert step and backs off.
+                with_grad[0].grad.view(-1)[0] = float("inf")
+            self._scaler.unscale_(getattr(self._trainer_optimizer, "optimizer", self._trainer_optimizer))
+        self.expert_optimizer.step(non_expert_params=params, expert_overflow=overflow)
 
     def on_save(self, args, state, control, **kwargs):
         if self.expert_optimizer is None:

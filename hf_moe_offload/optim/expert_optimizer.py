@@ -216,13 +216,15 @@ class ExpertOptimizer:
         coordinator = self.engine.coordinator
         return total if coordinator is None else coordinator.all_reduce_sum(total)
 
-    def step(self, non_expert_params: Iterable[torch.nn.Parameter] | None = None) -> float | None:
+    def step(self, non_expert_params: Iterable[torch.nn.Parameter] | None = None,
+             expert_overflow: bool | None = None) -> float | None:
         """Close the window: step every expert not stepped yet. Returns the clip coefficient applied (deferred mode).
 
         With `max_grad_norm` and `clip_mode="global"`, pass the non-expert parameters: their gradients are scaled by
         the same coefficient here (so the caller must not clip them again), exactly as `clip_grad_norm_` over all.
         With a `grad_scaler`, call `scaler.unscale_(optimizer)` first: non-expert gradients are taken as unscaled,
-        expert gradients are unscaled here.
+        expert gradients are unscaled here; `expert_overflow`, when the caller already ran `expert_grads_overflow()`,
+        saves a second pass over the expert gradients.
         """
         if not self.boundary_fn():
             return None  # not the window's last micro-step (e.g. inside accelerate's accumulate): keep accumulating
@@ -233,7 +235,9 @@ class ExpertOptimizer:
             params = [p for p in (non_expert_params or []) if p.grad is not None]
             if self.grad_scaler is not None and self.grad_scaler.is_enabled():
                 grad_scale = float(self.grad_scaler.get_scale())
-                if self._expert_grads_overflow() or any(not torch.isfinite(p.grad).all() for p in params):
+                if expert_overflow is None:
+                    expert_overflow = self.expert_grads_overflow()
+                if expert_overflow or any(not torch.isfinite(p.grad).all() for p in params):
                     self.skipped_steps += 1
                     logger.warning("fp16 overflow: skipping the expert steps of this window")
                     self.engine.zero_grad()
@@ -254,7 +258,9 @@ class ExpertOptimizer:
         self._end_window()
         return clip_coef
 
-    def _expert_grads_overflow(self) -> bool:
+    def expert_grads_overflow(self) -> bool:
+        """True when any expert gradient (of this rank's updates; all ranks agree) holds inf/nan. Collective under
+        expert parallelism."""
         found = False
         for key in self.store.keys():
             if self.store.has_grad[key] and self._owns(key):
