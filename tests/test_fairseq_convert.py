@@ -66,6 +66,17 @@ def test_capacity_mode_matches_fairseq_drops(tmp_path, before_dropping):
     ref = reference_logits(shared, experts, cfg, tokens, capacity=True)
     dropless = reference_logits(shared, experts, cfg, tokens, capacity=False)
     assert (ref - dropless).abs().max() > 1e-3  # capacity really dropped something in this batch
+    # Padding (right, as fairseq's LM batches; on the first row, so that its pads precede the second row's tokens in
+    # the flattened order): pads count toward capacity and route like fairseq's (zero position row), so real tokens
+    # get the same drops.
+    padded = tokens.clone()
+    padded[0, -5:] = 1
+    mask = (padded != 1).long()
+    pos = model.model._positions(None, mask, 0, padded.shape[1], padded.device)
+    assert not pos[0, -5:].any() and pos[0, :-5].abs().sum(-1).gt(0).all()  # fairseq: pads take the zero row
+    ref_padded = reference_logits(shared, experts, cfg, padded, capacity=True)
+    torch.testing.assert_close(model(padded, attention_mask=mask).logits[mask.bool()], ref_padded[mask.bool()],
+                               atol=ATOL, rtol=0)
     other = dict(cfg, moe_normalize_gate_prob_before_dropping=not before_dropping)
     assert (ref - reference_logits(shared, experts, other, tokens, capacity=True)).abs().max() > 1e-3  # flag matters
     torch.testing.assert_close(model(tokens).logits, ref, atol=ATOL, rtol=0)

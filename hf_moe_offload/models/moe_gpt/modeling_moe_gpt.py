@@ -330,8 +330,11 @@ def _attention_mask_4d(
     q_pos = torch.arange(past_len, past_len + q_len, device=device)
     causal = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]  # (q, kv)
     mask = causal[None] & attention_mask[:, None, :].bool()  # (B, q, kv)
-    # A query that is itself a pad may see no key at all; let it see itself so SDPA returns no NaN.
-    mask[:, torch.arange(q_len, device=device), q_pos] = True
+    # A pad query with no real key before it (left padding) would see nothing: let it see itself so SDPA returns no
+    # NaN. Other pad queries keep fairseq's key-padding semantics (they attend to the real keys before them).
+    rows = torch.arange(q_len, device=device)
+    empty = ~mask.any(-1)  # (B, q)
+    mask[:, rows, q_pos] |= empty
     return mask[:, None]
 
 
@@ -358,16 +361,22 @@ class MoEGPTModel(MoEGPTPreTrainedModel):
         self.embed_tokens = value
 
     def _positions(self, position_ids, attention_mask, past_len, q_len, device):
+        pad = None
         if position_ids is None:
             if attention_mask is not None:
                 # Count non-pad tokens only, so left padding does not shift positions (fairseq, GPT-2 generate).
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -q_len:]
+                pad = attention_mask[:, -q_len:, None] == 0
             else:
                 position_ids = torch.arange(past_len, past_len + q_len, device=device)[None]
         positions = position_ids + self.config.position_offset
         if self.config.position_embedding_type == "learned":
-            return self.embed_positions(positions)
-        return sinusoidal_position_embedding(positions, self.config.hidden_size)
+            pos = self.embed_positions(positions)
+        else:
+            pos = sinusoidal_position_embedding(positions, self.config.hidden_size)
+        # Pads get no position (fairseq's zero padding row): their hidden states matter only where they are routed,
+        # i.e. with fairseq's capacity semantics, where pads take capacity slots.
+        return pos if pad is None else pos.masked_fill(pad, 0.0)
 
     def forward(
         self,
