@@ -195,11 +195,11 @@ class ExpertParallelCoordinator:
         self.engine.update_pins()
         dist.barrier(group=self.group)
 
-    def comm_stage(self):
+    def comm_stage(self, overlap: bool = True):
         """The communication stage of MPMoE's partitioned layer for this mode (hf_moe_offload.pipelining)."""
         from .comm_stages import AllToAllComm, PPMoEComm  # noqa: PLC0415 (comm_stages imports this module)
 
-        return PPMoEComm(self) if self.mode == "ppmoe" else AllToAllComm(self)
+        return PPMoEComm(self) if self.mode == "ppmoe" else AllToAllComm(self, overlap=overlap)
 
     def on_layer_backward_done(self, layer: int) -> None:
         """Engine hook: the gradients this rank just added to layer `layer`'s experts must reach the node-shared files

@@ -107,9 +107,7 @@ def enable_micro_batch_pipelining(
         if comm is not None:
             raise ValueError("this model runs expert parallelism, which brings its own communication stage; "
                              "leave comm=None")
-        comm = _get_expert_parallel(model).comm_stage()
-        if hasattr(comm, "overlap"):
-            comm.overlap = overlap
+        comm = _get_expert_parallel(model).comm_stage(overlap=overlap)
     if strategy != "auto":
         restore_strategy(strategy)  # validates the name
     configurator = None
