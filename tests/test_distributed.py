@@ -279,3 +279,21 @@ def test_micro_batch_pipelining_over_expert_parallelism(world, tmp_path):
         assert r["disable_expert_parallel_refused_while_pipelined"], spec
         if mode.startswith("dynamic"):
             assert r["adam_steps_per_expert_all_ranks"] == [3] and r["shared_step_counts"] == [3], (spec, r)
+
+
+def test_measured_placement_cost_on_cpu_balances_tokens(tmp_path):
+    """PlacementCost.measure times one expert FFN per token (x3 for training) and, on GPUs only, one upload; on a CPU
+    the upload is free, so LPT balances tokens. Under torch.distributed the timings are MAX-reduced (world of 1
+    here; the 2/3-process runs use the same call through enable_expert_parallel on NCCL only)."""
+    import torch.distributed as dist
+
+    cost = PlacementCost.measure(64, 256, rows=128, reps=2)
+    assert cost.upload_seconds == 0.0 and cost.seconds_per_token > 0
+    tokens = [90, 10, 40, 60, 30, 70]
+    assert plan_placement(tokens, 2, cost).rank_of == plan_placement(tokens, 2, PlacementCost()).rank_of
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        reduced = PlacementCost.measure(64, 256, rows=128, reps=2)
+        assert reduced.upload_seconds == 0.0 and reduced.seconds_per_token > 0
+    finally:
+        dist.destroy_process_group()

@@ -335,7 +335,8 @@ def enable_expert_parallel(
       path on every rank of the node), or offload the model first (its store then becomes node-shared).
     - `mode="ppmoe"`: PPMoE §3.3 index-select + all-reduce, for MoE inputs identical across the group.
 
-    `placement_cost` (dynamic): the LPT cost model; must be identical on every rank. `pin_fraction`: experts pinned
+    `placement_cost` (dynamic): the LPT cost model; must be identical on every rank (default: measured on GPUs,
+    token balance on CPUs, see `PlacementCost`). `pin_fraction`: experts pinned
     per rank (default: the offload config's). Create the `ExpertOptimizer` (or the Trainer with
     `ExpertOptimizerCallback`) after this call.
     """
@@ -385,8 +386,10 @@ def enable_expert_parallel(
         num_experts[layer] = block.num_experts
     if pin_fraction is None:
         pin_fraction = engine.pin_fraction if offloaded else 0.0
+    if placement_cost is None:
+        placement_cost = _default_placement_cost(model, mode, group, engine if offloaded else None)
     coordinator = ExpertParallelCoordinator(mode, group, num_experts, engine if offloaded else None,
-                                            placement_cost or PlacementCost(), pin_fraction, validate_replicated)
+                                            placement_cost, pin_fraction, validate_replicated)
     if offloaded:
         engine.coordinator = coordinator
         engine.add_layer_done_hook(coordinator.on_layer_backward_done)
@@ -400,6 +403,20 @@ def enable_expert_parallel(
     logger.info("expert parallelism: mode=%s, %d MoE layers, rank %d of %d, experts %s", mode, len(blocks),
                 coordinator.rank, coordinator.world_size, "offloaded (node-shared store)" if offloaded else "resident")
     return coordinator
+
+
+def _default_placement_cost(model: nn.Module, mode: str, group, engine: OffloadEngine | None) -> PlacementCost:
+    """ES-MoE §4.2 cost for dynamic placement: measured on GPUs (expert compute per token + one upload); token
+    balance elsewhere (on a CPU the experts are used in place, so uploads cost nothing)."""
+    cfg = getattr(model, "config", None)
+    if mode != "dynamic" or dist.get_backend(group) != "nccl" or not hasattr(cfg, "intermediate_size"):
+        return PlacementCost()
+    dtype = engine.store.compute_dtype if engine is not None else torch.float32
+    cost = PlacementCost.measure(cfg.hidden_size, cfg.intermediate_size, dtype,
+                                 torch.device("cuda", torch.cuda.current_device()), group=group)
+    logger.info("placement cost measured: %.3g s per token, %.3g s per expert upload (= %.0f tokens)",
+                cost.seconds_per_token, cost.upload_seconds, cost.upload_seconds / cost.seconds_per_token)
+    return cost
 
 
 def _node_store_factory(group, shared_dir: str, offload_dir: str | None, io_threads: int):

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -27,9 +31,10 @@ class PlacementCost:
     """Cost model of one expert on one rank: `tokens * seconds_per_token + upload_seconds` (ES-MoE §4.2).
 
     Only the ratio matters to the planner, so the default (1 token = 1 unit, free uploads) balances tokens, which is
-    right where experts are used in place (CPU host tier) or already resident. On a GPU, derive both from the
-    hardware with `PlacementCost.from_hardware`; every rank must use the same values (they decide the placement
-    independently), so do not measure them per rank.
+    right where experts are used in place (CPU host tier) or already resident. On GPUs `enable_expert_parallel`
+    measures both (`PlacementCost.measure`, MAX-reduced over the ranks); or give them from the hardware's data sheet
+    with `PlacementCost.from_hardware`. Every rank must use the same values (they decide the placement
+    independently).
 
     Example:
 
@@ -59,8 +64,48 @@ class PlacementCost:
         return cls(seconds_per_token=flops_per_token / device_flops,
                    upload_seconds=expert_params * bytes_per_param / upload_bytes_per_s)
 
+    @classmethod
+    def measure(cls, hidden: int, intermediate: int, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu", group=None, training: bool = True,
+                rows: int = 512, reps: int = 5) -> "PlacementCost":
+        """Both terms timed on this machine: one expert FFN on `rows` tokens (x3 for backward when training) and,
+        on a GPU, one upload of the expert's weights from pinned host memory. On a CPU-only machine uploads cost
+        nothing (the host is the device), which makes the plan balance tokens. The timings are MAX-reduced over
+        `group` when torch.distributed is initialised, so that every rank plans with the same costs."""
+        device = torch.device(device)
+        x = torch.randn(rows, hidden, dtype=dtype, device=device)
+        w1 = torch.randn(intermediate, hidden, dtype=dtype, device=device)
+        w2 = torch.randn(hidden, intermediate, dtype=dtype, device=device)
+        per_token = _best_time(lambda: torch.nn.functional.linear(torch.nn.functional.gelu(
+            torch.nn.functional.linear(x, w1)), w2), device, reps) / rows * (3 if training else 1)
+        upload = 0.0
+        if device.type == "cuda":
+            host = torch.empty(2 * hidden * intermediate, dtype=dtype, pin_memory=True)
+            dev = torch.empty_like(host, device=device)
+            upload = _best_time(lambda: dev.copy_(host, non_blocking=True), device, reps)
+        values = torch.tensor([per_token, upload], dtype=torch.float64, device=device if device.type == "cuda"
+                              else "cpu")
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+        per_token, upload = values.tolist()
+        return cls(seconds_per_token=max(per_token, 1e-12), upload_seconds=upload)
+
     def expert_cost(self, tokens: int, resident: bool) -> float:
         return tokens * self.seconds_per_token + (0.0 if resident else self.upload_seconds)
+
+
+def _best_time(fn, device: torch.device, reps: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 @dataclass
