@@ -246,6 +246,39 @@ def test_trainer_callback_fp16_overflow_skips_every_step_and_backs_off(tmp_path)
     callback.on_train_end(args, state, control)
 
 
+def test_expert_aware_optimizer_fp16_overflow_skips_every_step(tmp_path):
+    """Custom loop with a plain torch optimizer and ExpertOptimizer(grad_scaler=...): `opt.step()` does the scaler's
+    part too. An expert overflow skips the expert and the non-expert steps and backs the scale off; a finite window
+    steps everything, with unscaled gradients (equal to plain AdamW)."""
+    reference = small_model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, OffloadConfig(mode="host"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0),
+                               ExpertOptimizer(engine, lr=1e-2, grad_scaler=scaler))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randint(0, 101, (2, 9))
+    scaler.scale(model(x, labels=x).loss).backward()
+    record = engine.store.acquire((1, 2))
+    record.grad[3] = float("nan")
+    engine.store.release((1, 2), dirty=True)
+    opt.step()
+    opt.zero_grad()
+    engine.synchronize()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert scaler.get_scale() == 2.0**10 * scaler.get_backoff_factor()
+    scaler.scale(model(x, labels=x).loss).backward()
+    opt.step()
+    opt.zero_grad()
+    reference(x, labels=x).loss.backward()
+    ref_opt.step()
+    engine.synchronize()
+    assert all(v == 1 for v in engine.store.steps.values())
+    assert_same_weights(model, reference)
+    opt.expert_optimizer.close()
+
+
 def test_per_expert_clipping_stays_eager_and_bounds_each_expert(tmp_path):
     model = small_model()
     engine = enable_expert_offload(model, OffloadConfig(mode="host"))

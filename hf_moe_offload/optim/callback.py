@@ -41,7 +41,6 @@ class ExpertOptimizerCallback(TrainerCallback):
         self.expert_optimizer: ExpertOptimizer | None = None
         self._max_grad_norm = None
         self._trainer_optimizer = None
-        self._scaler = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         engine = get_offload_engine(model)
@@ -50,9 +49,7 @@ class ExpertOptimizerCallback(TrainerCallback):
             return
         self._trainer_optimizer = optimizer
         # accelerate's AcceleratedOptimizer carries the fp16 GradScaler (None for fp32/bf16 and on CPU).
-        self._scaler = getattr(optimizer, "scaler", None)
-        if self._scaler is not None and not self._scaler.is_enabled():
-            self._scaler = None
+        scaler = getattr(optimizer, "scaler", None)
         if args.world_size > 1 and getattr(engine, "coordinator", None) is None:
             logger.warning(
                 "ExpertOptimizerCallback under %d processes without expert parallelism: every rank updates its own "
@@ -74,7 +71,7 @@ class ExpertOptimizerCallback(TrainerCallback):
             clip_mode=self.clip_mode,
             workers=self.workers,
             lr_fn=lambda: optimizer.param_groups[0]["lr"],
-            grad_scaler=self._scaler,
+            grad_scaler=scaler if scaler is not None and scaler.is_enabled() else None,
         )
         resume = self.resume_from_checkpoint
         if resume is None and state.global_step > 0:
@@ -93,14 +90,7 @@ class ExpertOptimizerCallback(TrainerCallback):
         if self.expert_optimizer is None:
             return
         params = [p for g in self._trainer_optimizer.param_groups for p in g["params"]]
-        overflow = None
-        if self._scaler is not None:
-            overflow = self.expert_optimizer.expert_grads_overflow()
-            with_grad = [p for p in params if p.grad is not None]
-            if overflow and with_grad:
-                # Make the scaler see the experts' overflow: it then skips the non-expert step and backs off.
-                with_grad[0].grad.view(-1)[0] = float("inf")
-            self._scaler.unscale_(getattr(self._trainer_optimizer, "optimizer", self._trainer_optimizer))
+        overflow = self.expert_optimizer.unscale_(self._trainer_optimizer)  # fp16 only; the Trainer then scaler-steps
         self.expert_optimizer.step(non_expert_params=params, expert_overflow=overflow)
 
     def on_save(self, args, state, control, **kwargs):

@@ -258,6 +258,23 @@ class ExpertOptimizer:
         self._end_window()
         return clip_coef
 
+    def unscale_(self, optimizer) -> bool | None:
+        """fp16, on the window's last micro-step, before `step()`: check the (still scaled) expert gradients, hand an
+        expert overflow to the GradScaler as an inf in one non-expert gradient (so that the scaler skips the
+        non-expert step and backs the scale off), then `scaler.unscale_` the non-expert optimizer (an accelerate
+        `AcceleratedOptimizer` or a plain one). Returns the experts' overflow flag for `step(expert_overflow=...)`;
+        None without loss scaling or off the boundary."""
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled() or not self.boundary_fn():
+            return None
+        overflow = self.expert_grads_overflow()
+        inner = getattr(optimizer, "optimizer", optimizer)
+        with_grad = [p for g in inner.param_groups for p in g["params"] if p.grad is not None]
+        if overflow and with_grad:
+            with_grad[0].grad.view(-1)[0] = float("inf")
+        scaler.unscale_(inner)
+        return overflow
+
     def expert_grads_overflow(self) -> bool:
         """True when any expert gradient (of this rank's updates; all ranks agree) holds inf/nan. Collective under
         expert parallelism."""
@@ -318,7 +335,9 @@ class ExpertOptimizer:
 class ExpertAwareOptimizer:
     """Wraps the non-expert optimizer for hand-written (accelerate) loops: `step()` closes the expert window
     (clipping globally if configured) and then steps the non-expert parameters; `zero_grad()` clears the non-expert
-    gradients (an expert's store gradient is cleared by its own step, so a skipped window keeps accumulating).
+    gradients (each expert's store gradient is cleared when the expert is stepped, or on an fp16 overflow).
+    With fp16 (`ExpertOptimizer(grad_scaler=...)`; under accelerate, the prepared optimizer's scaler), `step()` also
+    does the loss-scaler's part: an overflow anywhere skips every step of the window and backs the scale off.
 
     Under `accelerate`, prepare the inner optimizer as usual and wrap the prepared one; scheduler steps still act on
     `param_groups`, which this wrapper shares, and `ExpertOptimizer.lr_fn` reads them.
@@ -336,7 +355,15 @@ class ExpertAwareOptimizer:
 
     def step(self, closure=None):
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.expert_optimizer.step(non_expert_params=params)
+        overflow = self.expert_optimizer.unscale_(self.optimizer)  # fp16 only
+        self.expert_optimizer.step(non_expert_params=params, expert_overflow=overflow)
+        scaler = self.expert_optimizer.grad_scaler
+        if overflow is not None and getattr(self.optimizer, "scaler", None) is None:
+            # A plain torch optimizer: the scaler steps it (skipped on overflow) and updates the scale. (accelerate's
+            # AcceleratedOptimizer does both inside its own step.)
+            out = scaler.step(self.optimizer, closure) if closure is not None else scaler.step(self.optimizer)
+            scaler.update()
+            return out
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
