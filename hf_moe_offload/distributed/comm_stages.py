@@ -31,6 +31,7 @@ from .exchange import (
     all_to_all_async,
     copy_to_group,
     reduce_from_group,
+    reduce_from_group_async,
     scale_grad,
 )
 from .placement import static_owner
@@ -147,8 +148,9 @@ class PPMoEComm:
 
     collective = True
 
-    def __init__(self, coordinator):
+    def __init__(self, coordinator, overlap: bool = True):
         self.coordinator = coordinator
+        self.overlap = overlap  # CPU: the all-reduce is asynchronous, finished after the next partition's experts
         self._x: torch.Tensor | None = None
         self._local: list[int] = []
         self._keep_params: nn.Module | None = None
@@ -191,12 +193,20 @@ class PPMoEComm:
         with torch.no_grad():
             return x.index_select(0, part.token_index[lo:hi])
 
-    def combine(self, y_local: torch.Tensor, ctx) -> torch.Tensor:
+    def combine(self, y_local: torch.Tensor, ctx) -> torch.Tensor | Pending:
         lo, hi, rows = ctx
         y_local, self._keep_params = _zero_grad_once(y_local, self._keep_params)
         C = y_local.shape[-1]
         partial = torch.cat([y_local.new_zeros(lo, C), y_local, y_local.new_zeros(rows - hi, C)])
-        return reduce_from_group(partial, self.coordinator.group)
+        if not self.overlap or partial.is_cuda:
+            return reduce_from_group(partial, self.coordinator.group)
+        total, wait = reduce_from_group_async(partial, self.coordinator.group)
+
+        def done() -> torch.Tensor:
+            wait()
+            return total
+
+        return Pending(done)
 
     def benchmark_fn(self, x: torch.Tensor) -> torch.Tensor:
         """An all-reduce of x: the configurator's communication micro-benchmark."""

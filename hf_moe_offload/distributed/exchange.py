@@ -4,11 +4,13 @@ Plain, autograd-aware functions `(tokens, split sizes, group) -> tokens`, usable
 ones in `expert_parallel.py`, MPMoE's partitioned executor in `hf_moe_offload.pipelining`):
 
 - `all_to_all`: dispatch/combine with per-rank (uneven) split sizes; backward is the transposed all-to-all
-  (`all_to_all_single` works with uneven splits on gloo and NCCL; list `all_to_all` with unequal sizes does not on gloo).
-  `all_to_all_async`: the same, started asynchronously (returns the output and a `wait`).
+  (`all_to_all_single` works with uneven splits on gloo and NCCL; list `all_to_all` with unequal sizes does not on
+  gloo).
 - `copy_to_group` / `reduce_from_group`: Pipeline-MoE dispatch (PPMoE §3.3, Algorithm 1) for inputs replicated
   across a group (tensor-parallel region): identity forward + all-reduce backward, and all-reduce forward + identity
   backward (Megatron-LM's f and g).
+- `all_to_all_async` / `reduce_from_group_async`: the same, started asynchronously (they return the output and a
+  `wait`), so that MPMoE's partitions overlap their exchanges with expert compute.
 - `scale_grad`: identity forward, scaled backward; see `expert_parallel.py` for why expert gradients from an
   all-to-all backward need 1/world.
 - `ExchangePlan`: the index bookkeeping of one exchange (who sends which sorted rows where, how received rows regroup
@@ -109,14 +111,17 @@ class _CopyToGroup(torch.autograd.Function):
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, in_flight: list | None = None):
         out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
+        if in_flight is None:
+            dist.all_reduce(out, group=group)
+        else:  # `out` holds the sum once the work completes: the caller waits before reading it
+            in_flight.append(dist.all_reduce(out, group=group, async_op=True))
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 def copy_to_group(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -130,6 +135,21 @@ def reduce_from_group(x: torch.Tensor, group: ProcessGroup | None = None) -> tor
     """Leave the region: sum the partial outputs of all ranks (all-reduce); the result is replicated, so the
     backward is the identity (Megatron-LM g, PPMoE Algorithm 1 `reduce_from_tensor_parallel_region`)."""
     return _ReduceFromGroup.apply(x, group)
+
+
+def reduce_from_group_async(
+    x: torch.Tensor, group: ProcessGroup | None = None
+) -> tuple[torch.Tensor, Callable[[], None]]:
+    """`reduce_from_group` started asynchronously: returns (output, wait); the output is the sum only after
+    `wait()`."""
+    in_flight: list = []
+    out = _ReduceFromGroup.apply(x, group, in_flight)
+
+    def wait() -> None:
+        while in_flight:
+            in_flight.pop().wait()
+
+    return out, wait
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -244,6 +264,7 @@ __all__ = [
     "all_to_all_async",
     "copy_to_group",
     "reduce_from_group",
+    "reduce_from_group_async",
     "scale_grad",
     "all_gather_counts",
     "ExchangePlan",

@@ -199,7 +199,7 @@ class ExpertParallelCoordinator:
         """The communication stage of MPMoE's partitioned layer for this mode (hf_moe_offload.pipelining)."""
         from .comm_stages import AllToAllComm, PPMoEComm  # noqa: PLC0415 (comm_stages imports this module)
 
-        return PPMoEComm(self) if self.mode == "ppmoe" else AllToAllComm(self, overlap=overlap)
+        return (PPMoEComm if self.mode == "ppmoe" else AllToAllComm)(self, overlap=overlap)
 
     def on_layer_backward_done(self, layer: int) -> None:
         """Engine hook: the gradients this rank just added to layer `layer`'s experts must reach the node-shared files
