@@ -204,6 +204,8 @@ def test_expert_parallel_equals_one_process_on_the_concatenated_batch(world, tmp
         assert r["adam_steps_per_expert_all_ranks"] == [3] and r["shared_step_counts"] == [3], r
         assert r["experts_moved_between_ranks_within_a_window"] > 0, r
         assert all(n > 0 for n in r["adam_steps_by_rank"]), r
+        if mode == "dynamic-disk":
+            assert r["nothing_unpublished_after_zero_grad"], r
         # ES-MoE §4.3 per rank, consistent with placement.
         assert r["pins_identical_on_every_rank"] and r["pins_match_last_placement"] and r["engine_keeps_own_pins"], r
         assert all(n > 0 for n in r["pins_per_rank"]), r
@@ -243,6 +245,7 @@ def test_trainer_two_processes_equals_one(tier, tmp_path):
             torch.testing.assert_close(mb[name], ma[name], atol=WEIGHT_ATOL, rtol=0, msg=name)
 
 
+PIPELINED_WEIGHT_ATOL = 5e-5
 PIPELINED = {  # MPMoE partitions over each exchange; every restore strategy, n dividing and not dividing the batch
     2: "ddp,static@3:S4,dynamic-host@2:S1,dynamic-disk@4:S3,ppmoe@3:S2,static@auto:auto",
     3: "ddp,static@2:S2,dynamic-host@3:S3,dynamic-disk@2:S4,ppmoe@4:S1,dynamic-host@auto:auto",
@@ -256,8 +259,9 @@ def test_micro_batch_pipelining_over_expert_parallelism(world, tmp_path):
     """MPMoE (issue 5) with the distributed dispatch (issue 6): each partition exchanges its own tokens (one micro
     all-to-all, or PPMoE's index-select + all-reduce), re-dispatch in backward (S2/S4) is a collective, and the
     result still equals one process on the concatenated batch. Tolerances: gradients of one micro-batch GRAD_ATOL
-    (fp32 sums in another order); weights after 3 AdamW steps WEIGHT_ATOL (Adam turns rounding noise on near-zero
-    gradients into up to ~lr-sized steps; the observed worst is 1.4e-5 at lr 1e-2)."""
+    (fp32 sums in another order); weights after 3 AdamW steps PIPELINED_WEIGHT_ATOL (Adam turns rounding noise on
+    near-zero gradients into up to ~lr-sized steps; more partitions sum in more pieces: the observed worst is 2.1e-5
+    at n=8, lr 1e-2, and "auto" may pick any n up to 8)."""
     out = tmp_path / "report.json"
     _launch(world, "dist_equivalence.py", str(out), "--work-dir", str(tmp_path), "--modes", PIPELINED[world])
     modes = json.loads(out.read_text())["modes"]
@@ -267,7 +271,7 @@ def test_micro_batch_pipelining_over_expert_parallelism(world, tmp_path):
         mode, n_s = spec.split("@")
         assert not r["grad_missing"], (spec, r["grad_missing"])
         assert r["all_ranks_grad_max_abs_diff"] <= GRAD_ATOL, (spec, r)
-        assert r["all_ranks_weight_max_abs_diff"] <= WEIGHT_ATOL, (spec, r)
+        assert r["all_ranks_weight_max_abs_diff"] <= PIPELINED_WEIGHT_ATOL, (spec, r)
         assert r["pipelining_same_choice_on_every_rank"], (spec, r)
         expected_comm = "PPMoEComm" if mode == "ppmoe" else "AllToAllComm"
         assert r["pipelining_comm"].startswith(expected_comm), (spec, r["pipelining_comm"])

@@ -385,6 +385,11 @@ class OffloadEngine:
                 record.grad.zero_()
                 self.store.release(key, dirty=True)
                 self.store.has_grad[key] = False
+        publish = getattr(self.store, "publish", None)
+        if self.coordinator is not None and publish is not None:
+            # Node-shared disk tier: write the cleared records back now. Left dirty in this rank's cache, they would
+            # be written whenever evicted, maybe while another rank reads the same file for the expert it runs next.
+            publish()
 
     def expert_grad(self, key: ExpertKey) -> torch.Tensor | None:
         """A copy of the accumulated fp32 gradient of `key` (None if it has none)."""
