@@ -318,15 +318,15 @@ def pipelining_summary(executor) -> dict[str, Any] | None:
     if executor is None:
         return None
     conf = executor.configurator
-    info: dict[str, Any] = {
-        "partitions": "auto" if conf is not None and conf.n == "auto" else (conf.n if conf is not None else executor.n),
-        "restore_strategy": ("auto" if conf is not None and len(conf.strategies) > 1
-                             else conf.strategies[0] if conf is not None else executor.strategy.name),
+    if conf is None:
+        return {"partitions": executor.n, "restore_strategy": executor.strategy.name,
+                "communication_stage": repr(executor.comm)}
+    return {
+        "partitions": conf.n,  # "auto" or the fixed n
+        "restore_strategy": "auto" if len(conf.strategies) > 1 else conf.strategies[0],
         "communication_stage": repr(executor.comm),
+        "chosen": "; ".join(f"{B} rows -> n={n}, {S}" for B, (n, S) in sorted(conf.choices.items())) or "none",
     }
-    if conf is not None:
-        info["chosen"] = "; ".join(f"{B} rows -> n={n}, {S}" for B, (n, S) in sorted(conf.choices.items())) or "none"
-    return info
 
 
 # --- 4. callbacks ---

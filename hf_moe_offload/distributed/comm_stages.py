@@ -19,7 +19,6 @@ weights undoes it for everything but the expert parameters.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..pipelining.partition import Dispatched, PartPlan, Pending
@@ -37,14 +36,6 @@ from .exchange import (
 from .placement import static_owner
 
 
-def _zero_grad_once(y: torch.Tensor, experts: nn.Module | None) -> tuple[torch.Tensor, None]:
-    """Device tier, a rank that runs none of its experts in a layer call: give their parameters a zero gradient in
-    the call's first combine (see `expert_parallel._keep_parameters_in_graph`); then forget them for this call."""
-    if experts is not None:
-        y = _keep_parameters_in_graph(y, experts, ran_any=False)
-    return y, None
-
-
 def _layer_of(coordinator, experts: nn.Module) -> int:
     for block, executor in coordinator.executors:
         if block.experts is experts:
@@ -52,18 +43,40 @@ def _layer_of(coordinator, experts: nn.Module) -> int:
     raise ValueError(f"{type(experts).__name__} is not an experts module of this expert-parallel model")
 
 
-class AllToAllComm:
-    """Static expert parallelism or ES-MoE dynamic placement, one micro all-to-all per partition."""
+class _ExpertParallelStage:
+    """What both stages share: a collective stage (the same n on every rank), asynchronous exchanges on CPU, and the
+    zero gradient of a device-tier rank that runs none of its experts in a layer call."""
 
     collective = True
 
     def __init__(self, coordinator, overlap: bool = True):
         self.coordinator = coordinator
-        # CPU tensors (gloo): exchanges are asynchronous collectives, returned `Pending` so that they overlap the
+        # CPU tensors (gloo): exchanges are started asynchronously and returned `Pending`, so that they overlap the
         # experts of a neighbouring partition; CUDA tensors: the executor runs them on its side stream instead.
         self.overlap = overlap
-        self._plans: list[ExchangePlan] = []
-        self._keep_params: nn.Module | None = None
+        self._idle_experts: nn.Module | None = None  # set by begin() when this rank runs none of its experts
+
+    def _finish(self, waits, finish, t: torch.Tensor):
+        """`finish()` once the collectives behind `waits` completed: now, or later through a `Pending`."""
+
+        def done():
+            for wait in waits:
+                wait()
+            return finish()
+
+        return Pending(done) if self.overlap and not t.is_cuda else done()
+
+    def _with_idle_expert_grads(self, y: torch.Tensor) -> torch.Tensor:
+        """The call's first combine gives idle resident experts a zero gradient, as the single-process model does
+        (see `expert_parallel._keep_parameters_in_graph`)."""
+        if self._idle_experts is not None:
+            y = _keep_parameters_in_graph(y, self._idle_experts, ran_any=False)
+            self._idle_experts = None
+        return y
+
+
+class AllToAllComm(_ExpertParallelStage):
+    """Static expert parallelism or ES-MoE dynamic placement, one micro all-to-all per partition."""
 
     def __repr__(self) -> str:
         c = self.coordinator
@@ -72,42 +85,31 @@ class AllToAllComm:
     def begin(self, x: torch.Tensor, parts: list[PartPlan], experts: nn.Module) -> None:
         c = self.coordinator
         n, E = len(parts), len(parts[0].counts)
-        local = torch.tensor([p.counts for p in parts], dtype=torch.long).reshape(-1)
-        counts = all_gather_counts(local.tolist(), c.group, device=c.device).view(c.world_size, n, E)
+        local = [count for p in parts for count in p.counts]
+        counts = all_gather_counts(local, c.group, device=c.device).view(c.world_size, n, E)
         training = torch.is_grad_enabled() and experts.training
         placement = c.place(_layer_of(c, experts), counts.sum(1), training)  # one placement for all partitions
         self._plans = [ExchangePlan.build(counts[:, p], placement.rank_of, c.rank, device=x.device)
                        for p in range(n)]
-        self._keep_params = None if any(xp.expert_ids for xp in self._plans) else experts
+        self._idle_experts = None if any(xp.expert_ids for xp in self._plans) else experts
 
     def _send_rows(self, x: torch.Tensor, part: PartPlan, xp: ExchangePlan) -> torch.Tensor:
         return x.index_select(0, part.token_index.index_select(0, xp.send_order))
 
-    def _async(self, t: torch.Tensor) -> bool:
-        return self.overlap and not t.is_cuda
-
     def dispatch(self, x: torch.Tensor, part: PartPlan) -> Dispatched | Pending:
         c = self.coordinator
         xp = self._plans[part.index]
-        send = (self._send_rows(x, part, xp), part.weights.index_select(0, xp.send_order).unsqueeze(-1))
+        w = part.weights.index_select(0, xp.send_order).unsqueeze(-1)
+        (x_recv, wait_x), (w_recv, wait_w) = (all_to_all_async(t, xp.output_splits, xp.input_splits, c.group)
+                                              for t in (self._send_rows(x, part, xp), w))
 
-        def finish(x_recv: torch.Tensor, w_recv: torch.Tensor) -> Dispatched:
+        def finish() -> Dispatched:
             x_local = x_recv.index_select(0, xp.regroup)  # expert-major
             w_local = w_recv.index_select(0, xp.regroup)[:, 0]
             return Dispatched(scale_grad(x_local, c.ddp_world_size), xp.expert_counts, xp.expert_ids,
                               scale_grad(w_local, c.ddp_world_size), ctx=xp)
 
-        if not self._async(x):
-            return finish(*(all_to_all(t, xp.output_splits, xp.input_splits, c.group) for t in send))
-        (x_recv, wait_x), (w_recv, wait_w) = (all_to_all_async(t, xp.output_splits, xp.input_splits, c.group)
-                                              for t in send)
-
-        def done() -> Dispatched:
-            wait_x()
-            wait_w()
-            return finish(x_recv, w_recv)
-
-        return Pending(done)
+        return self._finish((wait_x, wait_w), finish, x)
 
     def redispatch(self, x: torch.Tensor, part: PartPlan, d: Dispatched) -> torch.Tensor:
         xp = d.ctx
@@ -117,22 +119,10 @@ class AllToAllComm:
 
     def combine(self, y_local: torch.Tensor, xp: ExchangePlan) -> torch.Tensor | Pending:
         c = self.coordinator
-        y_local, self._keep_params = _zero_grad_once(y_local, self._keep_params)
-        y = scale_grad(y_local, 1.0 / c.ddp_world_size).index_select(0, xp.ungroup)
-
-        def finish(y_back: torch.Tensor) -> torch.Tensor:
-            # y_back is in send order (destination-major); put it back in the partition's row order.
-            return torch.zeros_like(y_back).index_copy(0, xp.send_order, y_back)
-
-        if not self._async(y):
-            return finish(all_to_all(y, xp.input_splits, xp.output_splits, c.group))
+        y = scale_grad(self._with_idle_expert_grads(y_local), 1.0 / c.ddp_world_size).index_select(0, xp.ungroup)
         y_back, wait = all_to_all_async(y, xp.input_splits, xp.output_splits, c.group)
-
-        def done() -> torch.Tensor:
-            wait()
-            return finish(y_back)
-
-        return Pending(done)
+        # y_back is in send order (destination-major); put it back in the partition's row order.
+        return self._finish((wait,), lambda: torch.zeros_like(y_back).index_copy(0, xp.send_order, y_back), y)
 
     def benchmark_fn(self, x: torch.Tensor) -> torch.Tensor:
         """An even all-to-all of x (rows split over the ranks): the configurator's communication micro-benchmark."""
@@ -143,17 +133,8 @@ class AllToAllComm:
             return all_to_all(x, [send[c.rank]] * k, send, c.group)
 
 
-class PPMoEComm:
+class PPMoEComm(_ExpertParallelStage):
     """Pipeline-MoE dispatch per partition: index-select this rank's experts' rows, all-reduce the partial outputs."""
-
-    collective = True
-
-    def __init__(self, coordinator, overlap: bool = True):
-        self.coordinator = coordinator
-        self.overlap = overlap  # CPU: the all-reduce is asynchronous, finished after the next partition's experts
-        self._x: torch.Tensor | None = None
-        self._local: list[int] = []
-        self._keep_params: nn.Module | None = None
 
     def __repr__(self) -> str:
         c = self.coordinator
@@ -172,47 +153,38 @@ class PPMoEComm:
         self._local = [e for e in range(E) if static_owner(e, E, c.world_size) == c.rank]  # a contiguous block
         # One copy_to_group per layer call: its backward all-reduces the partial input gradients of all partitions.
         self._x = copy_to_group(x, c.group)
-        self._keep_params = None if any(p.counts[e] for p in parts for e in self._local) else experts
+        self._idle_experts = None if any(counts[e] for e in self._local) else experts
 
     def _rows(self, part: PartPlan) -> tuple[int, int]:
-        starts = [0]
-        for n in part.counts:
-            starts.append(starts[-1] + n)
-        return (starts[self._local[0]], starts[self._local[-1] + 1]) if self._local else (0, 0)
+        if not self._local:
+            return 0, 0
+        lo = sum(part.counts[: self._local[0]])
+        return lo, lo + sum(part.counts[e] for e in self._local)
 
     def dispatch(self, x: torch.Tensor, part: PartPlan) -> Dispatched:
-        c = self.coordinator
         lo, hi = self._rows(part)
         x_local = self._x.index_select(0, part.token_index[lo:hi])  # PPMoE: the index selection replaces the all-to-all
-        w = copy_to_group(part.weights, c.group)[lo:hi]
+        w = copy_to_group(part.weights, self.coordinator.group)[lo:hi]
         ctx = (lo, hi, part.token_index.numel())
         return Dispatched(x_local, [part.counts[e] for e in self._local], list(self._local), w, ctx=ctx)
 
     def redispatch(self, x: torch.Tensor, part: PartPlan, d: Dispatched) -> torch.Tensor:
-        lo, hi = d.ctx[0], d.ctx[1]
+        lo, hi, _ = d.ctx
         with torch.no_grad():
             return x.index_select(0, part.token_index[lo:hi])
 
     def combine(self, y_local: torch.Tensor, ctx) -> torch.Tensor | Pending:
         lo, hi, rows = ctx
-        y_local, self._keep_params = _zero_grad_once(y_local, self._keep_params)
+        y_local = self._with_idle_expert_grads(y_local)
         C = y_local.shape[-1]
         partial = torch.cat([y_local.new_zeros(lo, C), y_local, y_local.new_zeros(rows - hi, C)])
-        if not self.overlap or partial.is_cuda:
-            return reduce_from_group(partial, self.coordinator.group)
         total, wait = reduce_from_group_async(partial, self.coordinator.group)
-
-        def done() -> torch.Tensor:
-            wait()
-            return total
-
-        return Pending(done)
+        return self._finish((wait,), lambda: total, partial)
 
     def benchmark_fn(self, x: torch.Tensor) -> torch.Tensor:
         """An all-reduce of x: the configurator's communication micro-benchmark."""
-        out = x.clone()
-        dist.all_reduce(out, group=self.coordinator.group)
-        return out
+        with torch.no_grad():
+            return reduce_from_group(x, self.coordinator.group)
 
 
 __all__ = ["AllToAllComm", "PPMoEComm"]

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import heapq
 import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -72,40 +71,23 @@ class PlacementCost:
         on a GPU, one upload of the expert's weights from pinned host memory. On a CPU-only machine uploads cost
         nothing (the host is the device), which makes the plan balance tokens. The timings are MAX-reduced over
         `group` when torch.distributed is initialised, so that every rank plans with the same costs."""
+        from ..pipelining.configurator import all_reduce_max, time_best  # noqa: PLC0415 (keeps placement light)
+
         device = torch.device(device)
         x = torch.randn(rows, hidden, dtype=dtype, device=device)
         w1 = torch.randn(intermediate, hidden, dtype=dtype, device=device)
         w2 = torch.randn(hidden, intermediate, dtype=dtype, device=device)
-        per_token = _best_time(lambda: torch.nn.functional.linear(torch.nn.functional.gelu(
-            torch.nn.functional.linear(x, w1)), w2), device, reps) / rows * (3 if training else 1)
+        per_token = time_best(lambda: F.linear(F.gelu(F.linear(x, w1)), w2), device, reps) / rows
         upload = 0.0
         if device.type == "cuda":
             host = torch.empty(2 * hidden * intermediate, dtype=dtype, pin_memory=True)
             dev = torch.empty_like(host, device=device)
-            upload = _best_time(lambda: dev.copy_(host, non_blocking=True), device, reps)
-        values = torch.tensor([per_token, upload], dtype=torch.float64, device=device if device.type == "cuda"
-                              else "cpu")
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-        per_token, upload = values.tolist()
+            upload = time_best(lambda: dev.copy_(host, non_blocking=True), device, reps)
+        per_token, upload = all_reduce_max([per_token * (3 if training else 1), upload], device, group)
         return cls(seconds_per_token=max(per_token, 1e-12), upload_seconds=upload)
 
     def expert_cost(self, tokens: int, resident: bool) -> float:
         return tokens * self.seconds_per_token + (0.0 if resident else self.upload_seconds)
-
-
-def _best_time(fn, device: torch.device, reps: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 @dataclass

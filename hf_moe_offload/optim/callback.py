@@ -48,8 +48,6 @@ class ExpertOptimizerCallback(TrainerCallback):
             logger.warning("ExpertOptimizerCallback: the model has no offloaded experts; nothing to do")
             return
         self._trainer_optimizer = optimizer
-        # accelerate's AcceleratedOptimizer carries the fp16 GradScaler (None for fp32/bf16 and on CPU).
-        scaler = getattr(optimizer, "scaler", None)
         if args.world_size > 1 and getattr(engine, "coordinator", None) is None:
             logger.warning(
                 "ExpertOptimizerCallback under %d processes without expert parallelism: every rank updates its own "
@@ -71,7 +69,8 @@ class ExpertOptimizerCallback(TrainerCallback):
             clip_mode=self.clip_mode,
             workers=self.workers,
             lr_fn=lambda: optimizer.param_groups[0]["lr"],
-            grad_scaler=scaler if scaler is not None and scaler.is_enabled() else None,
+            # accelerate's AcceleratedOptimizer carries the fp16 GradScaler (None for fp32/bf16 and on CPU).
+            grad_scaler=getattr(optimizer, "scaler", None),
         )
         resume = self.resume_from_checkpoint
         if resume is None and state.global_step > 0:

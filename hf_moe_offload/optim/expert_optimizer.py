@@ -269,9 +269,10 @@ class ExpertOptimizer:
             return None
         overflow = self.expert_grads_overflow()
         inner = getattr(optimizer, "optimizer", optimizer)
-        with_grad = [p for g in inner.param_groups for p in g["params"] if p.grad is not None]
-        if overflow and with_grad:
-            with_grad[0].grad.view(-1)[0] = float("inf")
+        if overflow:
+            first = next((p for g in inner.param_groups for p in g["params"] if p.grad is not None), None)
+            if first is not None:
+                first.grad.view(-1)[0] = float("inf")
         scaler.unscale_(inner)
         return overflow
 

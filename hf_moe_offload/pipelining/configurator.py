@@ -135,7 +135,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn: Callable[[], object], device: torch.device, reps: int = 3) -> float:
+def time_best(fn: Callable[[], object], device: torch.device, reps: int = 3) -> float:
+    """Best of `reps` timed calls after one warm-up (CUDA: synchronised around each)."""
     fn()  # warm-up
     _sync(device)
     best = INF
@@ -180,7 +181,7 @@ def _concurrent_time(target: Callable[[], object], others: list[Callable[[], obj
     for t in threads:
         t.start()
     try:
-        return _time(target, device)
+        return time_best(target, device)
     finally:
         stop.set()
         for t in threads:
@@ -219,7 +220,7 @@ def measure_speeds(
         ops = _ops(hidden, intermediate, r, dtype, device, comm_fn)
         for k in KINDS:
             fn, vol = ops[k]
-            times.append(_time(fn, device))
+            times.append(time_best(fn, device))
             vols[k].append(vol)
     pairs: list[tuple[str, str]] = []
     if measure_alpha:
@@ -247,15 +248,16 @@ def measure_speeds(
     return Speeds(points={k: sorted(v) for k, v in points.items()}, alpha=alpha)
 
 
-def all_reduce_max(values: list[float], device: torch.device | str = "cpu") -> list[float]:
-    """MAX over ranks (identity when torch.distributed is not initialized), so every rank decides alike."""
+def all_reduce_max(values: list[float], device: torch.device | str = "cpu", group=None) -> list[float]:
+    """MAX over the ranks of `group` (identity when torch.distributed is not initialized), so every rank decides
+    alike."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or not values:
         return list(values)
-    backend_device = torch.device(device) if dist.get_backend() == "nccl" else torch.device("cpu")
+    backend_device = torch.device(device) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     t = torch.tensor(values, dtype=torch.float64, device=backend_device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 
 
@@ -422,5 +424,6 @@ __all__ = [
     "Speeds",
     "all_reduce_max",
     "measure_speeds",
+    "time_best",
     "op_counts",
 ]

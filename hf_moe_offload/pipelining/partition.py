@@ -237,12 +237,14 @@ class PartitionedExecutor:
                 ev.record(side)
             return res, ev
 
-        combining: list[tuple[Pending, torch.Tensor]] = []  # combines in flight (CPU, asynchronous stage)
+        combining: tuple[Pending, torch.Tensor] | None = None  # the previous partition's combine, in flight
 
-        def finish_combines() -> None:
-            while combining:
-                combined, token_index = combining.pop(0)
+        def finish_combine() -> None:
+            nonlocal combining
+            if combining is not None:
+                combined, token_index = combining
                 out.index_add_(0, token_index, combined.finish())
+                combining = None
 
         pending = dispatch(0)
         for p, part in enumerate(parts):
@@ -286,9 +288,9 @@ class PartitionedExecutor:
             del x_local, d
             if side is None:
                 combined = self.comm.combine(y_local, ctx)
-                finish_combines()  # the previous partition's combine overlapped this partition's experts
+                finish_combine()  # the previous partition's combine overlapped this partition's experts
                 if isinstance(combined, Pending):
-                    combining.append((combined, part.token_index))
+                    combining = (combined, part.token_index)
                 else:
                     out.index_add_(0, part.token_index, combined)
             else:
@@ -297,7 +299,7 @@ class PartitionedExecutor:
                     y_local.record_stream(side)
                     out.index_add_(0, part.token_index, self.comm.combine(y_local, ctx))
             del y_local
-        finish_combines()
+        finish_combine()
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
         return out
