@@ -34,7 +34,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..offload.store import DiskExpertStore, ExpertKey, ExpertRecord, ExpertStore, ExpertStoreError, HostExpertStore
+from ..offload.store import (
+    CACHED,
+    DiskExpertStore,
+    ExpertKey,
+    ExpertRecord,
+    ExpertStore,
+    ExpertStoreError,
+    HostExpertStore,
+)
 from ..offload.telemetry import OffloadStats
 
 logger = logging.getLogger(__name__)
@@ -215,11 +223,13 @@ class SharedDiskExpertStore(DiskExpertStore):
     tier = "disk"
 
     def __init__(self, keys, numel, compute_dtype, stats, offload_dir: str, cache_experts: int, io_threads: int,
-                 region: SharedRegion):
+                 region: SharedRegion, owner: bool = True):
         self.region = region
         self._control = _SharedControl(region, 0, list(keys))
+        # Only the node leader (`owner`) locks the directory and discards a killed run's files; the other ranks of
+        # the node share it under that lock.
         super().__init__(self._control.index.keys(), numel, compute_dtype, stats, offload_dir, cache_experts,
-                         io_threads)
+                         io_threads, owner=owner)
         self.steps = self._control.steps
 
     def _new_record(self, key, buffer):
@@ -227,29 +237,29 @@ class SharedDiskExpertStore(DiskExpertStore):
 
     def _write_file(self, key, buffer):
         super()._write_file(key, buffer)
-        # The file changed: any other rank's cached copy of this expert is now behind.
+        # The file changed: any other rank's cached copy of this expert is now behind. (This thread owns the
+        # expert's WRITING state, so its entry cannot change meanwhile.)
         i = self._control.index[key]
         version = int(self._control.versions[i]) + 1
         self._control.versions[i] = version
-        entry = self._cache.get(key)
-        if entry is not None and entry[0].buffer is buffer:
-            entry[0].version = version
+        entry = self._entries.get(key)
+        if entry is not None and entry.record is not None and entry.record.buffer is buffer:
+            entry.record.version = version
 
     def _drop_if_stale(self, key: ExpertKey) -> None:
         """Lock held. Forget a cached copy older than the node-wide version (another rank wrote the file since)."""
-        entry = self._cache.get(key)
-        if entry is None:
+        entry = self._entries.get(key)
+        if entry is None or entry.state is not CACHED:
             return
-        record, slot = entry
-        if record.version == int(self._control.versions[self._control.index[key]]):
+        if entry.record.version == int(self._control.versions[self._control.index[key]]):
             return
-        if self._refs.get(key, 0) > 0 or key in self._dirty:
+        if entry.refs > 0 or entry.dirty:
             raise ExpertStoreError(
                 f"expert {key} was changed by another rank while this rank holds a modified or in-use copy: two "
                 "ranks used one expert at once. Use the node-shared store only through enable_expert_parallel"
             )
-        del self._cache[key]
-        self._free.append(slot)
+        del self._entries[key]
+        self._free.append(entry.slot)
 
     def acquire(self, key):
         with self._lock:
@@ -266,23 +276,8 @@ class SharedDiskExpertStore(DiskExpertStore):
     def publish(self, keys: Iterable[ExpertKey] | None = None) -> None:
         """Write back the records this rank modified (among `keys`; all when None) and are not in use, so that the
         next rank to use them reads the current state. In-use records are left for a later publish."""
-        wanted = None if keys is None else set(keys)
         with self._lock:
-            todo = [
-                (k, self._cache[k][0]) for k in list(self._dirty)
-                if (wanted is None or k in wanted) and k in self._cache and self._refs.get(k, 0) == 0
-            ]
-            for k, _ in todo:
-                self._dirty.discard(k)
-                self._writing.add(k)
-        try:
-            for k, record in todo:
-                self._write_file(k, record.buffer)
-        finally:
-            with self._lock:
-                for k, _ in todo:
-                    self._writing.discard(k)
-                self._lock.notify_all()
+            self._write_back_idle(keys, wait_in_use=False)
 
 
 def _group_ranks(group) -> list[int]:
@@ -347,7 +342,7 @@ def create_node_shared_store(
             store = SharedHostExpertStore(keys, numel, compute_dtype, stats, region)
         else:
             store = SharedDiskExpertStore(keys, numel, compute_dtype, stats, offload_dir, cache_experts, io_threads,
-                                          region)
+                                          region, owner=leader)
     finally:
         dist.barrier(group=group)  # everyone has mapped it (or failed): the name is no longer needed
         if leader:

@@ -13,12 +13,17 @@ page-fault driven), `flush()`, and the `Mapping`-like `keys()` / `read_param(key
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
+import re
+import struct
 import threading
+import weakref
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -169,16 +174,87 @@ class HostExpertStore(ExpertStore):
         pass
 
 
+class _Entry:
+    """An expert of the disk tier that is not only on disk: its state, the cache slot it owns and its record.
+
+    States (every transition under the store's lock; the I/O itself runs without it):
+    - LOADING: one thread (the one that created the entry) claims a slot and reads the file into it;
+    - CACHED: the record is in its slot; `refs` > 0 while in use, `dirty` when newer than its file;
+    - WRITING: one thread (the one that set it, from CACHED with refs == 0) writes the record back to its file.
+    An expert without an entry is on disk only and nobody is touching its file. Every other thread that needs an
+    expert in LOADING or WRITING waits until it is CACHED or gone, so a file is never read while it is written, a
+    record is never written back while it is in use, and a slot is never reused while its record is read, written
+    or held.
+    """
+
+    __slots__ = ("state", "slot", "record", "refs", "dirty")
+
+    def __init__(self):
+        self.state = LOADING
+        self.slot: int | None = None
+        self.record: ExpertRecord | None = None
+        self.refs = 0
+        self.dirty = False
+
+
+LOADING, CACHED, WRITING = "loading", "cached", "writing"
+
+# Expert files: the (4, P) fp32 record, then this trailer. The checksum makes a flipped or torn byte an error
+# instead of a weight (issue 11); the key and size catch a file of another expert or another model.
+_TRAILER = struct.Struct("<8sIIQI4x")
+_MAGIC = b"HFMOEXP1"
+_FILE_PATTERN = re.compile(r"^layer\d+_expert\d+\.bin$")
+
+
+def _crc32(buffer: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(buffer.numpy()).cast("B"))  # releases the GIL; ~2 GB/s
+
+
+class _DirectoryLock:
+    """An exclusive `flock` on `<dir>/.lock`, held while a store uses the directory: a second live process (or a
+    second store in this process) gets a clear error instead of overwriting the first one's expert files. The kernel
+    drops the lock when its holder dies, so a killed run's directory is free again (and detected as reused)."""
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, ".lock")
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            self._fd = None
+            where = "this process (another expert store)" if holder == str(os.getpid()) else f"process {holder}"
+            raise ExpertStoreError(
+                f"offload_dir {directory!r} is in use by {where}: two stores must not share a directory (each "
+                "would overwrite the other's expert files). Choose another offload_dir (--offload-dir), or close "
+                "the other store first (disable_expert_offload)"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+        self._finalizer = weakref.finalize(self, os.close, self._fd)
+
+    def release(self) -> None:
+        self._finalizer()  # closing the descriptor drops the lock
+
+
 class DiskExpertStore(ExpertStore):
     """Expert files in `offload_dir` behind an LRU host cache of `cache_experts` records.
 
-    Reads go to preallocated (pinned) cache slots with explicit `readinto`, ahead of use via `prefetch`; dirty records
-    are written back when evicted and on `flush()`. Records in use (acquired) or pinned are never evicted.
+    Reads go to preallocated (pinned) cache slots with explicit `readinto`, ahead of use via `prefetch` (on the I/O
+    threads, which also do the write-backs that make room); dirty records are written back when evicted and on
+    `flush()`. Records in use (acquired) are never evicted; pinned ones only when nothing else can be. Each expert's
+    state is owned by one thread at a time (see `_Entry`). Every file carries a CRC32 of its record, checked on every
+    read. The directory is locked while the store is open (`_DirectoryLock`); expert files left by a run that did not
+    close its store are discarded with a warning (`owner=False`: a node-shared store's other ranks, which neither
+    lock nor clean).
     """
 
     tier = "disk"
+    stall_timeout = 60.0  # seconds a thread waits for a cache slot before the cache is declared too small
 
-    def __init__(self, keys, numel, compute_dtype, stats, offload_dir: str, cache_experts: int, io_threads: int = 2):
+    def __init__(self, keys, numel, compute_dtype, stats, offload_dir: str, cache_experts: int, io_threads: int = 2,
+                 owner: bool = True):
         super().__init__(keys, numel, compute_dtype, stats)
         if cache_experts < 1:
             raise ExpertStoreError(
@@ -197,32 +273,45 @@ class DiskExpertStore(ExpertStore):
             raise ExpertStoreError(
                 f"offload_dir {offload_dir!r} is not writable ({err.strerror}); choose a writable directory"
             ) from err
+        self._dir_lock = _DirectoryLock(offload_dir) if owner else None
+        if owner:
+            self._discard_stale_files()
         self.cache_experts = cache_experts
         self._slots = [_pin(torch.empty(4, numel)) for _ in range(cache_experts)]
         self._free = list(range(cache_experts))
-        self._cache: OrderedDict[ExpertKey, tuple[ExpertRecord, int]] = OrderedDict()  # key -> (record, slot)
-        self._loading: dict[ExpertKey, Future] = {}
-        self._refs: dict[ExpertKey, int] = {}
-        self._dirty: set[ExpertKey] = set()
+        self._entries: OrderedDict[ExpertKey, _Entry] = OrderedDict()  # LRU first
         self._pinned: set[ExpertKey] = set()
-        self._writing: set[ExpertKey] = set()  # evicted records being written back (not readable yet)
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="expert-io")
 
     def path(self, key: ExpertKey) -> str:
         return os.path.join(self.dir, f"layer{key[0]:03d}_expert{key[1]:05d}.bin")
 
-    # --- file I/O (called without the lock) ---
+    def _discard_stale_files(self) -> None:
+        stale = [n for n in os.listdir(self.dir) if _FILE_PATTERN.match(n)]
+        if not stale:
+            return
+        logger.warning(
+            "offload_dir %r holds %d expert files of an earlier run that did not close its store (killed?); they are "
+            "discarded: the experts are written afresh from the model being offloaded", self.dir, len(stale),
+        )
+        for name in stale:
+            os.remove(os.path.join(self.dir, name))
+
+    # --- file I/O (called without the lock, by the thread that owns the expert's LOADING/WRITING state) ---
     def _write_file(self, key: ExpertKey, buffer: torch.Tensor) -> None:
         path = self.path(key)
+        trailer = _TRAILER.pack(_MAGIC, key[0], key[1], buffer.numel(), _crc32(buffer))
         try:
             with open(path, "wb") as f:
                 f.write(memoryview(buffer.numpy()).cast("B"))
+                f.write(trailer)
         except OSError as err:
             if err.errno == errno.ENOSPC:
                 raise ExpertStoreFullError(
                     f"disk full while writing expert {key} to {path}: free space in {self.dir!r} or move offload_dir; "
-                    f"the tier needs {len(self._keys) * self.record_bytes()} bytes. Saved checkpoints are not affected."
+                    f"the tier needs {len(self._keys) * (self.record_bytes() + _TRAILER.size)} bytes. The expert is "
+                    "still in the host cache and saved checkpoints are not affected."
                 ) from err
             raise ExpertStoreError(f"could not write expert file {path}: {err}") from err
         self.stats.disk_write_bytes += buffer.numel() * 4
@@ -233,91 +322,138 @@ class DiskExpertStore(ExpertStore):
         try:
             with open(path, "rb", buffering=0) as f:
                 got = f.readinto(memoryview(buffer.numpy()).cast("B"))
+                trailer = f.read(_TRAILER.size + 1)
         except FileNotFoundError as err:
-            raise CorruptExpertFileError(f"expert file {path} is missing; the offload directory was modified") from err
-        if got != want:
+            raise CorruptExpertFileError(
+                f"expert file {path} is missing: the offload directory was modified while in use; resume from your "
+                "last checkpoint"
+            ) from err
+        if got != want or len(trailer) < _TRAILER.size:
             raise CorruptExpertFileError(
                 f"expert file {path} is truncated ({got} of {want} bytes); the offload directory is corrupt: "
-                "reload the model from its last saved checkpoint"
+                "resume from your last checkpoint"
+            )
+        magic, layer, expert, numel, crc = _TRAILER.unpack(trailer[: _TRAILER.size])
+        problem = None
+        if magic != _MAGIC or len(trailer) != _TRAILER.size:
+            problem = "it is not an expert file of this version"
+        elif (layer, expert) != tuple(key) or numel != buffer.numel():
+            problem = f"it holds expert {(layer, expert)} with {numel} values, not expert {key} with {buffer.numel()}"
+        elif _crc32(buffer) != crc:
+            problem = "its checksum does not match its contents (bytes changed on disk)"
+        if problem is not None:
+            raise CorruptExpertFileError(
+                f"expert file {path} is corrupt: {problem}. Nothing from it was used; check the disk under "
+                f"{self.dir!r} and resume from your last checkpoint"
             )
         self.stats.disk_read_bytes += want
 
-    # --- cache management (lock held) ---
-    def _take_slot(self) -> int:
-        """A free cache slot, evicting the least recently used evictable record (writing it back if dirty)."""
+    # --- state transitions (lock held; may release it around I/O, see each) ---
+    def _victim(self, evict_pinned: bool) -> ExpertKey | None:
+        """The least recently used idle record, not pinned if possible (pinned only when `evict_pinned`)."""
+        idle = [k for k, e in self._entries.items() if e.state is CACHED and e.refs == 0]
+        victim = next((k for k in idle if k not in self._pinned), None)
+        if victim is None and evict_pinned and idle:
+            victim = idle[0]
+        return victim
+
+    def _claim_slot(self, block: bool = True) -> int | None:
+        """A free cache slot, evicting an idle record (written back first if dirty; the lock is released meanwhile).
+        Non-blocking (speculative reads): never evicts a pinned record and returns None when nothing is evictable."""
         while True:
             if self._free:
                 return self._free.pop()
-            victim = next(
-                (k for k in self._cache if self._refs.get(k, 0) == 0 and k not in self._pinned and k not in self._loading),
-                None,
-            )
+            victim = self._victim(evict_pinned=block)
             if victim is None:
-                victim = next((k for k in self._cache if self._refs.get(k, 0) == 0 and k not in self._loading), None)
-            if victim is None:
-                # Everything is in use or still loading. Loads finish and the optimizer's workers release what they
-                # step, so wait; only a cache smaller than the experts one thread holds at once can never progress.
-                if not self._lock.wait(timeout=60.0):
+                if not block:
+                    return None
+                # Everything is in use, loading or writing. Loads and writes finish and the optimizer's workers
+                # release what they step, so wait; only a cache smaller than what one step holds at once never does.
+                if not self._lock.wait(timeout=self.stall_timeout):
                     raise ExpertStoreError(
                         f"the disk tier's host cache ({self.cache_experts} experts) is smaller than the experts in "
                         "flight; raise host_cache_experts/host_cache_bytes or lower prefetch_depth"
                     )
                 continue
-            record, slot = self._cache.pop(victim)
-            if victim in self._dirty:
-                self._dirty.discard(victim)
-                self._writing.add(victim)
-                self._lock.release()
-                try:
-                    self._write_file(victim, record.buffer)
-                finally:
-                    self._lock.acquire()
-                    self._writing.discard(victim)
-                    self._lock.notify_all()
+            entry = self._entries[victim]
+            if entry.dirty:
+                self._write_back(victim, entry)
+                continue  # the lock was released: choose again (the victim is now clean unless taken meanwhile)
+            del self._entries[victim]
             self.stats.evictions += 1
-            return slot
+            return entry.slot
 
-    def _load(self, key: ExpertKey, slot: int) -> None:
-        buffer = self._slots[slot]
+    def _write_back(self, key: ExpertKey, entry: _Entry) -> None:
+        """CACHED, idle and dirty -> WRITING -> CACHED and clean (or still dirty if the write failed: nothing lost)."""
+        entry.state = WRITING
+        self._lock.release()
+        written = False
         try:
-            self._read_file(key, buffer)
-            record = self._new_record(key, buffer)
-        except BaseException:
-            with self._lock:
-                self._free.append(slot)
-                self._loading.pop(key, None)
-                self._lock.notify_all()
-            raise
-        with self._lock:
-            self._cache[key] = (record, slot)
-            self._loading.pop(key, None)
+            self._write_file(key, entry.record.buffer)
+            written = True
+        finally:
+            self._lock.acquire()
+            entry.state = CACHED
+            entry.dirty = entry.dirty and not written
             self._lock.notify_all()
 
-    def _start_load(self, key: ExpertKey, background: bool) -> Future | None:
-        """Lock held. Starts loading `key` unless resident or loading; returns the future if background."""
-        while key in self._writing:  # its write-back must land before the file is read again
-            self._lock.wait()
-        if key in self._cache or key in self._loading:
-            return self._loading.get(key)
-        slot = self._take_slot()
-        if key in self._cache or key in self._loading:  # loaded meanwhile (lock was released while writing back)
+    def _load(self, key: ExpertKey, entry: _Entry, block: bool) -> bool:
+        """Fill this thread's LOADING `entry`: claim a slot, read the file into it (lock released), -> CACHED.
+        On failure, or when a speculative load finds nothing to evict, the entry is removed (on disk only again)."""
+        try:
+            slot = self._claim_slot(block=block)
+        except BaseException:
+            self._abandon(key, entry, None)
+            raise
+        if slot is None:
+            self._abandon(key, entry, None)
+            return False
+        self._lock.release()
+        try:
+            self._read_file(key, self._slots[slot])
+            record = self._new_record(key, self._slots[slot])
+        except BaseException:
+            self._lock.acquire()
+            self._abandon(key, entry, slot)
+            raise
+        self._lock.acquire()
+        entry.slot, entry.record, entry.state = slot, record, CACHED
+        self._entries.move_to_end(key)
+        self._lock.notify_all()
+        return True
+
+    def _abandon(self, key: ExpertKey, entry: _Entry, slot: int | None) -> None:
+        del self._entries[key]
+        if slot is not None:
             self._free.append(slot)
-            return self._loading.get(key)
-        fut: Future = Future() if not background else None
-        if background:
-            fut = self._pool.submit(self._load, key, slot)
-        self._loading[key] = fut
-        if not background:
-            self._lock.release()
+        self._lock.notify_all()
+
+    def _background_load(self, key: ExpertKey, entry: _Entry) -> None:
+        with self._lock:
             try:
-                self._load(key, slot)
-                fut.set_result(None)
-            except BaseException as err:
-                fut.set_exception(err)
-                raise
-            finally:
-                self._lock.acquire()
-        return fut
+                self._load(key, entry, block=False)
+            except Exception as err:  # the acquire that needs it reads again and raises in the caller
+                logger.debug("prefetch of expert %s failed: %s", key, err)
+
+    def _write_back_idle(self, keys: Iterable[ExpertKey] | None, wait_in_use: bool) -> None:
+        """Write back every dirty record among `keys` (all when None). In-use records are waited for
+        (`wait_in_use`) or left dirty for a later write-back."""
+        wanted = None if keys is None else set(keys)
+        while True:
+            dirty = [(k, e) for k, e in self._entries.items() if e.dirty and (wanted is None or k in wanted)]
+            idle = [(k, e) for k, e in dirty if e.state is CACHED and e.refs == 0]
+            if not dirty or (not idle and not wait_in_use):
+                return
+            if not idle:
+                if not self._lock.wait(timeout=self.stall_timeout):
+                    raise ExpertStoreError(
+                        f"flush: experts {[k for k, _ in dirty][:4]} stayed in use for {self.stall_timeout:.0f} s; "
+                        "synchronize the expert optimizer (engine.synchronize()) before flushing"
+                    )
+                continue
+            for key, entry in idle:
+                if self._entries.get(key) is entry and entry.state is CACHED and entry.refs == 0 and entry.dirty:
+                    self._write_back(key, entry)
 
     # --- public interface ---
     def write_param(self, key, flat, reset_state=True):
@@ -325,13 +461,23 @@ class DiskExpertStore(ExpertStore):
             return super().write_param(key, flat, reset_state)
         # Whole record replaced: no need to read the old file (lets a fresh store be filled without reading).
         with self._lock:
-            while key in self._loading or key in self._writing:
+            while True:
+                entry = self._entries.get(key)
+                if entry is None:
+                    entry = self._entries[key] = _Entry()
+                    try:
+                        slot = self._claim_slot()
+                    except BaseException:
+                        self._abandon(key, entry, None)
+                        raise
+                    entry.slot, entry.record, entry.state = slot, self._new_record(key, self._slots[slot]), CACHED
+                    break
+                if entry.state is CACHED:
+                    break
                 self._lock.wait()
-            if key not in self._cache:
-                slot = self._take_slot()
-                self._cache[key] = (self._new_record(key, self._slots[slot]), slot)
-            record = self._cache[key][0]
-            self._refs[key] = self._refs.get(key, 0) + 1
+            entry.refs += 1
+            self._entries.move_to_end(key)
+            record = entry.record
         try:
             record.buffer.zero_()
             record.param.copy_(flat)
@@ -343,42 +489,39 @@ class DiskExpertStore(ExpertStore):
 
     def acquire(self, key):
         with self._lock:
-            if key in self._cache:
+            entry = self._entries.get(key)
+            if entry is not None and entry.state is CACHED:
                 self.stats.cache_hits += 1
             else:
                 self.stats.cache_misses += 1
-            while key not in self._cache:
-                fut = self._loading.get(key)
-                if fut is None:
-                    self._start_load(key, background=False)
+            while True:
+                entry = self._entries.get(key)
+                if entry is None:
+                    entry = self._entries[key] = _Entry()
+                    self._load(key, entry, block=True)
+                elif entry.state is CACHED:
+                    entry.refs += 1
+                    self._entries.move_to_end(key)
+                    return entry.record
                 else:
-                    self._lock.release()
-                    try:
-                        fut.result()
-                    finally:
-                        self._lock.acquire()
-            self._cache.move_to_end(key)
-            self._refs[key] = self._refs.get(key, 0) + 1
-            return self._cache[key][0]
+                    self._lock.wait()  # another thread owns it (loading or writing back)
 
     def release(self, key, dirty=False):
         with self._lock:
-            self._refs[key] -= 1
+            entry = self._entries[key]
+            if entry.refs <= 0:
+                raise ExpertStoreError(f"expert {key} released more often than acquired")
+            entry.refs -= 1
             if dirty:
-                self._dirty.add(key)
+                entry.dirty = True
             self._lock.notify_all()
 
     def prefetch(self, keys):
         with self._lock:
             for key in keys:
-                if key in self._cache or key in self._loading:
-                    continue
-                evictable = self._free or any(
-                    self._refs.get(k, 0) == 0 and k not in self._pinned and k not in self._loading for k in self._cache
-                )
-                if not evictable:
-                    return  # never evict pinned or in-use experts for a speculative read
-                self._start_load(key, background=True)
+                if key not in self._entries:
+                    entry = self._entries[key] = _Entry()
+                    self._pool.submit(self._background_load, key, entry)
 
     def set_pinned(self, keys):
         keys = list(keys)[: max(0, self.cache_experts - 2)]  # keep room for the experts in flight
@@ -387,27 +530,24 @@ class DiskExpertStore(ExpertStore):
 
     def flush(self):
         with self._lock:
-            for fut in list(self._loading.values()):
-                if fut is not None:
-                    self._lock.release()
-                    try:
-                        fut.result()
-                    finally:
-                        self._lock.acquire()
-            dirty = [(k, self._cache[k][0]) for k in list(self._dirty) if k in self._cache]
-            self._dirty.clear()
-        for key, record in dirty:
-            self._write_file(key, record.buffer)
+            self._write_back_idle(None, wait_in_use=True)
 
     def close(self):
         try:
             self.flush()
         finally:
             self._pool.shutdown(wait=True)
+            if self._dir_lock is not None:
+                self._dir_lock.release()
 
     def resident_keys(self) -> list[ExpertKey]:
         with self._lock:
-            return list(self._cache)
+            return [k for k, e in self._entries.items() if e.state is CACHED]
+
+    def dirty_keys(self) -> list[ExpertKey]:
+        """Experts whose cached record is newer than their file."""
+        with self._lock:
+            return [k for k, e in self._entries.items() if e.dirty]
 
 
 __all__ = [

@@ -214,7 +214,7 @@ def run_mode(spec: str) -> dict:
     if engine is not None:
         engine.zero_grad()  # each rank clears the experts it owns
         if tier == "disk":  # ... and writes them back at once: nothing left to be written while another rank reads
-            result["nothing_unpublished_after_zero_grad"] = not engine.store._dirty
+            result["nothing_unpublished_after_zero_grad"] = not engine.store.dirty_keys()
     dist.barrier()
     if coordinator is not None:
         coordinator.load_imbalance(reset=True)
