@@ -26,7 +26,7 @@ from .offload import (
     get_offload_engine,
 )
 from .offload.checkpoint import load_offloaded_pretrained, save_offloaded_pretrained
-from .optim import ExpertAwareOptimizer, ExpertOptimizer, ExpertOptimizerCallback
+from .optim import ExpertAwareOptimizer, ExpertOptimizer, ExpertOptimizerCallback, latest_complete_checkpoint
 
 __version__ = "0.1.0"
 
@@ -57,4 +57,5 @@ __all__ = [
     "ExpertOptimizer",
     "ExpertAwareOptimizer",
     "ExpertOptimizerCallback",
+    "latest_complete_checkpoint",
 ]

@@ -23,6 +23,8 @@ from importlib import resources
 from datasets import Dataset, DatasetDict
 from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase
 
+from .errors import UserError
+
 WIKI_SAMPLE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 
 
@@ -90,33 +92,52 @@ def _file_builder(files: list[str]) -> str:
     kinds = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv"}
     unknown = exts - set(kinds)
     if unknown or len({kinds[e] for e in exts}) != 1:
-        raise ValueError(
+        raise UserError(
             f"local data files must all be .txt, .json/.jsonl or .csv/.tsv; got {sorted(exts)}. Convert them, or pass "
             "a Hub dataset name with --dataset"
         )
     return kinds[exts.pop()]
 
 
+def _has_content(path: str) -> bool:
+    """True when the file holds something besides whitespace (read in blocks: data files may be large)."""
+    with open(path, "rb") as f:
+        while block := f.read(1 << 16):
+            if block.strip():
+                return True
+    return False
+
+
 def _load(dataset: str | None, dataset_config: str | None, train_files: list[str] | None,
           validation_files: list[str] | None) -> DatasetDict:
     if train_files:
-        missing = [f for f in train_files + (validation_files or []) if not os.path.exists(f)]
+        files = train_files + (validation_files or [])
+        missing = [f for f in files if not os.path.isfile(f)]
         if missing:
-            raise FileNotFoundError(f"data files not found: {missing}")
-        builder = _file_builder(train_files + (validation_files or []))
+            raise UserError(f"data file(s) not found: {', '.join(missing)}; check --train-file/--validation-file")
+        empty = [f for f in files if not _has_content(f)]
+        if empty:
+            raise UserError(f"data file(s) hold no text: {', '.join(empty)}; give files with at least one line of text")
+        builder = _file_builder(files)
         data_files = {"train": train_files}
         if validation_files:
             data_files["validation"] = validation_files
         kwargs = {"delimiter": "\t"} if builder == "csv" and train_files[0].endswith(".tsv") else {}
         from datasets import load_dataset
+        from datasets.exceptions import DatasetGenerationError
 
-        return load_dataset(builder, data_files=data_files, **kwargs)
+        try:
+            return load_dataset(builder, data_files=data_files, **kwargs)
+        except DatasetGenerationError as err:  # malformed json/csv: the cause is in the chained exception
+            cause = err.__cause__ or err.__context__ or err
+            raise UserError(f"could not read {', '.join(files)} as {builder}: {type(cause).__name__}: "
+                            f"{str(cause).splitlines()[0] if str(cause) else ''}") from err
     from datasets import load_dataset
 
     try:
         return load_dataset(dataset, dataset_config)
     except Exception as err:  # offline machines fail deep inside huggingface_hub with many error types
-        raise RuntimeError(
+        raise UserError(
             f"could not load the Hub dataset {dataset!r} (config {dataset_config!r}): {err}. Without network access, "
             "pass local files with --train-file (text, json or csv), or leave --dataset unset for the offline default"
         ) from err
@@ -129,7 +150,7 @@ def _split_validation(ds: DatasetDict, validation_split: str | None, fraction: f
         if name in ds:
             return DatasetDict(train=ds["train"], validation=ds[name])
     if validation_split:
-        raise ValueError(f"the dataset has no split {validation_split!r}; it has {sorted(ds)}")
+        raise UserError(f"the dataset has no split {validation_split!r}; it has {sorted(ds)}")
     parts = ds["train"].train_test_split(test_size=fraction, seed=seed)
     return DatasetDict(train=parts["train"], validation=parts["test"])
 
@@ -161,7 +182,7 @@ def load_text_dataset(
                            validation_fraction, seed)
     for split in ds.values():
         if text_column not in split.column_names:
-            raise ValueError(
+            raise UserError(
                 f"the dataset has no text column {text_column!r} (columns: {split.column_names}); pass --text-column"
             )
     return DatasetDict({k: v.select_columns([text_column]).rename_columns({text_column: "text"}) if text_column != "text"
@@ -194,7 +215,7 @@ def load_classification_dataset(
     for split in ds.values():
         absent = [c for c in (*text_columns, label_column) if c not in split.column_names]
         if absent:
-            raise ValueError(
+            raise UserError(
                 f"the dataset lacks columns {absent} (it has {split.column_names}); pass --text-columns / --label-column"
             )
     out = {}
@@ -232,7 +253,7 @@ def lm_blocks(tokenizer: PreTrainedTokenizerBase, texts: Dataset | Iterable[str]
     tokenized = ds.map(tokenize, batched=True, remove_columns=ds.column_names, desc="tokenizing")
     blocks = tokenized.map(group, batched=True, desc=f"grouping into blocks of {block_size}")
     if len(blocks) == 0:
-        raise ValueError(
+        raise UserError(
             f"the text holds fewer than {block_size} tokens per 1000 rows; use more data or a smaller --block-size"
         )
     if max_blocks is not None and len(blocks) > max_blocks:

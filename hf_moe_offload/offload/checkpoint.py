@@ -15,12 +15,14 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import struct
+import uuid
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -31,8 +33,15 @@ from .store import ExpertStoreError
 logger = logging.getLogger(__name__)
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32"}
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
 EXPERT_STATE_FILE = "expert_state.safetensors"
+EXPERT_STATE_FORMAT = "hf_moe_offload.expert_state.v1"
+CRC_METADATA_KEY = "hf_moe_offload.crc32"
+INDEX_FILE = "model.safetensors.index.json"
+# Shards written by save_offloaded_pretrained: the Hub's names, or with a save token when a re-save must not
+# overwrite the shards the live index still points to.
+_SHARD_PATTERN = re.compile(r"^model-\d{5}-of-\d{5}(-[0-9a-f]{8})?\.safetensors$")
 
 
 class CheckpointError(RuntimeError):
@@ -48,45 +57,82 @@ def _raise_io(err: OSError, path: str) -> None:
     raise CheckpointError(f"could not write {path}: {err}") from err
 
 
+def fsync_directory(path: str) -> None:
+    """Make renames inside `path` durable (a crash after `os.replace` keeps the new name)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _header_blob(header: dict) -> bytes:
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    return blob + b" " * (-len(blob) % 8)
+
+
 def write_safetensors_streaming(
     path: str,
     specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
     chunks: Callable[[str], Iterable[torch.Tensor]],
     metadata: dict[str, str] | None = None,
-) -> None:
-    """Write a safetensors file whose tensor `name` is the concatenation of `chunks(name)` (in `specs` order)."""
+) -> dict[str, int]:
+    """Write a safetensors file whose tensor `name` is the concatenation of `chunks(name)` (in `specs` order).
+
+    Atomic: written under a temporary name, fsynced, renamed. The header's metadata carries a CRC32 of every tensor
+    (`CRC_METADATA_KEY`; stock loaders ignore it, `SafetensorsReader` checks it). Returns the CRCs."""
     header: dict = {}
     offset = 0
     for name, dtype, shape in specs:
         nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
         header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    if metadata:
-        header["__metadata__"] = metadata
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    meta = dict(metadata or {})
+    meta[CRC_METADATA_KEY] = json.dumps({name: "0" * 8 for name, _, _ in specs})  # fixed width: patched in below
+    header["__metadata__"] = meta
+    blob = _header_blob(header)
+    crcs: dict[str, int] = {}
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
             for name, dtype, shape in specs:
-                written = 0
+                written, crc = 0, 0
                 for chunk in chunks(name):
-                    data = chunk.detach().to("cpu", dtype).contiguous()
-                    f.write(memoryview(data.view(torch.uint8).numpy()))
-                    written += data.numel()
-                if written != torch.Size(shape).numel():
-                    raise CheckpointError(f"tensor {name}: wrote {written} elements, expected {torch.Size(shape).numel()}")
+                    data = _as_bytes(chunk.detach().to("cpu", dtype))
+                    f.write(data)
+                    crc = zlib.crc32(data, crc)
+                    written += data.nbytes
+                want = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+                if written != want:
+                    raise CheckpointError(f"tensor {name}: wrote {written} bytes, expected {want}")
+                crcs[name] = crc
+            meta[CRC_METADATA_KEY] = json.dumps({name: f"{crcs[name]:08x}" for name, _, _ in specs})
+            patched = _header_blob(header)
+            assert len(patched) == len(blob), "CRC placeholders must keep the header's length"
+            f.seek(8)
+            f.write(patched)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_directory(os.path.dirname(os.path.abspath(path)))
     except OSError as err:
         _silent_remove(tmp)
         _raise_io(err, path)
     except BaseException:
         _silent_remove(tmp)
         raise
+    return crcs
 
 
 def _silent_remove(path: str) -> None:
@@ -107,7 +153,10 @@ class SafetensorsReader:
 
     def __init__(self, path: str):
         self.path = path
-        size = os.path.getsize(path)
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError as err:
+            raise CheckpointError(f"{path} is missing") from err
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -115,9 +164,13 @@ class SafetensorsReader:
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
                 raise CheckpointError(f"{path} is truncated or not a safetensors file (header of {n} bytes)")
-            self.header = json.loads(f.read(n))
+            try:
+                self.header = json.loads(f.read(n))
+            except ValueError as err:
+                raise CheckpointError(f"{path} is corrupt (its safetensors header is not valid JSON)") from err
         self.base = 8 + n
         self.metadata = self.header.pop("__metadata__", None) or {}
+        self.crc32s = {k: int(v, 16) for k, v in json.loads(self.metadata.get(CRC_METADATA_KEY, "{}")).items()}
         end = max((v["data_offsets"][1] for v in self.header.values()), default=0)
         if self.base + end > size:
             raise CheckpointError(f"{path} is truncated ({size} bytes, the header promises {self.base + end})")
@@ -133,8 +186,20 @@ class SafetensorsReader:
                 raise CheckpointError(f"{self.path}: tensor {name} is truncated")
         return buf
 
+    def check_crc(self, name: str, crc: int) -> None:
+        """Compare a CRC32 of all of `name`'s bytes with the one written with it (if the file has one)."""
+        want = self.crc32s.get(name)
+        if want is not None and want != crc:
+            raise CheckpointError(
+                f"{self.path}: tensor {name} is corrupt (CRC32 {crc:08x}, written as {want:08x}): the file changed "
+                "after it was saved. Use another checkpoint (or re-save this one from a good copy)"
+            )
+
     def get(self, name: str, index: int | None = None) -> torch.Tensor:
-        """The tensor `name`, or its `index`-th slice along the leading dimension."""
+        """The tensor `name` (checked against its CRC32 when the file has one), or its `index`-th slice along the
+        leading dimension (unchecked: callers that read every slice in order check with `check_crc`)."""
+        if name not in self.header:
+            raise CheckpointError(f"{self.path} has no tensor {name}")
         info = self.header[name]
         dtype, shape = self._FROM[info["dtype"]], list(info["shape"])
         begin, end = info["data_offsets"]
@@ -142,12 +207,15 @@ class SafetensorsReader:
             per = (end - begin) // shape[0]
             begin, end, shape = begin + index * per, begin + (index + 1) * per, shape[1:]
         data = self._read(name, begin, end - begin)
+        if index is None:
+            self.check_crc(name, zlib.crc32(data))
         return torch.frombuffer(data, dtype=dtype).reshape(shape) if end > begin else torch.empty(shape, dtype=dtype)
 
 
 # --- expert optimizer state (Trainer checkpoints) ---
-def save_expert_state(engine, folder: str, optimizer_state: dict | None = None) -> str:
-    """fp32 master weights + Adam moments of every expert (rows [param, exp_avg, exp_avg_sq]) and step counts."""
+def save_expert_state(engine, folder: str, optimizer_state: dict | None = None, global_step: int | None = None) -> str:
+    """fp32 master weights + Adam moments of every expert (rows [param, exp_avg, exp_avg_sq], one tensor per expert
+    with its CRC32) and step counts, written atomically to `folder/expert_state.safetensors`."""
     engine.synchronize()
     store = engine.store
     specs = [(f"expert.{l}.{e}", torch.float32, (3, store.numel)) for l, e in store.keys()]
@@ -163,41 +231,55 @@ def save_expert_state(engine, folder: str, optimizer_state: dict | None = None) 
         finally:
             store.release(key)
 
-    meta = {"format": "hf_moe_offload.expert_state.v1", "numel": str(store.numel),
+    meta = {"format": EXPERT_STATE_FORMAT, "numel": str(store.numel),
             "optimizer": json.dumps(optimizer_state or {}),
             "steps": json.dumps({f"{k[0]}.{k[1]}": v for k, v in store.steps.items()})}
+    if global_step is not None:
+        meta["global_step"] = str(global_step)
+    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, EXPERT_STATE_FILE)
     write_safetensors_streaming(path, specs, chunks, meta)
     return path
 
 
+def read_expert_state_header(folder: str) -> dict[str, str]:
+    """The metadata of `folder/expert_state.safetensors` (format, numel, global_step, ...); raises CheckpointError
+    when the file is missing, truncated or not an expert state."""
+    path = os.path.join(folder, EXPERT_STATE_FILE)
+    meta = SafetensorsReader(path).metadata
+    if meta.get("format") != EXPERT_STATE_FORMAT:
+        raise CheckpointError(f"{path} is not an expert state written by hf_moe_offload")
+    return meta
+
+
 def load_expert_state(engine, folder: str) -> dict:
-    """Restore what `save_expert_state` wrote; returns the optimizer state dict stored with it."""
+    """Restore what `save_expert_state` wrote (every expert checked against its CRC32 before any is written into the
+    store); returns the optimizer state dict stored with it."""
     path = os.path.join(folder, EXPERT_STATE_FILE)
     store = engine.store
-    try:
-        f = SafetensorsReader(path)
-        meta = f.metadata
-        if meta.get("format") != "hf_moe_offload.expert_state.v1" or int(meta.get("numel", -1)) != store.numel:
-            raise CheckpointError(f"{path} does not hold expert state of this model (format or expert size differ)")
-        names = set(f.keys())
-        for key in store.keys():
-            name = f"expert.{key[0]}.{key[1]}"
-            if name not in names:
-                raise CheckpointError(f"{path} has no state for expert {key}; was it saved from another model?")
-            rows = f.get(name)
-            record = store.acquire(key)
-            try:
-                record.param.copy_(rows[0])
-                record.exp_avg.copy_(rows[1])
-                record.exp_avg_sq.copy_(rows[2])
-                record.grad.zero_()
-                record.refresh_compute()
-            finally:
-                store.release(key, dirty=True)
-            store.has_grad[key] = False
-    except FileNotFoundError as err:
-        raise CheckpointError(f"{path} is missing: the checkpoint was not saved with the expert optimizer") from err
+    f = SafetensorsReader(path)
+    meta = f.metadata
+    if meta.get("format") != EXPERT_STATE_FORMAT or int(meta.get("numel", -1)) != store.numel:
+        raise CheckpointError(f"{path} does not hold expert state of this model (format or expert size differ)")
+    names = set(f.keys())
+    missing = [key for key in store.keys() if f"expert.{key[0]}.{key[1]}" not in names]
+    if missing:
+        raise CheckpointError(f"{path} has no state for experts {missing[:4]}{'...' if len(missing) > 4 else ''}; "
+                              "was it saved from another model?")
+    for key in store.keys():  # verify every expert first (get checks CRCs): no half-restored store on corruption
+        f.get(f"expert.{key[0]}.{key[1]}")
+    for key in store.keys():
+        rows = f.get(f"expert.{key[0]}.{key[1]}")
+        record = store.acquire(key)
+        try:
+            record.param.copy_(rows[0])
+            record.exp_avg.copy_(rows[1])
+            record.exp_avg_sq.copy_(rows[2])
+            record.grad.zero_()
+            record.refresh_compute()
+        finally:
+            store.release(key, dirty=True)
+        store.has_grad[key] = False
     for name, v in json.loads(meta["steps"]).items():
         l, e = (int(x) for x in name.split("."))
         store.steps[(l, e)] = int(v)
@@ -216,12 +298,24 @@ def _expert_param_names(model: nn.Module) -> dict[str, tuple[int, str]]:
     return out
 
 
+def _indexed_files(directory: str) -> set[str]:
+    """Files the safetensors index in `directory` points to (empty without an index)."""
+    try:
+        with open(os.path.join(directory, INDEX_FILE)) as f:
+            return set(json.load(f)["weight_map"].values())
+    except (OSError, ValueError, KeyError):
+        return set()
+
+
 def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serialization: bool = True) -> None:
     """`save_pretrained` for an offloaded model that streams experts one at a time (bounded host memory).
 
-    Writes one shard of non-expert weights and one shard per MoE layer, an index, the config, the generation config
-    and the remote-code files. Everything is written into a temporary folder first and moved in only when complete
-    (index last), so a failure (e.g. a full disk) leaves what was in `save_directory` untouched.
+    Writes one shard of non-expert weights and one shard per MoE layer (each tensor with its CRC32), an index, the
+    config, the generation config and the remote-code files. Everything is written into a temporary folder first;
+    the index, which says which shards make up the model, is moved in last, atomically. A re-save over an earlier
+    save writes shards under new names while the old index still points to the old ones, so whatever happens
+    (a kill, a full disk) `save_directory` holds the old save or the new one, never a mix of their weights. The
+    superseded shards and leftovers of interrupted saves are removed after the switch.
     """
     engine = get_offload_engine(model)
     if engine is None or engine.store is None:
@@ -232,9 +326,19 @@ def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serial
 
     expert_names = _expert_param_names(model)
     os.makedirs(save_directory, exist_ok=True)
+    for name in os.listdir(save_directory):  # leftovers of a save that was killed
+        if name.startswith(".tmp-save-"):
+            shutil.rmtree(os.path.join(save_directory, name), ignore_errors=True)
     tmp_dir = os.path.join(save_directory, f".tmp-save-{os.getpid()}")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
+    live = _indexed_files(save_directory) | (
+        {"model.safetensors"} if os.path.exists(os.path.join(save_directory, "model.safetensors")) else set())
+    num_layers = len(engine.layers)
+    total = num_layers + 1
+    token = uuid.uuid4().hex[:8]
+    shard_names = [f"model-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1)]
+    if live & set(shard_names):  # the live save uses these names: write beside them, switch by the index
+        shard_names = [f"model-{i:05d}-of-{total:05d}-{token}.safetensors" for i in range(1, total + 1)]
     try:
         engine._state_dict_experts = False
         try:
@@ -245,17 +349,14 @@ def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serial
         if getattr(model.config, "tie_word_embeddings", False):
             for k in list(tied):
                 base.pop(k, None)
-        num_layers = len(engine.layers)
-        total = num_layers + 1
         weight_map = {}
-        shard = f"model-00001-of-{total:05d}.safetensors"
-        try:
-            save_file({k: v.contiguous() for k, v in base.items()}, os.path.join(tmp_dir, shard), metadata={"format": "pt"})
-        except OSError as err:
-            _raise_io(err, os.path.join(tmp_dir, shard))
+        shard = shard_names[0]
+        write_safetensors_streaming(
+            os.path.join(tmp_dir, shard), [(k, v.dtype, tuple(v.shape)) for k, v in base.items()],
+            lambda k: [base[k]], {"format": "pt"})
         weight_map.update({k: shard for k in base})
         for layer in tqdm(engine.layers, desc="saving experts", unit="layer"):
-            shard = f"model-{layer.layer + 2:05d}-of-{total:05d}.safetensors"
+            shard = shard_names[layer.layer + 1]
             names = [(full, n) for full, (l, n) in expert_names.items() if l == layer.layer]
             specs = []
             for full, n in names:
@@ -279,34 +380,55 @@ def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serial
             weight_map.update({full: shard for full, _ in names})
         index = {"metadata": {"total_size": sum(os.path.getsize(os.path.join(tmp_dir, f)) for f in set(weight_map.values()))},
                  "weight_map": dict(sorted(weight_map.items()))}
-        with open(os.path.join(tmp_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2)
-        if getattr(model, "_auto_class", None) is not None:
-            custom_object_save(model, tmp_dir, config=model.config)
-        model.config.save_pretrained(tmp_dir)
-        if getattr(model, "generation_config", None) is not None and model.can_generate():
-            model.generation_config.save_pretrained(tmp_dir)
-        index_name = "model.safetensors.index.json"
-        for name in sorted(os.listdir(tmp_dir), key=lambda n: n == index_name):  # the index goes in last
-            os.replace(os.path.join(tmp_dir, name), os.path.join(save_directory, name))
-        stale = os.path.join(save_directory, "model.safetensors")  # a previous unsharded save would shadow the index
-        if os.path.exists(stale):
-            os.remove(stale)
+        try:
+            with open(os.path.join(tmp_dir, INDEX_FILE), "w") as f:
+                json.dump(index, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            if getattr(model, "_auto_class", None) is not None:
+                custom_object_save(model, tmp_dir, config=model.config)
+            model.config.save_pretrained(tmp_dir)
+            if getattr(model, "generation_config", None) is not None and model.can_generate():
+                model.generation_config.save_pretrained(tmp_dir)
+            # Shards first (new names: the live index does not see them), then the small files, the index last: the
+            # single atomic switch from the old save to the new one.
+            for name in sorted(os.listdir(tmp_dir), key=lambda n: (n == INDEX_FILE, not n.endswith(".safetensors"))):
+                os.replace(os.path.join(tmp_dir, name), os.path.join(save_directory, name))
+            fsync_directory(save_directory)
+        except OSError as err:
+            _raise_io(err, save_directory)
+        new = set(weight_map.values())
+        for name in os.listdir(save_directory):
+            # A previous unsharded save would shadow the index (removed only now: until the switch it was the live
+            # save); shards of earlier saves are superseded.
+            if name == "model.safetensors" or (_SHARD_PATTERN.match(name) and name not in new):
+                _silent_remove(os.path.join(save_directory, name))
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     logger.info("saved offloaded model to %s (%d expert shards, streamed)", save_directory, len(engine.layers))
 
 
 def _checkpoint_files(path: str) -> dict[str, str]:
-    """tensor name -> file, from an index or a single model.safetensors."""
-    index = os.path.join(path, "model.safetensors.index.json")
+    """tensor name -> file, from an index or a single model.safetensors; every file must be there."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is not a directory with a saved model")
+    index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (ValueError, KeyError) as err:
+            raise CheckpointError(f"{index} is corrupt ({err}); re-save the model") from err
+        missing = sorted({v for v in weight_map.values() if not os.path.exists(os.path.join(path, v))})
+        if missing:
+            raise CheckpointError(
+                f"{path} is incomplete: {INDEX_FILE} names {len(missing)} shard file(s) that are missing: "
+                f"{', '.join(missing)}; copy them in, or use a complete checkpoint"
+            )
         return {k: os.path.join(path, v) for k, v in weight_map.items()}
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
-        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+        raise CheckpointError(f"{path} has neither model.safetensors nor {INDEX_FILE}: not a saved model")
     return {k: single for k in SafetensorsReader(single).keys()}
 
 
@@ -342,9 +464,16 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
     for layer in tqdm(engine.layers, desc="loading experts", unit="layer"):
         fulls = {n: full for full, (l, n) in expert_names.items() if l == layer.layer}
         flat = torch.empty(layer.layout.numel)
+        crcs = dict.fromkeys(fulls.values(), 0)  # over the slices in order = the CRC32 of the whole tensor
         for e in range(layer.layout.num_experts):
-            tensors = [reader(files[fulls[n]]).get(fulls[n], e).float() for n in layer.layout.names()]
+            tensors = []
+            for n in layer.layout.names():
+                piece = reader(files[fulls[n]]).get(fulls[n], e)
+                crcs[fulls[n]] = zlib.crc32(_as_bytes(piece), crcs[fulls[n]])
+                tensors.append(piece.float())
             engine.store.write_param((layer.layer, e), layer.layout.pack(tensors, flat))
+        for full, crc in crcs.items():
+            reader(files[full]).check_crc(full, crc)
     engine.store.flush()
     # As from_pretrained does, a checkpoint of another head of the same base model loads: tensors outside the base
     # model that this class lacks (e.g. a causal-LM `lm_head`) are skipped, and head parameters the checkpoint lacks

@@ -1,6 +1,16 @@
-"""Expert-wise CPU optimizer steps (ES-MoE §4.1) and their Trainer / accelerate integrations."""
+"""Expert-wise CPU optimizer steps (ES-MoE §4.1), their Trainer / accelerate integrations, and Trainer checkpoints
+that hold the offloaded experts."""
 
 from .callback import ExpertOptimizerCallback
+from .checkpoints import checkpoint_problems, clean_interrupted_saves, latest_complete_checkpoint
 from .expert_optimizer import ExpertAwareOptimizer, ExpertOptimizer, accelerate_sync_gradients
 
-__all__ = ["ExpertOptimizer", "ExpertAwareOptimizer", "ExpertOptimizerCallback", "accelerate_sync_gradients"]
+__all__ = [
+    "ExpertOptimizer",
+    "ExpertAwareOptimizer",
+    "ExpertOptimizerCallback",
+    "accelerate_sync_gradients",
+    "checkpoint_problems",
+    "clean_interrupted_saves",
+    "latest_complete_checkpoint",
+]

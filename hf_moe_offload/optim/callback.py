@@ -1,17 +1,23 @@
 """`ExpertOptimizerCallback`: the expert-wise CPU optimizer inside a stock `transformers.Trainer`.
 
 What it does, in Trainer order (clip -> on_pre_optimizer_step -> optimizer.step -> scheduler.step -> zero_grad):
+- on_init_end: removes what interrupted checkpoint saves left in `output_dir` (see `checkpoints.py`), so that the
+  Trainer's `resume_from_checkpoint=True` never picks a partial checkpoint.
 - on_train_begin: builds an `ExpertOptimizer` over the model's offload engine with the Trainer's AdamW settings
   (lr follows the Trainer's optimizer, i.e. its scheduler, every step); with `max_grad_norm` it takes clipping over
   (exact global norm across expert and non-expert gradients) so the Trainer does not clip the non-expert part alone.
-  On resume it restores the expert state saved in the checkpoint folder.
+  When the Trainer resumes (from any path: the argument of `Trainer.train(resume_from_checkpoint=...)`), it restores
+  the experts' fp32 weights, Adam moments and step counts from that checkpoint, or stops with an error that says what
+  is missing there; never a silent restart from the initial expert weights.
 - during backward: experts are stepped as their gradients finish on the micro-step that closes the accumulation
   window (the Trainer's `sync_gradients`), overlapping the rest of backward (ES-MoE §4.1).
 - on_pre_optimizer_step: closes the window (deferred mode: clip, then step all experts). With fp16 (the Trainer's
   accelerate `GradScaler`): unscales the non-expert gradients, unscales and checks the expert ones, and an overflow
   anywhere skips every step of the window, experts and non-experts alike, and backs the scale off (`GradScaler.step`
   semantics; an expert overflow is handed to the scaler as an inf in a non-expert gradient).
-- on_save: writes `expert_state.safetensors` (fp32 master weights, Adam moments, steps) into the checkpoint folder.
+- on_step_end / on_epoch_end (when the Trainer is about to save) and on_evaluate (`save_strategy="best"`, a new
+  best): writes `expert_state.safetensors` into the coming checkpoint folder before the Trainer's own files, so a
+  checkpoint is never complete without it; on_save writes it if that did not happen (a save requested later).
 - on_log: adds optimizer time, overlap and offload telemetry to the logs.
 
 Offloaded experts are not `nn.Parameter`s, so the Trainer's optimizer never holds them (no double step) and DDP does
@@ -26,14 +32,36 @@ import os
 from transformers import TrainerCallback
 
 from ..offload.api import get_offload_engine
-from ..offload.checkpoint import EXPERT_STATE_FILE, load_expert_state, save_expert_state
+from ..offload.checkpoint import CheckpointError, load_expert_state, read_expert_state_header, save_expert_state
 from ..offload.telemetry import add_to_logs
+from .checkpoints import (
+    NOT_FOUND,
+    checkpoint_problems,
+    clean_interrupted_saves,
+    latest_complete_checkpoint,
+    trainer_resume_argument,
+)
 from .expert_optimizer import ExpertOptimizer
 
 logger = logging.getLogger(__name__)
 
 
+def _has_offloaded_experts(model) -> bool:
+    engine = get_offload_engine(model) if model is not None else None
+    return engine is not None and engine.store is not None
+
+
+def _wait_for_everyone() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 class ExpertOptimizerCallback(TrainerCallback):
+    """See the module docstring. `resume_from_checkpoint` overrides the checkpoint the experts are restored from
+    (by default: the one the Trainer resumes from)."""
+
     def __init__(self, clip_mode: str = "global", workers: int = 2, resume_from_checkpoint: str | None = None):
         self.clip_mode = clip_mode
         self.workers = workers
@@ -41,6 +69,14 @@ class ExpertOptimizerCallback(TrainerCallback):
         self.expert_optimizer: ExpertOptimizer | None = None
         self._max_grad_norm = None
         self._trainer_optimizer = None
+        self._saved_step: int | None = None  # the step whose checkpoint already has the expert state
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if not _has_offloaded_experts(model):
+            return
+        if args.process_index == 0:
+            clean_interrupted_saves(args.output_dir)
+        _wait_for_everyone()
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         engine = get_offload_engine(model)
@@ -72,18 +108,78 @@ class ExpertOptimizerCallback(TrainerCallback):
             # accelerate's AcceleratedOptimizer carries the fp16 GradScaler (None for fp32/bf16 and on CPU).
             grad_scaler=getattr(optimizer, "scaler", None),
         )
-        resume = self.resume_from_checkpoint
-        if resume is None and state.global_step > 0:
-            # Trainer restored trainer_state.json from checkpoint-<global_step> before calling us.
-            candidate = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            resume = candidate if os.path.isdir(candidate) else None
+        resume = self._resume_path(args, state)
         if resume is not None:
-            if not os.path.exists(os.path.join(resume, EXPERT_STATE_FILE)):
-                raise FileNotFoundError(
-                    f"resuming from {resume}, but it has no {EXPERT_STATE_FILE}: was it saved with ExpertOptimizerCallback?"
-                )
-            self.expert_optimizer.load_state_dict(load_expert_state(engine, resume))
-            logger.info("restored expert weights and optimizer state from %s", resume)
+            self._restore(engine, str(resume), state)
+
+    def _resume_path(self, args, state) -> str | None:
+        if self.resume_from_checkpoint is not None:
+            return self.resume_from_checkpoint
+        path = trainer_resume_argument()
+        if path is not NOT_FOUND:
+            return path
+        if state.global_step == 0:
+            return None
+        # Not called from Trainer.train (or a transformers that renamed its loop): this run's own checkpoint.
+        candidate = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if os.path.isdir(candidate):
+            return candidate
+        raise CheckpointError(
+            f"the Trainer resumed at step {state.global_step}, but the checkpoint it resumed from could not be "
+            "determined, so the offloaded experts cannot be restored: pass "
+            "ExpertOptimizerCallback(resume_from_checkpoint=PATH)"
+        )
+
+    def _restore(self, engine, resume: str, state) -> None:
+        problems = checkpoint_problems(resume, experts=True)
+        if problems:
+            parent = os.path.dirname(os.path.abspath(resume))
+            latest = latest_complete_checkpoint(parent)
+            hint = f"; the latest complete checkpoint beside it is {latest}" if latest else ""
+            raise CheckpointError(
+                f"cannot resume the offloaded experts from {resume}: {'; '.join(problems)}{hint}"
+            )
+        saved_step = read_expert_state_header(resume).get("global_step")
+        if saved_step is not None and state.global_step and int(saved_step) != state.global_step:
+            raise CheckpointError(
+                f"{resume}: its expert state is of step {saved_step} but its trainer state of step "
+                f"{state.global_step}; the folder mixes two checkpoints"
+            )
+        self.expert_optimizer.load_state_dict(load_expert_state(engine, resume))
+        logger.info("restored expert weights and optimizer state from %s", resume)
+
+    def _save(self, args, state) -> None:
+        """Write the expert state into the checkpoint folder of this step (the main process; the others wait, so no
+        expert changes while it is read)."""
+        if self.expert_optimizer is None or self._saved_step == state.global_step:
+            return
+        if args.process_index == 0:
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            save_expert_state(self.expert_optimizer.engine, folder, self.expert_optimizer.state_dict(),
+                              global_step=state.global_step)
+        _wait_for_everyone()
+        self._saved_step = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save:
+            self._save(args, state)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if control.should_save:
+            self._save(args, state)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        # save_strategy="best": the Trainer decides to save after this call; a new best means it will.
+        if str(getattr(args.save_strategy, "value", args.save_strategy)) != "best" or not metrics:
+            return
+        name = args.metric_for_best_model or "loss"
+        name = name if name.startswith("eval_") else f"eval_{name}"
+        value = metrics.get(name)
+        if value is None:
+            return
+        best = state.best_metric
+        if best is None or (value > best if args.greater_is_better else value < best):
+            self._save(args, state)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if self.expert_optimizer is None:
@@ -93,11 +189,9 @@ class ExpertOptimizerCallback(TrainerCallback):
         self.expert_optimizer.step(non_expert_params=params, expert_overflow=overflow)
 
     def on_save(self, args, state, control, **kwargs):
-        if self.expert_optimizer is None:
-            return
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        save_expert_state(self.expert_optimizer.engine, folder, self.expert_optimizer.state_dict())
+        # Normally written before the Trainer's files (see on_step_end); a save requested after our on_step_end
+        # (e.g. by another callback) gets it here, after them.
+        self._save(args, state)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.expert_optimizer is None or logs is None:
