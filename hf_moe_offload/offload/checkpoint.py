@@ -445,10 +445,10 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
     model_class = model_class or AutoModelForCausalLM
     if offload_config.mode not in ("host", "disk"):
         raise ValueError("load_offloaded_pretrained needs OffloadConfig(mode='host' or 'disk')")
+    files = _checkpoint_files(path)  # first: a missing folder or shard is named before anything is built
     config = AutoConfig.from_pretrained(path, **config_kwargs)
     with init_empty_weights():
         model = model_class.from_config(config)
-    files = _checkpoint_files(path)
     engine = enable_expert_offload(model, offload_config, _initialize=False)
     expert_names = _expert_param_names(model)
     readers: dict[str, SafetensorsReader] = {}

@@ -316,6 +316,7 @@ class ExpertOptimizer:
 
     # --- state (checkpoints) ---
     def state_dict(self) -> dict:
+        self.engine.synchronize()  # the step counts of updates still running on the workers would be stale
         return {
             "lr": self.lr, "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay,
             "decoupled_weight_decay": self.decoupled, "skipped_steps": self.skipped_steps,
@@ -371,6 +372,7 @@ class ExpertAwareOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
+        self.engine.synchronize()  # the step counts of updates still running on the workers would be stale
         return {"optimizer": self.optimizer.state_dict(), "experts": self.expert_optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
