@@ -180,9 +180,15 @@ def training_arguments(args: argparse.Namespace, **overrides: Any) -> TrainingAr
     """TrainingArguments from the shared flags. Creating them initialises the process group under a launcher."""
     if args.precision == "fp16" and not torch.cuda.is_available():
         raise UserError("--precision fp16 needs a CUDA GPU; on CPU use --precision bf16 or fp32")
-    resume = getattr(args, "resume", None)
+    resume = getattr(args, "resume", None)  # checked fully in resume_checkpoint; here what needs no model, early
     if resume is not None and resume != RESUME_LATEST and not os.path.isdir(resume):
         raise UserError(f"--resume {resume}: no such checkpoint folder")
+    if resume == RESUME_LATEST:
+        from .optim.checkpoints import list_checkpoints
+
+        if not list_checkpoints(args.output_dir):
+            raise UserError(f"--resume: no checkpoint in {args.output_dir}; checkpoints are written with "
+                            "--save-steps N, or give --resume PATH")
     for flag in ("steps", "batch_size", "grad_accum"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")

@@ -352,23 +352,29 @@ def test_sigkill_around_a_checkpoint_save_then_resume_is_bit_exact(tmp_path):
         assert [p for p in os.listdir(out) if p.startswith("checkpoint-")] == ["checkpoint-9"], phase
 
 
-def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path):
+def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
+    from hf_moe_offload.cli import main
+
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
     cases = [
         (["--train-file", str(empty)], "hold no text"),
         (["--train-file", str(tmp_path / "absent.txt")], "not found"),
         (["--model-path", str(tmp_path / "no-model")], "no such folder"),
-        (["--resume", "--output-dir", str(tmp_path / "out")], "no complete checkpoint"),
+        (["--resume", "--output-dir", str(tmp_path / "out")], "no checkpoint in"),
         (["--resume", str(tmp_path / "nope")], "no such checkpoint folder"),
     ]
     for extra, message in cases:
-        res = _run([sys.executable, "-m", "hf_moe_offload.cli", "--log-level", "ERROR", "train", "--short", *extra],
-                   check=False)
-        assert res.returncode == 2, (extra, res.stderr[-2000:])
-        errors = [line for line in res.stderr.splitlines() if line.startswith("hf-moe-offload: error:")]
-        assert len(errors) == 1 and message in errors[0], (extra, res.stderr[-2000:])
-        assert "Traceback" not in res.stderr, extra
+        assert main(["--log-level", "ERROR", "train", "--short", "--output-dir", str(tmp_path / "out"), *extra]) == 2
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("hf-moe-offload: error:")]
+        assert len(errors) == 1 and message in errors[0], (extra, err[-2000:])
+        assert "Traceback" not in err, extra
+    # A real process: exit code 2 and one line; --debug shows the traceback instead.
+    res = _run([sys.executable, "-m", "hf_moe_offload.cli", "train", "--short", "--train-file", str(empty)],
+               check=False)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("hf-moe-offload: error: data file(s) hold no text")
     res = _run([sys.executable, "-m", "hf_moe_offload.cli", "train", "--short", "--train-file", str(empty), "--debug"],
                check=False)
     assert res.returncode == 1 and "Traceback" in res.stderr and "UserError" in res.stderr
