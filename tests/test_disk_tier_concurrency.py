@@ -9,6 +9,9 @@ lost write-back shows up as a wrong value (or as the store's own corruption erro
 
 Delays: every read sleeps before reading; every write-back first truncates its file (as an interrupted write leaves
 it) and sleeps before writing. A run passes only if no interleaving shows a stale, torn or lost record.
+
+On the store before issue 11 (a load could start on an expert whose write-back was in flight) this failed 1-4 of 16
+seeds per run with "expert file ... is truncated (0 of N bytes)", the main job's crash; STRESS_SEEDS=N runs more.
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ def _run_training_like(store: DiskExpertStore, keys: list, seed: int, windows: i
             store.release(key)
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("STRESS_SEEDS", 16))))
+@pytest.mark.parametrize("seed", range(int(os.environ.get("STRESS_SEEDS", 24))))
 def test_disk_tier_survives_injected_io_delays(tmp_path, seed):
     keys = [(layer, e) for layer in range(2) for e in range(8)]
     store = SlowDiskStore(keys, NUMEL, torch.float32, OffloadStats(), str(tmp_path / "experts"),

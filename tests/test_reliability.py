@@ -145,6 +145,10 @@ def test_reused_offload_dir_of_a_killed_run_is_detected_and_its_files_discarded(
     store.flush()
     assert torch.equal(store.read_param((0, 0)), torch.ones(10))
     store.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # a store that was closed properly: replaced without a warning
+        disk_store(directory, [(0, 0)]).close()
+    assert "earlier run" not in caplog.text
 
 
 # --- saved models and expert state ---

@@ -204,6 +204,7 @@ LOADING, CACHED, WRITING = "loading", "cached", "writing"
 _TRAILER = struct.Struct("<8sIIQI4x")
 _MAGIC = b"HFMOEXP1"
 _FILE_PATTERN = re.compile(r"^layer\d+_expert\d+\.bin$")
+_CLOSED = b"closed"
 
 
 def _crc32(buffer: torch.Tensor) -> int:
@@ -230,11 +231,18 @@ class _DirectoryLock:
                 "would overwrite the other's expert files). Choose another offload_dir (--offload-dir), or close "
                 "the other store first (disable_expert_offload)"
             ) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+        # What the previous holder left: its pid while it ran, "closed" once it closed its store properly.
+        self.previous_closed = os.pread(self._fd, 64, 0).strip() == _CLOSED
+        self._write(str(os.getpid()).encode())
         self._finalizer = weakref.finalize(self, os.close, self._fd)
 
+    def _write(self, content: bytes) -> None:
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, content, 0)
+
     def release(self) -> None:
+        if self._finalizer.alive:
+            self._write(_CLOSED)
         self._finalizer()  # closing the descriptor drops the lock
 
 
@@ -275,7 +283,7 @@ class DiskExpertStore(ExpertStore):
             ) from err
         self._dir_lock = _DirectoryLock(offload_dir) if owner else None
         if owner:
-            self._discard_stale_files()
+            self._discard_stale_files(killed=not self._dir_lock.previous_closed)
         self.cache_experts = cache_experts
         self._slots = [_pin(torch.empty(4, numel)) for _ in range(cache_experts)]
         self._free = list(range(cache_experts))
@@ -287,14 +295,19 @@ class DiskExpertStore(ExpertStore):
     def path(self, key: ExpertKey) -> str:
         return os.path.join(self.dir, f"layer{key[0]:03d}_expert{key[1]:05d}.bin")
 
-    def _discard_stale_files(self) -> None:
+    def _discard_stale_files(self, killed: bool) -> None:
+        """Expert files of an earlier store in this directory are never read: a new store writes every expert
+        afresh (from the model being offloaded, or a checkpoint being loaded). A store that was not closed (a killed
+        run) is worth a warning."""
         stale = [n for n in os.listdir(self.dir) if _FILE_PATTERN.match(n)]
         if not stale:
             return
-        logger.warning(
-            "offload_dir %r holds %d expert files of an earlier run that did not close its store (killed?); they are "
-            "discarded: the experts are written afresh from the model being offloaded", self.dir, len(stale),
-        )
+        if killed:
+            logger.warning(
+                "offload_dir %r holds %d expert files of an earlier run that did not close its store (killed?); they "
+                "are discarded: the experts are written afresh from the model being offloaded", self.dir, len(stale))
+        else:
+            logger.info("offload_dir %r: replacing %d expert files of a closed store", self.dir, len(stale))
         for name in stale:
             os.remove(os.path.join(self.dir, name))
 
