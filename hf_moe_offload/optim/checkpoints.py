@@ -111,7 +111,10 @@ def clean_interrupted_saves(output_dir: str) -> list[str]:
         for name in os.listdir(path):
             if _TEMPORARY.search(name):
                 target = os.path.join(path, name)
-                shutil.rmtree(target, ignore_errors=True) if os.path.isdir(target) else os.remove(target)
+                if os.path.isdir(target):
+                    shutil.rmtree(target, ignore_errors=True)
+                else:
+                    os.remove(target)
                 removed.append(target)
     if removed:
         logger.warning("removed what interrupted checkpoint saves left in %s: %s", output_dir,
