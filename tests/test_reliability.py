@@ -82,7 +82,8 @@ def test_expert_file_of_another_expert_or_truncated_is_an_error(tmp_path):
     for e in range(3):
         store.write_param((0, e), torch.full((10,), float(e)))
     store.flush()
-    store.acquire((0, 2)), store.release((0, 2))  # (0, 0) and (0, 1) are on disk only now
+    store.acquire((0, 2))  # the cache holds one expert: (0, 0) and (0, 1) are on disk only now
+    store.release((0, 2))
     shutil.copy(store.path((0, 1)), store.path((0, 0)))
     with pytest.raises(CorruptExpertFileError, match="holds expert \\(0, 1\\)"):
         store.acquire((0, 0))
