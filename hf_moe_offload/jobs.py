@@ -273,8 +273,7 @@ def prepare_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, 
     overrides = dict(config_overrides or {})
     rank, world_size = world()
     cfg = offload_config(args, subdir=f"rank{rank}" if world_size > 1 else None)
-    if args.model_path:
-        _check_model_path(args.model_path)
+    if args.model_path:  # already checked by load_tokenizer
         if args.offload in ("host", "disk"):
             model = load_offloaded_pretrained(args.model_path, cfg, model_class=model_class, **overrides)
             model.train()

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from .api import enable_expert_offload, find_expert_modules, get_offload_engine
 from .config import OffloadConfig
-from .store import ExpertStoreError
+from .store import ExpertStoreError, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,13 @@ def fsync_directory(path: str) -> None:
         os.close(fd)
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+
+
+def _crc_field(crcs: dict[str, int]) -> str:
+    """The CRC metadata value: fixed-width hex, so the placeholder (all 0) and the real one have the same length."""
+    return json.dumps({name: f"{crc:08x}" for name, crc in crcs.items()})
 
 
 def _header_blob(header: dict) -> bytes:
@@ -93,11 +98,11 @@ def write_safetensors_streaming(
     header: dict = {}
     offset = 0
     for name, dtype, shape in specs:
-        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        nbytes = _nbytes(dtype, shape)
         header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     meta = dict(metadata or {})
-    meta[CRC_METADATA_KEY] = json.dumps({name: "0" * 8 for name, _, _ in specs})  # fixed width: patched in below
+    meta[CRC_METADATA_KEY] = _crc_field(dict.fromkeys((name for name, _, _ in specs), 0))  # placeholder, patched in place below
     header["__metadata__"] = meta
     blob = _header_blob(header)
     crcs: dict[str, int] = {}
@@ -109,19 +114,17 @@ def write_safetensors_streaming(
             for name, dtype, shape in specs:
                 written, crc = 0, 0
                 for chunk in chunks(name):
-                    data = _as_bytes(chunk.detach().to("cpu", dtype))
+                    data = tensor_bytes(chunk.detach().to("cpu", dtype))
                     f.write(data)
                     crc = zlib.crc32(data, crc)
                     written += data.nbytes
-                want = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+                want = _nbytes(dtype, shape)
                 if written != want:
                     raise CheckpointError(f"tensor {name}: wrote {written} bytes, expected {want}")
                 crcs[name] = crc
-            meta[CRC_METADATA_KEY] = json.dumps({name: f"{crcs[name]:08x}" for name, _, _ in specs})
-            patched = _header_blob(header)
-            assert len(patched) == len(blob), "CRC placeholders must keep the header's length"
+            meta[CRC_METADATA_KEY] = _crc_field(crcs)  # same width as the placeholder: the header keeps its length
             f.seek(8)
-            f.write(patched)
+            f.write(_header_blob(header))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -298,13 +301,20 @@ def _expert_param_names(model: nn.Module) -> dict[str, tuple[int, str]]:
     return out
 
 
-def _indexed_files(directory: str) -> set[str]:
-    """Files the safetensors index in `directory` points to (empty without an index)."""
+def read_weight_map(directory: str) -> dict[str, str] | None:
+    """tensor name -> shard file of the safetensors index in `directory` (None without an index)."""
+    index = os.path.join(directory, INDEX_FILE)
+    if not os.path.exists(index):
+        return None
     try:
-        with open(os.path.join(directory, INDEX_FILE)) as f:
-            return set(json.load(f)["weight_map"].values())
-    except (OSError, ValueError, KeyError):
-        return set()
+        with open(index) as f:
+            return json.load(f)["weight_map"]
+    except (ValueError, KeyError) as err:
+        raise CheckpointError(f"{index} is corrupt ({err}); re-save the model") from err
+
+
+def missing_shards(directory: str, weight_map: dict[str, str]) -> list[str]:
+    return sorted({v for v in weight_map.values() if not os.path.exists(os.path.join(directory, v))})
 
 
 def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serialization: bool = True) -> None:
@@ -331,8 +341,10 @@ def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serial
             shutil.rmtree(os.path.join(save_directory, name), ignore_errors=True)
     tmp_dir = os.path.join(save_directory, f".tmp-save-{os.getpid()}")
     os.makedirs(tmp_dir)
-    live = _indexed_files(save_directory) | (
-        {"model.safetensors"} if os.path.exists(os.path.join(save_directory, "model.safetensors")) else set())
+    try:
+        live = set((read_weight_map(save_directory) or {}).values())
+    except CheckpointError:  # a corrupt index points to nothing: its shards are not live
+        live = set()
     num_layers = len(engine.layers)
     total = num_layers + 1
     token = uuid.uuid4().hex[:8]
@@ -412,14 +424,9 @@ def _checkpoint_files(path: str) -> dict[str, str]:
     """tensor name -> file, from an index or a single model.safetensors; every file must be there."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a directory with a saved model")
-    index = os.path.join(path, INDEX_FILE)
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (ValueError, KeyError) as err:
-            raise CheckpointError(f"{index} is corrupt ({err}); re-save the model") from err
-        missing = sorted({v for v in weight_map.values() if not os.path.exists(os.path.join(path, v))})
+    weight_map = read_weight_map(path)
+    if weight_map is not None:
+        missing = missing_shards(path, weight_map)
         if missing:
             raise CheckpointError(
                 f"{path} is incomplete: {INDEX_FILE} names {len(missing)} shard file(s) that are missing: "
@@ -469,7 +476,7 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
             tensors = []
             for n in layer.layout.names():
                 piece = reader(files[fulls[n]]).get(fulls[n], e)
-                crcs[fulls[n]] = zlib.crc32(_as_bytes(piece), crcs[fulls[n]])
+                crcs[fulls[n]] = zlib.crc32(tensor_bytes(piece), crcs[fulls[n]])
                 tensors.append(piece.float())
             engine.store.write_param((layer.layer, e), layer.layout.pack(tensors, flat))
         for full, crc in crcs.items():
@@ -522,5 +529,7 @@ __all__ = [
     "load_offloaded_pretrained",
     "CheckpointError",
     "SafetensorsReader",
+    "read_weight_map",
+    "missing_shards",
     "EXPERT_STATE_FILE",
 ]

@@ -207,8 +207,13 @@ _FILE_PATTERN = re.compile(r"^layer\d+_expert\d+\.bin$")
 _CLOSED = b"closed"
 
 
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor as a flat memoryview (a view for contiguous tensors: writable, for readinto)."""
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
 def _crc32(buffer: torch.Tensor) -> int:
-    return zlib.crc32(memoryview(buffer.numpy()).cast("B"))  # releases the GIL; ~2 GB/s
+    return zlib.crc32(tensor_bytes(buffer))  # releases the GIL; ~2 GB/s
 
 
 class _DirectoryLock:
@@ -317,7 +322,7 @@ class DiskExpertStore(ExpertStore):
         trailer = _TRAILER.pack(_MAGIC, key[0], key[1], buffer.numel(), _crc32(buffer))
         try:
             with open(path, "wb") as f:
-                f.write(memoryview(buffer.numpy()).cast("B"))
+                f.write(tensor_bytes(buffer))
                 f.write(trailer)
         except OSError as err:
             if err.errno == errno.ENOSPC:
@@ -334,7 +339,7 @@ class DiskExpertStore(ExpertStore):
         want = buffer.numel() * 4
         try:
             with open(path, "rb", buffering=0) as f:
-                got = f.readinto(memoryview(buffer.numpy()).cast("B"))
+                got = f.readinto(tensor_bytes(buffer))
                 trailer = f.read(_TRAILER.size + 1)
         except FileNotFoundError as err:
             raise CorruptExpertFileError(
@@ -364,11 +369,13 @@ class DiskExpertStore(ExpertStore):
     # --- state transitions (lock held; may release it around I/O, see each) ---
     def _victim(self, evict_pinned: bool) -> ExpertKey | None:
         """The least recently used idle record, not pinned if possible (pinned only when `evict_pinned`)."""
-        idle = [k for k, e in self._entries.items() if e.state is CACHED and e.refs == 0]
-        victim = next((k for k in idle if k not in self._pinned), None)
-        if victim is None and evict_pinned and idle:
-            victim = idle[0]
-        return victim
+        pinned = None
+        for key, entry in self._entries.items():
+            if entry.state is CACHED and entry.refs == 0:
+                if key not in self._pinned:
+                    return key
+                pinned = pinned or key
+        return pinned if evict_pinned else None
 
     def _claim_slot(self, block: bool = True) -> int | None:
         """A free cache slot, evicting an idle record (written back first if dirty; the lock is released meanwhile).

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 
+from accelerate import PartialState
 from transformers import TrainerCallback
 
 from ..offload.api import get_offload_engine
@@ -51,13 +52,6 @@ def _has_offloaded_experts(model) -> bool:
     return engine is not None and engine.store is not None
 
 
-def _wait_for_everyone() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 class ExpertOptimizerCallback(TrainerCallback):
     """See the module docstring. `resume_from_checkpoint` overrides the checkpoint the experts are restored from
     (by default: the one the Trainer resumes from)."""
@@ -76,7 +70,7 @@ class ExpertOptimizerCallback(TrainerCallback):
             return
         if args.process_index == 0:
             clean_interrupted_saves(args.output_dir)
-        _wait_for_everyone()
+        PartialState().wait_for_everyone()
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         engine = get_offload_engine(model)
@@ -157,7 +151,7 @@ class ExpertOptimizerCallback(TrainerCallback):
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             save_expert_state(self.expert_optimizer.engine, folder, self.expert_optimizer.state_dict(),
                               global_step=state.global_step)
-        _wait_for_everyone()
+        PartialState().wait_for_everyone()
         self._saved_step = state.global_step
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -170,7 +164,7 @@ class ExpertOptimizerCallback(TrainerCallback):
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         # save_strategy="best": the Trainer decides to save after this call; a new best means it will.
-        if str(getattr(args.save_strategy, "value", args.save_strategy)) != "best" or not metrics:
+        if args.save_strategy != "best" or not metrics:
             return
         name = args.metric_for_best_model or "loss"
         name = name if name.startswith("eval_") else f"eval_{name}"

@@ -24,7 +24,13 @@ import re
 import shutil
 import sys
 
-from ..offload.checkpoint import EXPERT_STATE_FILE, INDEX_FILE, CheckpointError, read_expert_state_header
+from ..offload.checkpoint import (
+    EXPERT_STATE_FILE,
+    CheckpointError,
+    missing_shards,
+    read_expert_state_header,
+    read_weight_map,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,23 +45,16 @@ def checkpoint_problems(folder: str, experts: bool = True) -> list[str]:
     if not os.path.isdir(folder):
         return [f"{folder} does not exist"]
     problems = []
+    trainer_state = _trainer_state_problem(folder)
+    if trainer_state:
+        problems.append(trainer_state)
     try:
-        with open(os.path.join(folder, TRAINER_STATE_FILE)) as f:
-            json.load(f)
-    except FileNotFoundError:
-        problems.append(f"{TRAINER_STATE_FILE} is missing (the Trainer's save did not finish)")
-    except ValueError:
-        problems.append(f"{TRAINER_STATE_FILE} is truncated (the Trainer's save did not finish)")
-    index = os.path.join(folder, INDEX_FILE)
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            missing = [s for s in shards if not os.path.exists(os.path.join(folder, s))]
-            if missing:
-                problems.append(f"model shard(s) missing: {', '.join(missing)}")
-        except (ValueError, KeyError):
-            problems.append(f"{INDEX_FILE} is corrupt")
+        weight_map = read_weight_map(folder)
+        missing = missing_shards(folder, weight_map) if weight_map is not None else []
+        if missing:
+            problems.append(f"model shard(s) missing: {', '.join(missing)}")
+    except CheckpointError as err:
+        problems.append(str(err))
     if experts:
         if not os.path.exists(os.path.join(folder, EXPERT_STATE_FILE)):
             problems.append(f"{EXPERT_STATE_FILE} is missing (the offloaded experts' weights and Adam state; it is "
@@ -66,6 +65,18 @@ def checkpoint_problems(folder: str, experts: bool = True) -> list[str]:
             except CheckpointError as err:
                 problems.append(str(err))
     return problems
+
+
+def _trainer_state_problem(folder: str) -> str | None:
+    """Why the Trainer's save of `folder` did not finish (None when `trainer_state.json`, its last file, parses)."""
+    try:
+        with open(os.path.join(folder, TRAINER_STATE_FILE)) as f:
+            json.load(f)
+    except FileNotFoundError:
+        return f"{TRAINER_STATE_FILE} is missing (the Trainer's save did not finish)"
+    except ValueError:
+        return f"{TRAINER_STATE_FILE} is truncated (the Trainer's save did not finish)"
+    return None
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
@@ -104,7 +115,7 @@ def clean_interrupted_saves(output_dir: str) -> list[str]:
     Returns what was removed."""
     removed = []
     for _step, path in list_checkpoints(output_dir):
-        if any(p.startswith(TRAINER_STATE_FILE) for p in checkpoint_problems(path, experts=False)):
+        if _trainer_state_problem(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
             continue
@@ -122,11 +133,7 @@ def clean_interrupted_saves(output_dir: str) -> list[str]:
     return removed
 
 
-class _NotFound:
-    pass
-
-
-NOT_FOUND = _NotFound()
+NOT_FOUND = object()  # trainer_resume_argument outside of Trainer.train
 
 
 def trainer_resume_argument():
