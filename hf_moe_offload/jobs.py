@@ -313,18 +313,10 @@ def _load_pretrained(model_class, path: str, flag: str = "--model-path", **kwarg
 
 def freeze_offloaded_experts(engine) -> None:
     """Offloaded experts that are not trained (LoRA): gradients still flow through them to the layers below, but
-    their own weight gradients are dropped instead of accumulating in the store (and no optimizer is needed)."""
+    their own weight gradients are not computed (and no optimizer is needed)."""
     if engine is None or engine.store is None:
         return
-    store = engine.store
-
-    def drop(key, record) -> bool:
-        record.grad.zero_()
-        store.has_grad[key] = False
-        store.release(key)  # not dirty: the stored gradient was zero and still is
-        return True
-
-    engine.add_grad_hook(drop)
+    engine.train_experts = False
 
 
 # --- 3. several processes ---

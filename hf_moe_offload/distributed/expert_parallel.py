@@ -243,7 +243,7 @@ class AllToAllExecutor:
         y_back = all_to_all(y.index_select(0, xp.ungroup), xp.input_splits, xp.output_splits, c.group)
         w = plan.weights.index_select(0, xp.send_order)
         y_back = y_back * w.to(y_back.dtype).unsqueeze(-1)
-        return torch.zeros_like(x).index_add_(0, rows, y_back)
+        return torch.zeros_like(x).index_add_(0, rows, y_back.to(x.dtype))
 
 
 class PPMoEExecutor:
@@ -281,7 +281,7 @@ class PPMoEExecutor:
         y = experts(x_in.index_select(0, rows), counts, local)
         y = _keep_parameters_in_graph(y, experts, ran_any=hi > lo)
         y = y * w[lo:hi].to(y.dtype).unsqueeze(-1)
-        partial = torch.zeros_like(x).index_add_(0, rows, y)
+        partial = torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype))
         return reduce_from_group(partial, c.group)
 
 

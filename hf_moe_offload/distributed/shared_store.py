@@ -140,27 +140,36 @@ class SharedStepCounts(MutableMapping):
 class SharedExpertRecord(ExpertRecord):
     """An `ExpertRecord` whose version number is node-wide: an update on one rank is seen by all."""
 
-    __slots__ = ("_versions", "_index")
+    __slots__ = ("_shared_versions", "_index", "_local_version")
 
     def __init__(self, key: ExpertKey, buffer: torch.Tensor, compute_dtype: torch.dtype, versions: torch.Tensor,
-                 index: int):
-        super().__init__(key, buffer, compute_dtype)
-        self._versions = versions
+                 index: int, compute: torch.Tensor | None = None):
+        super().__init__(key, buffer, compute_dtype, None, compute)
+        self._shared_versions = versions
         self._index = index
-        self.version = int(versions[index])
+        self._local_version = int(versions[index])
+
+    @property
+    def version(self) -> int:
+        """The node-wide version this process's copy reflects (the table in shared memory survives evictions)."""
+        return self._local_version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._local_version = value
 
     def refresh_compute(self) -> None:
         """After an update (by the one rank that steps this expert): refresh the local compute copy and bump the
         node-wide version, so other ranks refresh theirs (and their pinned device copies) on their next acquire."""
         if self.compute is not None:
             self.compute.copy_(self.param)
-        version = int(self._versions[self._index]) + 1
-        self._versions[self._index] = version
+        version = int(self._shared_versions[self._index]) + 1
+        self._shared_versions[self._index] = version
         self.version = version
 
     def sync(self) -> None:
         """Catch up with an update made by another rank (refreshes the low-precision copy)."""
-        version = int(self._versions[self._index])
+        version = int(self._shared_versions[self._index])
         if version != self.version:
             if self.compute is not None:
                 self.compute.copy_(self.param)
@@ -204,8 +213,9 @@ class SharedHostExpertStore(HostExpertStore):
     def region_bytes(num_keys: int, numel: int) -> int:
         return _SharedControl.nbytes(num_keys) + num_keys * _round_up(4 * numel * 4)
 
-    def _new_record(self, key, buffer):
-        return SharedExpertRecord(key, buffer, self.compute_dtype, self._control.versions, self._control.index[key])
+    def _new_record(self, key, buffer, compute=None):
+        return SharedExpertRecord(key, buffer, self.compute_dtype, self._control.versions, self._control.index[key],
+                                  compute)
 
     def acquire(self, key):
         record = super().acquire(key)
@@ -232,8 +242,9 @@ class SharedDiskExpertStore(DiskExpertStore):
                          io_threads, owner=owner)
         self.steps = self._control.steps
 
-    def _new_record(self, key, buffer):
-        return SharedExpertRecord(key, buffer, self.compute_dtype, self._control.versions, self._control.index[key])
+    def _new_record(self, key, buffer, compute=None):
+        return SharedExpertRecord(key, buffer, self.compute_dtype, self._control.versions, self._control.index[key],
+                                  compute)
 
     def _write_file(self, key, buffer):
         super()._write_file(key, buffer)

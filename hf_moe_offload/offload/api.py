@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ from torch import nn
 from .config import OffloadConfig
 from .engine import OffloadEngine, ResidentEngine
 from .layout import ExpertLayout, layout_for, uses_routing_signature
-from .planner import choose_tier, detect_budgets, estimate_memory
+from .planner import choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
 from .store import DiskExpertStore, ExpertStore, ExpertStoreError, HostExpertStore
 from .telemetry import OffloadStats
 
@@ -72,6 +73,17 @@ def enable_expert_offload(
         host_budget = config.host_budget_bytes or host_budget
         mode, why = choose_tier(est, dev_budget, host_budget)
         logger.info("expert offload mode=auto chose %r: %s", mode, why)
+        if mode != "device":
+            # Device copies every offloaded tier keeps: pinned experts (ES-MoE §4.3) and the upload slots.
+            resident = math.ceil(config.pin_fraction * est.num_experts_total) + config.prefetch_depth + 1
+            compute_bytes = (config.compute_dtype.itemsize if config.compute_dtype is not None
+                             else next(experts[0][1].parameters()).element_size())
+            need = offloaded_device_bytes(est, resident, compute_bytes)
+            if need > 0.9 * dev_budget:
+                logger.warning(
+                    "even offloaded, training needs ~%.2f GiB on %s (non-expert state, activations, %d resident "
+                    "expert copies) of %.2f GiB free: lower pin_fraction, prefetch_depth or the batch size",
+                    need / 2**30, device, resident, dev_budget / 2**30)
         if mode == "disk" and not config.offload_dir:
             raise ValueError(
                 f"mode='auto' chose the disk tier ({why}); set OffloadConfig.offload_dir to a directory on a fast disk"
@@ -119,8 +131,9 @@ def enable_expert_offload(
         logger.info("expert offload: device tier (all experts resident, dropless sequential execution)")
         return engine
 
-    engine = OffloadEngine(store, [(m, lay) for (_, m), lay in zip(experts, layouts)], device, config.prefetch_depth,
-                           config.pin_fraction, stats, mode)
+    # The compute device is bound on the first forward, from the inputs (or checked against OffloadConfig.device).
+    engine = OffloadEngine(store, [(m, lay) for (_, m), lay in zip(experts, layouts)], config.device,
+                           config.prefetch_depth, config.pin_fraction, stats, mode)
     engine.config = config
     engine.model_dtype = model_dtype
     for layer, ((_name, module), layout) in enumerate(zip(experts, layouts)):

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from ..precision import autocast_state, restore_autocast
+from ..runtime import HOST, DeviceRuntime, Event, runtime_for
 from .layout import ExpertLayout
 from .store import ExpertKey, ExpertRecord, ExpertStore
 from .telemetry import OffloadStats
@@ -33,67 +36,143 @@ logger = logging.getLogger(__name__)
 
 
 class DeviceStager:
-    """Makes expert weights usable on the compute device.
+    """Makes expert weights usable on the compute device, through the device runtime (hf_moe_offload.runtime).
 
-    CUDA: copies into `depth + 1` device slots on a side stream; an event per upload lets compute wait for exactly
-    that expert, and an event per use lets the copy engine reuse the slot only after compute is done with it. Pinned
-    experts (ES-MoE §4.3) keep a device copy, refreshed when their version changes (after an update).
-    CPU: the host tensor is already usable; nothing is copied.
+    Asynchronous runtimes (CUDA, the CPU simulation): copies into `depth + 1` device slots on a side stream; an event
+    per upload lets compute wait for exactly that expert, and an event per use lets the copy stream reuse the slot
+    only after compute is done with it. Pinned experts (ES-MoE §4.3) keep a device copy, reused while the expert's
+    version (its update count, kept by the store) is unchanged.
+    Inline runtime (CPU): the host tensor is already usable; nothing is copied.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, depth: int, stats: OffloadStats):
-        self.device = device
-        self.cuda = device.type == "cuda"
+    def __init__(self, runtime: DeviceRuntime, numel: int, dtype: torch.dtype, depth: int, stats: OffloadStats):
+        self.rt = runtime
         self.stats = stats
-        self.pinned: dict[ExpertKey, tuple[torch.Tensor, int]] = {}
+        self.pinned: dict[ExpertKey, tuple[torch.Tensor, int, Event]] = {}  # key -> (copy, version, its upload)
         self.pinned_keys: set[ExpertKey] = set()
-        if self.cuda:
-            self.stream = torch.cuda.Stream(device=device)
-            self.slots = [torch.empty(numel, dtype=dtype, device=device) for _ in range(depth + 1)]
-            self.slot_free = [None] * (depth + 1)  # event recorded after the last use of each slot
+        self._stalls: list[tuple[Event, Event]] = []  # timing events around each wait, resolved once they happened
+        if runtime.asynchronous:
+            self.stream = runtime.new_stream()
+            # Allocated for the copy stream (which writes them) and owned for the stager's life: compute reads them
+            # only between the upload's event and the use's event.
+            self.slots = [runtime.empty((numel,), dtype, stream=self.stream, persistent=True)
+                          for _ in range(depth + 1)]
+            self.slot_free: list[Event | None] = [None] * (depth + 1)  # after the last use of each slot
             self.next_slot = 0
 
-    def upload(self, key: ExpertKey, record: ExpertRecord) -> tuple[torch.Tensor, object, int | None]:
+    def upload(self, key: ExpertKey, record: ExpertRecord) -> tuple[torch.Tensor, Event | None, int | None]:
         """Returns (weights, ready_event_or_None, slot_or_None)."""
+        rt = self.rt
         src = record.compute_param()
-        if not self.cuda:
+        if not rt.asynchronous:
             return src, None, None
         cached = self.pinned.get(key)
         if cached is not None and cached[1] == record.version:
-            return cached[0], None, None
+            # Its upload's event too: a first use that was interrupted may never have waited for it.
+            return cached[0], cached[2], None
         if key in self.pinned_keys:
-            dst = torch.empty_like(self.slots[0])
+            # A copy of its own, allocated on the copy stream that writes it; compute reads it (record_stream), so
+            # its memory is not handed out again before compute is done with it.
+            dst = rt.empty(src.shape, src.dtype, stream=self.stream)
+            rt.record_stream(dst, rt.current_stream())
             slot = None
         else:
             slot = self.next_slot
             self.next_slot = (slot + 1) % len(self.slots)
             dst = self.slots[slot]
-        with torch.cuda.stream(self.stream):
-            if slot is not None and self.slot_free[slot] is not None:
-                self.stream.wait_event(self.slot_free[slot])
-            dst.copy_(src, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
+            rt.wait_event(self.slot_free[slot], self.stream)  # compute is done with the slot's previous expert
+        rt.copy_(dst, src, self.stream)
+        ready = rt.record(self.stream)
         self.stats.h2d_bytes += src.numel() * src.element_size()
         if slot is None:
-            self.pinned[key] = (dst, record.version)
+            self.pinned[key] = (dst, record.version, ready)
         return dst, ready, slot
 
-    def wait(self, ready) -> None:
-        if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
+    def wait(self, ready: Event | None, weights: torch.Tensor) -> None:
+        """Compute waits for the upload of `weights` (timed with events: the compute stream's idle time)."""
+        if ready is None:
+            return
+        start = self.rt.now_event()
+        self.rt.wait_event(ready)
+        self._stalls.append((start, self.rt.now_event()))
+        self.rt.access(weights)
 
     def done(self, slot: int | None) -> None:
-        if self.cuda and slot is not None:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            self.slot_free[slot] = ev
+        if slot is not None:
+            self.slot_free[slot] = self.rt.record()
+
+    def settle_stall_time(self, block: bool = False) -> None:
+        """Add the device-side waits whose events have happened to `stats.stall_seconds`."""
+        pending = []
+        for start, end in self._stalls:
+            if block:
+                end.synchronize()
+            if end.query():
+                self.stats.stall_seconds += self.rt.elapsed(start, end)
+            else:
+                pending.append((start, end))
+        self._stalls = pending
 
     def set_pinned(self, keys: set[ExpertKey]) -> None:
         self.pinned_keys = set(keys)
         for key in list(self.pinned):
             if key not in self.pinned_keys:
                 del self.pinned[key]
+
+    def drop_copies(self) -> None:
+        """Forget every device copy (the store was replaced: its versions start again)."""
+        self.pinned.clear()
+
+
+class GradRing:
+    """Expert gradients on their way to the host (asynchronous runtimes): a ring of page-locked buffers in the
+    gradient's dtype, filled by copies on a side stream. `send` returns a `GradArrival` that the consumer (the expert
+    optimizer's worker, or the engine's own) lands on the host; the buffer is reused only after that."""
+
+    def __init__(self, runtime: DeviceRuntime, numel: int, dtype: torch.dtype, size: int):
+        self.rt = runtime
+        self.stream = runtime.new_stream()
+        self.buffers = [runtime.pinned_empty((numel,), dtype) for _ in range(size)]
+        self._free = list(range(size))
+        self._cond = threading.Condition()
+
+    def send(self, flat: torch.Tensor) -> "GradArrival":
+        with self._cond:
+            while not self._free:  # every buffer is waiting for its consumer: backpressure on the compute thread
+                self._cond.wait()
+            i = self._free.pop()
+        rt = self.rt
+        rt.access(flat, write=True)  # produced on the compute stream
+        rt.wait_stream(self.stream, rt.current_stream())
+        rt.record_stream(flat, self.stream)
+        rt.copy_(self.buffers[i], flat, self.stream)
+        return GradArrival(rt, self.buffers[i], rt.record(self.stream), lambda: self._give_back(i))
+
+    def _give_back(self, i: int) -> None:
+        with self._cond:
+            self._free.append(i)
+            self._cond.notify()
+
+
+class GradArrival:
+    """One expert's gradient for this micro-step, on its way into the store's fp32 gradient slot."""
+
+    __slots__ = ("rt", "buffer", "event", "release")
+
+    def __init__(self, rt: DeviceRuntime, buffer: torch.Tensor, event: Event | None, release=None):
+        self.rt, self.buffer, self.event, self.release = rt, buffer, event, release
+
+    def land(self, record: ExpertRecord) -> None:
+        """Add it to `record.grad` (fp32) on the calling host thread, once its copy has happened."""
+        if self.buffer is None:
+            return  # landed already
+        if self.event is not None:
+            self.event.synchronize()
+            self.rt.access(self.buffer, stream=HOST)
+        record.grad.add_(self.buffer)
+        self.buffer = None
+        if self.release is not None:
+            self.release()
 
 
 class OffloadedExpertsLayer:
@@ -130,10 +209,12 @@ class OffloadedExpertsLayer:
         self.prefetch(counts)
         y = self.forward(hidden.index_select(0, token_index), counts)
         y = y * top_k_weights.reshape(-1)[order].to(y.dtype).unsqueeze(-1)
-        return torch.zeros_like(hidden).index_add_(0, token_index, y)
+        # The combine writes in the output's dtype (autocast: bf16 expert outputs into the fp32 residual stream).
+        return torch.zeros_like(hidden).index_add_(0, token_index, y.to(hidden.dtype))
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int], expert_ids: list[int] | None = None) -> torch.Tensor:
         ids = list(range(len(counts))) if expert_ids is None else list(expert_ids)
+        self.engine.bind(x_sorted.device)
         total = [0] * self.layout.num_experts
         for e, n in zip(ids, counts):
             total[e] += n
@@ -154,15 +235,25 @@ class OffloadedExpertsLayer:
             start += n
         return out
 
+    def _weights(self, w: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
+        # Under autocast the streamed copy is used in its own dtype (autocast casts per op; a bf16 copy is never
+        # upcast back to fp32). Without autocast it takes the activations' dtype.
+        if not torch.is_autocast_enabled(x.device.type):
+            w = w.to(x.dtype)
+        return self.layout.views(w)
+
     def run_forward(self, x, counts, ids, rng_states: list | None) -> torch.Tensor:
         segments = self._segments(counts, ids)
-        y = torch.empty_like(x)
+        y = None  # in the experts' output dtype (autocast: bf16), like the resident experts' torch.cat
         save_rng = rng_states is not None and self._has_dropout()
         for w, (e, start, n) in zip(self.engine.stream(self.layer, [s[0] for s in segments]), segments):
             if save_rng:
                 rng_states.append(_get_rng(x.device))
-            y[start : start + n] = self.layout.forward(x[start : start + n], self.layout.views(w.to(x.dtype)))
-        return y
+            out = self.layout.forward(x[start : start + n], self._weights(w, x))
+            if y is None:
+                y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out.dtype)
+            y[start : start + n] = out
+        return y if y is not None else x[:0].clone()
 
     def run_backward(self, x, gy, counts, ids, rng_states: list) -> torch.Tensor:
         segments = self._segments(counts, ids)
@@ -171,15 +262,19 @@ class OffloadedExpertsLayer:
         stream = self.engine.stream(self.layer, [segments[i][0] for i in order], keep=True)
         for (w, record), i in zip(stream, order):
             e, start, n = segments[i]
-            leaves = [v.detach().requires_grad_(True) for v in self.layout.views(w.to(x.dtype))]
+            leaves = [v.detach().requires_grad_(True) for v in self._weights(w, x)]
             xs = x[start : start + n].detach().requires_grad_(True)
             with torch.enable_grad(), torch.random.fork_rng(devices=_rng_devices(x.device), enabled=bool(rng_states)):
                 if rng_states:
                     _set_rng(x.device, rng_states[i])
                 ys = self.layout.forward(xs, leaves)
-            grads = torch.autograd.grad(ys, [xs, *leaves], gy[start : start + n])
+            train = self.engine.train_experts
+            grads = torch.autograd.grad(ys, [xs, *leaves] if train else [xs], gy[start : start + n].to(ys.dtype))
             gx[start : start + n] = grads[0]
-            self.engine.accumulate_grad((self.layer, e), record, grads[1:])
+            if train:
+                self.engine.accumulate_grad((self.layer, e), record, grads[1:])
+            else:
+                self.engine.release_record((self.layer, e), record)
         self.engine.layer_backward_done(self.layer)
         return gx
 
@@ -204,19 +299,22 @@ def _set_rng(device: torch.device, state) -> None:
 
 
 class _StreamedExperts(torch.autograd.Function):
-    """Saves only the expert inputs (T_DI); weights are re-streamed and T_M recomputed in backward."""
+    """Saves only the expert inputs (T_DI); weights are re-streamed and T_M recomputed in backward, under the autocast
+    state of the forward (backward itself runs outside the user's autocast block)."""
 
     @staticmethod
     def forward(ctx, x_sorted, anchor, layer: OffloadedExpertsLayer, counts, ids):
         ctx.layer, ctx.counts, ctx.ids = layer, counts, ids
         ctx.rng_states = []
+        ctx.autocast = autocast_state(x_sorted.device.type)
         ctx.save_for_backward(x_sorted)
         return layer.run_forward(x_sorted, counts, ids, ctx.rng_states)
 
     @staticmethod
     def backward(ctx, gy):
         (x_sorted,) = ctx.saved_tensors
-        gx = ctx.layer.run_backward(x_sorted, gy.contiguous(), ctx.counts, ctx.ids, ctx.rng_states)
+        with restore_autocast(x_sorted.device.type, ctx.autocast):
+            gx = ctx.layer.run_backward(x_sorted, gy.contiguous(), ctx.counts, ctx.ids, ctx.rng_states)
         return gx, None, None, None, None
 
 
@@ -237,28 +335,101 @@ class UpdateCoordinator(Protocol):
 
 
 class OffloadEngine:
-    """Owns the store, the device stager and the per-layer streaming; the expert optimizer plugs in here."""
+    """Owns the store, the device stager and the per-layer streaming; the expert optimizer plugs in here.
 
-    def __init__(self, store: ExpertStore, layers_modules: list[tuple[nn.Module, ExpertLayout]], device: torch.device,
-                 depth: int, pin_fraction: float, stats: OffloadStats, mode: str):
+    The compute device is the device of the first streamed input (or `OffloadConfig.device`, checked against the
+    inputs): the engine binds to it and its runtime (hf_moe_offload.runtime) then, so each accelerate process uses its
+    own device.
+    """
+
+    grad_ring_size = 4  # gradient download buffers in flight (asynchronous runtimes)
+
+    def __init__(self, store: ExpertStore, layers_modules: list[tuple[nn.Module, ExpertLayout]],
+                 device: torch.device | None, depth: int, pin_fraction: float, stats: OffloadStats, mode: str):
         self.store = store
         self.stats = stats
         self.mode = mode
-        self.device = device
+        self.requested_device = device
+        self.device: torch.device | None = None  # bound on the first forward
+        self.runtime: DeviceRuntime | None = None
+        self.stager: DeviceStager | None = None
         cache = getattr(store, "cache_experts", None)
         # Records in flight must fit the cache: clamp the lookahead (a cache of 1 expert streams with no lookahead).
         self.depth = depth if cache is None else max(0, min(depth, cache - 2))
         self.pin_fraction = pin_fraction
-        self.trainable = True
+        self.trainable = True  # False: no backward through the experts at all
+        self.train_experts = True  # False (frozen experts, e.g. LoRA): backward gives input gradients only
         self._state_dict_experts = True
         self.layers = [OffloadedExpertsLayer(self, i, m, layout) for i, (m, layout) in enumerate(layers_modules)]
-        numel = store.numel
-        self.stager = DeviceStager(numel, store.compute_dtype, device, max(self.depth, 1), stats)
+        self.pinned: list[ExpertKey] = []
+        self._rings: dict[torch.dtype, GradRing] = {}
+        # Host-side work of asynchronous runtimes, in order on one thread: releasing records once their upload has
+        # happened, landing gradients nobody else takes.
+        self._host_worker: ThreadPoolExecutor | None = None
+        self._host_jobs: deque[Future] = deque()
+        self._grad_jobs: dict[ExpertKey, Future] = {}
         self._pending: dict[ExpertKey, Future] = {}  # expert updates in flight (set by the optimizer)
-        self._grad_hooks: list[Callable[[ExpertKey, ExpertRecord], bool]] = []
+        self._grad_hooks: list[Callable[[ExpertKey, ExpertRecord, GradArrival], bool]] = []
         self._layer_done_hooks: list[Callable[[int], None]] = []
         self._warned_no_optimizer = False
         self.coordinator: UpdateCoordinator | None = None
+
+    # --- device binding ---
+    def bind(self, device: torch.device) -> None:
+        """Bind to the compute device of the inputs (first call), or check that the inputs are still there."""
+        if self.device is not None:
+            if device != self.device:
+                raise RuntimeError(
+                    f"the offloaded experts compute on {self.device} (where this model's first forward ran) but got "
+                    f"inputs on {device}: keep the model's non-expert weights and its inputs on one device (under "
+                    "accelerate, each process offloads its own copy of the model and uses accelerator.device)"
+                )
+            return
+        if self.requested_device is not None and device != _normalized(self.requested_device):
+            raise RuntimeError(
+                f"OffloadConfig.device is {self.requested_device} but the inputs are on {device}: move the model "
+                "and its inputs there, or leave OffloadConfig.device unset (the engine then uses the inputs' device)"
+            )
+        self.device = device
+        self.runtime = runtime_for(device)
+        self.store.bind_runtime(self.runtime)
+        self.stager = DeviceStager(self.runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1),
+                                   self.stats)
+        logger.info("expert offload: computing on %s (runtime %s)", device, self.runtime.name)
+
+    def replace_store(self, store: ExpertStore) -> None:
+        """Swap the expert store (node-shared <-> private, hf_moe_offload.distributed): device copies made from the
+        old one are dropped, since the new store counts versions afresh."""
+        self.synchronize()
+        self.store = store
+        if self.runtime is not None:
+            store.bind_runtime(self.runtime)
+        if self.stager is not None:
+            self.stager.drop_copies()
+
+    def _submit_host(self, fn, *args) -> Future:
+        if self._host_worker is None:
+            self._host_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expert-host")
+        fut = self._host_worker.submit(fn, *args)
+        self._host_jobs.append(fut)
+        while self._host_jobs and self._host_jobs[0].done():
+            self._host_jobs.popleft().result()  # surfaces an error of a finished job
+        return fut
+
+    def _release_after(self, key: ExpertKey, ready: Event | None) -> None:
+        """Hand a record back to the store once the upload that reads it has happened (a disk-tier slot or an
+        update could overwrite it otherwise). Waited for on the host worker, never on the compute thread."""
+        if ready is None or self.store.tier == "host" and self.coordinator is None:
+            # Host tier: the record never moves, and its next write (an update) is ordered after this upload by the
+            # gradient download it follows.
+            self.store.release(key)
+            return
+
+        def release():
+            ready.synchronize()
+            self.store.release(key)
+
+        self._submit_host(release)
 
     # --- streaming ---
     def stream(self, layer: int, expert_ids: list[int], keep: bool = False) -> Iterator:
@@ -269,16 +440,18 @@ class OffloadEngine:
         inflight: deque = deque()
         nxt = 0
         t_start = time.perf_counter()
+        stager = self.stager
+        stager.settle_stall_time()
 
         def issue() -> None:
             nonlocal nxt
             key = keys[nxt]
             nxt += 1
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # host-side waits: the expert's update, a disk read
             self.wait_for_update(key)
             record = self.store.acquire(key)
             self.stats.stall_seconds += time.perf_counter() - t0
-            inflight.append((key, record, *self.stager.upload(key, record)))
+            inflight.append((key, record, *stager.upload(key, record)))
             if nxt + self.depth < len(keys):
                 self.store.prefetch(keys[nxt : nxt + self.depth + 1])
 
@@ -287,9 +460,7 @@ class OffloadEngine:
                 while nxt < len(keys) and len(inflight) <= self.depth:
                     issue()
                 key, record, weights, ready, slot = inflight.popleft()
-                t0 = time.perf_counter()
-                self.stager.wait(ready)
-                self.stats.stall_seconds += time.perf_counter() - t0
+                stager.wait(ready, weights)  # device-side wait: timed with events
                 handed_over = False
                 try:
                     if keep:
@@ -298,42 +469,65 @@ class OffloadEngine:
                     else:
                         yield weights
                 finally:
+                    stager.done(slot)
                     if not handed_over:
-                        if ready is not None:
-                            # The async H2D copy reads the host record: it must be done before the record can be
-                            # evicted and its cache slot refilled.
-                            ready.synchronize()
-                        self.store.release(key)
-                    self.stager.done(slot)
+                        self._release_after(key, ready)
         finally:
-            for key, *_ in inflight:  # interrupted: hand back what was acquired
-                self.store.release(key)
+            for key, _record, _weights, ready, _slot in inflight:  # interrupted: hand back what was acquired
+                self._release_after(key, ready)
             self.stats.compute_seconds += time.perf_counter() - t_start
 
     # --- gradients and updates ---
     def accumulate_grad(self, key: ExpertKey, record: ExpertRecord, grads: tuple[torch.Tensor, ...]) -> None:
-        """Adds one expert's gradient (per-tensor, layout order) into its fp32 store slot; releases the record
-        unless a hook (the expert optimizer) takes it over to step it."""
-        flat = torch.cat([g.reshape(-1) for g in grads]).float()
-        if flat.device.type != "cpu":
+        """Adds one expert's gradient (per-tensor, layout order, in its own dtype) into its fp32 store slot.
+
+        Asynchronous runtimes download it through the `GradRing` (no host sync here); the `GradArrival` goes to a
+        hook (the expert optimizer, which lands it on its worker and steps the expert) or is landed on the engine's
+        host worker, which then releases the record."""
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        rt = self.runtime
+        if rt.asynchronous:
+            ring = self._rings.get(flat.dtype)
+            if ring is None:
+                ring = self._rings[flat.dtype] = GradRing(rt, self.store.numel, flat.dtype, self.grad_ring_size)
+            arrival = ring.send(flat)
             self.stats.d2h_bytes += flat.numel() * flat.element_size()
-            flat = flat.to("cpu")
-        record.grad.add_(flat)
+        else:
+            arrival = GradArrival(rt, flat, None)
         self.store.has_grad[key] = True
-        if self.layers[key[0]].outstanding > 1:  # more calls of this layer still to run backward (partitions)
+        final = self.layers[key[0]].outstanding <= 1  # more calls of this layer still to run backward (partitions)
+        if final:
+            if not self._grad_hooks and not self._warned_no_optimizer:
+                self._warned_no_optimizer = True
+                logger.warning(
+                    "expert gradients are accumulating in the offload store but no ExpertOptimizer is attached, so "
+                    "the experts will not be updated: add ExpertOptimizerCallback() to the Trainer (or an "
+                    "ExpertOptimizer to your loop); call engine.zero_grad() if you only inspect gradients"
+                )
+            for hook in self._grad_hooks:
+                if hook(key, record, arrival):
+                    return
+        if not rt.asynchronous:
+            arrival.land(record)
             self.store.release(key, dirty=True)
             return
-        if not self._grad_hooks and not self._warned_no_optimizer:
-            self._warned_no_optimizer = True
-            logger.warning(
-                "expert gradients are accumulating in the offload store but no ExpertOptimizer is attached, so the "
-                "experts will not be updated: add ExpertOptimizerCallback() to the Trainer (or an ExpertOptimizer to "
-                "your loop); call engine.zero_grad() if you only inspect gradients"
-            )
-        for hook in self._grad_hooks:
-            if hook(key, record):
-                return
-        self.store.release(key, dirty=True)
+
+        def land():
+            arrival.land(record)
+            self.store.release(key, dirty=True)
+
+        self._grad_jobs[key] = self._submit_host(land)
+
+    def release_record(self, key: ExpertKey, record: ExpertRecord) -> None:
+        """Hand back a record `stream(keep=True)` yielded, without a gradient (frozen experts), once the compute
+        enqueued so far (which used its upload) has run."""
+        self._release_after(key, self.runtime.record() if self.runtime.asynchronous else None)
+
+    def wait_for_grad(self, key: ExpertKey) -> None:
+        """Wait until the gradients of `key` handed to the engine's host worker are in the store."""
+        fut = self._grad_jobs.pop(key, None)
+        if fut is not None:
+            fut.result()
 
     def layer_backward_done(self, layer: int) -> None:
         # Plain autograd gives every expert of a layer that ran backward a (possibly zero) gradient.
@@ -350,7 +544,9 @@ class OffloadEngine:
             ids = [e for e in reversed(range(len(counts))) if counts[e]]
             self.store.prefetch([(prev, e) for e in ids[: self.depth + 1]])
 
-    def add_grad_hook(self, hook: Callable[[ExpertKey, ExpertRecord], bool]) -> None:
+    def add_grad_hook(self, hook: Callable[[ExpertKey, ExpertRecord, GradArrival], bool]) -> None:
+        """`hook(key, record, arrival)` on the micro-step where an expert's gradient is final; returning True takes
+        over the record: the hook must `arrival.land(record)` and release the record (dirty)."""
         self._grad_hooks.append(hook)
 
     def add_layer_done_hook(self, hook: Callable[[int], None]) -> None:
@@ -371,9 +567,14 @@ class OffloadEngine:
             layer.outstanding = 0
 
     def synchronize(self) -> None:
-        """Wait for every expert update in flight."""
+        """Wait for every expert update, gradient download and record release in flight."""
+        while self._host_jobs:
+            self._host_jobs.popleft().result()
+        self._grad_jobs.clear()
         for key in list(self._pending):
             self.wait_for_update(key)
+        if self.stager is not None:
+            self.stager.settle_stall_time(block=True)
 
     def zero_grad(self) -> None:
         self.synchronize()
@@ -393,6 +594,7 @@ class OffloadEngine:
 
     def expert_grad(self, key: ExpertKey) -> torch.Tensor | None:
         """A copy of the accumulated fp32 gradient of `key` (None if it has none)."""
+        self.synchronize()
         if not self.store.has_grad[key]:
             return None
         record = self.store.acquire(key)
@@ -413,7 +615,8 @@ class OffloadEngine:
                 top = sorted(range(len(layer.last_counts)), key=lambda e: -layer.last_counts[e])[:k]
                 pinned += [(layer.layer, e) for e in top if layer.last_counts[e]]
         self.store.set_pinned(pinned)
-        self.stager.set_pinned(set(pinned))
+        if self.stager is not None:
+            self.stager.set_pinned(set(pinned))
         self.pinned = pinned
 
 
@@ -434,4 +637,11 @@ class ResidentEngine:
         pass
 
 
-__all__ = ["OffloadEngine", "ResidentEngine", "OffloadedExpertsLayer", "DeviceStager", "UpdateCoordinator"]
+def _normalized(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+__all__ = ["GradArrival", "GradRing", "OffloadEngine", "ResidentEngine", "OffloadedExpertsLayer", "DeviceStager", "UpdateCoordinator"]

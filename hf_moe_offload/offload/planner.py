@@ -8,6 +8,7 @@ activations stay on the device.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import psutil
@@ -54,12 +55,23 @@ def estimate_memory(model: nn.Module, expert_modules: list[nn.Module], tokens_pe
     return MemoryEstimate(expert_params, non_expert, num_experts, act)
 
 
+def local_process_count() -> int:
+    """Processes of this job on this machine (accelerate / torchrun set LOCAL_WORLD_SIZE): they share its RAM."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def detect_budgets(device: torch.device) -> tuple[int, int]:
-    """(device bytes free, host bytes available). On CPU-only machines the device budget is host memory."""
-    host = psutil.virtual_memory().available
+    """(device bytes free, host bytes available to this process). On CPU-only machines the device budget is host
+    memory. The device budget counts memory PyTorch's caching allocator holds but does not use (`mem_get_info` sees
+    it as taken); the host budget is shared by the processes of this job on this machine."""
+    host = psutil.virtual_memory().available // local_process_count()
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return free, host
+        cached_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached_free, host
     return host, host
 
 
@@ -80,4 +92,12 @@ def choose_tier(est: MemoryEstimate, device_budget: int, host_budget: int, headr
     )
 
 
-__all__ = ["MemoryEstimate", "estimate_memory", "detect_budgets", "choose_tier"]
+def offloaded_device_bytes(est: MemoryEstimate, resident_experts: int, compute_bytes: int) -> int:
+    """Device memory an offloaded tier still needs: non-expert state, activations, and the expert copies it keeps
+    on the device (pinned experts, ES-MoE §4.3, plus the upload slots), `compute_bytes` per parameter."""
+    per_expert = est.expert_params // max(1, est.num_experts_total)
+    return est.non_expert_state_bytes + est.activation_bytes + resident_experts * per_expert * compute_bytes
+
+
+__all__ = ["MemoryEstimate", "choose_tier", "detect_budgets", "estimate_memory", "local_process_count",
+           "offloaded_device_bytes"]

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..runtime import HOST, DeviceRuntime, InlineRuntime
 from .telemetry import OffloadStats
 
 logger = logging.getLogger(__name__)
@@ -47,30 +48,37 @@ class CorruptExpertFileError(ExpertStoreError):
     pass
 
 
-def _pin(t: torch.Tensor) -> torch.Tensor:
-    # Pinned host memory makes H2D copies asynchronous; it only exists with an accelerator.
-    return t.pin_memory() if torch.cuda.is_available() else t
-
-
 class ExpertRecord:
-    """One expert's state. `buffer` is (4, P) fp32; `compute` is the low-precision copy used for compute, if any."""
+    """One expert's state. `buffer` is (4, P) fp32; `compute` is the low-precision copy used for compute, if any.
 
-    __slots__ = ("key", "buffer", "param", "grad", "exp_avg", "exp_avg_sq", "compute", "version")
+    `version` counts the updates of this expert (it lives in the store, so it survives an eviction from the disk
+    tier's cache): a device copy made at version v is current while the version is still v.
+    """
 
-    def __init__(self, key: ExpertKey, buffer: torch.Tensor, compute_dtype: torch.dtype):
+    __slots__ = ("key", "buffer", "param", "grad", "exp_avg", "exp_avg_sq", "compute", "_versions")
+
+    def __init__(self, key: ExpertKey, buffer: torch.Tensor, compute_dtype: torch.dtype,
+                 versions: dict[ExpertKey, int] | None = None, compute: torch.Tensor | None = None):
         self.key = key
-        self.bind(buffer, compute_dtype)
-        self.version = 0  # bumped by every optimizer update; device copies compare it
-
-    def bind(self, buffer: torch.Tensor, compute_dtype: torch.dtype) -> None:
+        self._versions = versions if versions is not None else {key: 0}
         self.buffer = buffer
         self.param, self.grad, self.exp_avg, self.exp_avg_sq = buffer.unbind(0)
         self.compute = None
         if compute_dtype != torch.float32:
-            self.compute = _pin(torch.empty(buffer.shape[1], dtype=compute_dtype))
+            # The disk tier passes its cache slot's compute buffer: nothing is allocated (or pinned) per read.
+            self.compute = compute if compute is not None else torch.empty(buffer.shape[1], dtype=compute_dtype)
             self.compute.copy_(self.param)
 
+    @property
+    def version(self) -> int:
+        return self._versions[self.key]
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._versions[self.key] = value
+
     def compute_param(self) -> torch.Tensor:
+        """What is copied to the device: the low-precision copy, or the fp32 weights (the DMA source)."""
         return self.param if self.compute is None else self.compute
 
     def refresh_compute(self) -> None:
@@ -92,6 +100,8 @@ class ExpertStore:
         self.stats = stats
         self.steps: dict[ExpertKey, int] = {k: 0 for k in self._keys}  # Adam step count per expert
         self.has_grad: dict[ExpertKey, bool] = {k: False for k in self._keys}
+        self.versions: dict[ExpertKey, int] = {k: 0 for k in self._keys}  # see ExpertRecord.version
+        self.runtime = InlineRuntime()  # set by the engine when it binds to its device (bind_runtime)
 
     # Mapping-like view
     def keys(self) -> list[ExpertKey]:
@@ -120,6 +130,7 @@ class ExpertStore:
     def write_param(self, key: ExpertKey, flat: torch.Tensor, reset_state: bool = True) -> None:
         record = self.acquire(key)
         try:
+            self.note_host_write(record)
             record.param.copy_(flat)
             if reset_state:
                 record.buffer[1:].zero_()
@@ -129,9 +140,24 @@ class ExpertStore:
         finally:
             self.release(key, dirty=True)
 
-    def _new_record(self, key: ExpertKey, buffer: torch.Tensor) -> ExpertRecord:
+    def _new_record(self, key: ExpertKey, buffer: torch.Tensor, compute: torch.Tensor | None = None) -> ExpertRecord:
         """The record object over `buffer` (a subclass may return its own record type, e.g. a node-shared one)."""
-        return ExpertRecord(key, buffer, self.compute_dtype)
+        return ExpertRecord(key, buffer, self.compute_dtype, self.versions, compute)
+
+    def bind_runtime(self, runtime: DeviceRuntime) -> None:
+        """The engine computes on `runtime`'s device: page-lock what its uploads read (the DMA sources only: the
+        compute copy, or the fp32 weight row; never the gradient and moments)."""
+        self.runtime = runtime
+        for source in self._dma_sources():
+            runtime.pin_(source)
+
+    def _dma_sources(self) -> list[torch.Tensor]:
+        return []
+
+    def note_host_write(self, record: ExpertRecord) -> None:
+        """About to write `record`'s weights on the host (an update, a load): declared to the runtime, which checks
+        (in simulation) that no upload still reads them."""
+        self.runtime.access(record.compute_param(), write=True, stream=HOST)
 
     # To implement per tier
     def acquire(self, key: ExpertKey) -> ExpertRecord:
@@ -164,7 +190,10 @@ class HostExpertStore(ExpertStore):
 
     def __init__(self, keys, numel, compute_dtype, stats):
         super().__init__(keys, numel, compute_dtype, stats)
-        self._records = {k: ExpertRecord(k, _pin(torch.zeros(4, numel)), compute_dtype) for k in self._keys}
+        self._records = {k: self._new_record(k, torch.zeros(4, numel)) for k in self._keys}
+
+    def _dma_sources(self):
+        return [r.compute_param() for r in self._records.values()]
 
     def acquire(self, key):
         self.stats.cache_hits += 1
@@ -290,12 +319,18 @@ class DiskExpertStore(ExpertStore):
         if owner:
             self._discard_stale_files(killed=not self._dir_lock.previous_closed)
         self.cache_experts = cache_experts
-        self._slots = [_pin(torch.empty(4, numel)) for _ in range(cache_experts)]
+        self._slots = [torch.empty(4, numel) for _ in range(cache_experts)]
+        # One compute copy per slot, allocated (and page-locked) once, not per read.
+        self._compute_slots = ([torch.empty(numel, dtype=compute_dtype) for _ in range(cache_experts)]
+                               if compute_dtype != torch.float32 else [None] * cache_experts)
         self._free = list(range(cache_experts))
         self._entries: OrderedDict[ExpertKey, _Entry] = OrderedDict()  # LRU first
         self._pinned: set[ExpertKey] = set()
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="expert-io")
+
+    def _dma_sources(self):
+        return [c if c is not None else b[0] for b, c in zip(self._slots, self._compute_slots)]
 
     def path(self, key: ExpertKey) -> str:
         return os.path.join(self.dir, f"layer{key[0]:03d}_expert{key[1]:05d}.bin")
@@ -430,8 +465,10 @@ class DiskExpertStore(ExpertStore):
             return False
         self._lock.release()
         try:
+            # The slot's last record may still be read by an upload: the engine releases it only after the copy.
+            self.runtime.access(self._slots[slot][0], write=True, stream=HOST)
             self._read_file(key, self._slots[slot])
-            record = self._new_record(key, self._slots[slot])
+            record = self._new_record(key, self._slots[slot], self._compute_slots[slot])
         except BaseException:
             self._lock.acquire()
             self._abandon(key, entry, slot)
@@ -490,7 +527,8 @@ class DiskExpertStore(ExpertStore):
                     except BaseException:
                         self._abandon(key, entry, None)
                         raise
-                    entry.slot, entry.record, entry.state = slot, self._new_record(key, self._slots[slot]), CACHED
+                    record = self._new_record(key, self._slots[slot], self._compute_slots[slot])
+                    entry.slot, entry.record, entry.state = slot, record, CACHED
                     break
                 if entry.state is CACHED:
                     break
@@ -499,6 +537,7 @@ class DiskExpertStore(ExpertStore):
             self._entries.move_to_end(key)
             record = entry.record
         try:
+            self.note_host_write(record)
             record.buffer.zero_()
             record.param.copy_(flat)
             record.refresh_compute()

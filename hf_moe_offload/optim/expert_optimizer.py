@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.optim.adam import adam
 
-from ..offload.engine import OffloadEngine
+from ..offload.engine import GradArrival, OffloadEngine
 from ..offload.store import ExpertKey, ExpertRecord
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,8 @@ class ExpertOptimizer:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="expert-adam")
         self._lock = threading.Lock()
         self._stepped: set[ExpertKey] = set()  # experts already stepped in this window
+        self._measured: set[ExpertKey] = set()  # deferred mode: experts whose norm is being / was taken
+        self._measuring: dict[ExpertKey, Future] = {}  # their squared norms
         self._window_lr: float | None = None
         self.skipped_steps = 0
         self.last_expert_grad_norm: float | None = None
@@ -121,20 +123,52 @@ class ExpertOptimizer:
         return float(self.lr_fn()) if self.lr_fn is not None else self.lr
 
     # --- engine hooks (called from backward) ---
-    def _on_grad(self, key: ExpertKey, record: ExpertRecord) -> bool:
-        if not (self.eager and self.boundary_fn()):
+    def _on_grad(self, key: ExpertKey, record: ExpertRecord, arrival: GradArrival) -> bool:
+        """An expert's gradient is final (the window's last micro-step): step it now (eager), or measure its norm
+        now (deferred: clipping / loss scaling need every norm before any step). False leaves it to the engine."""
+        if not self.boundary_fn() or not self._owns(key):
             return False
-        self._submit(key, record, clip_coef=None)
+        with self._lock:
+            if key in self._stepped or key in self._measured:
+                return False
+            (self._stepped if self.eager else self._measured).add(key)
+        if self.eager:
+            self._start_step(key, record, arrival, clip_coef=None)
+        else:
+            self._measuring[key] = self._pool.submit(self._measure, key, record, arrival)
         return True
 
     def _on_layer_done(self, layer: int) -> None:
-        if not (self.eager and self.boundary_fn()):
+        if not self.boundary_fn():
             return
         # Experts that got no token in this micro-step still have a (possibly zero) final gradient.
         for e in range(self.engine.layers[layer].layout.num_experts):
             key = (layer, e)
-            if key not in self._stepped:
-                self._submit(key, None, clip_coef=None)
+            if not self._owns(key):
+                continue
+            with self._lock:
+                if key in self._stepped or key in self._measured:
+                    continue
+                if not self.eager and not self.store.has_grad[key]:
+                    continue
+                (self._stepped if self.eager else self._measured).add(key)
+            if self.eager:
+                self._start_step(key, None, None, clip_coef=None)
+            else:
+                self._measuring[key] = self._pool.submit(self._measure, key, None, None)
+
+    def _measure(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None) -> float:
+        """Deferred mode, on a worker: land the gradient and return its squared L2 norm (fp32, like
+        `clip_grad_norm_`; inf/nan when the gradient overflowed)."""
+        if record is None:
+            self.engine.wait_for_grad(key)
+            record = self.store.acquire(key)
+        try:
+            if arrival is not None:
+                arrival.land(record)
+            return float(torch.linalg.vector_norm(record.grad)) ** 2
+        finally:
+            self.store.release(key, dirty=arrival is not None)
 
     # --- stepping ---
     def _owns(self, key: ExpertKey) -> bool:
@@ -142,40 +176,35 @@ class ExpertOptimizer:
         coordinator = self.engine.coordinator
         return coordinator is None or coordinator.owns_update(key)
 
-    def _submit(self, key: ExpertKey, record: ExpertRecord | None, clip_coef: float | None,
-                grad_scale: float | None = None) -> None:
-        if not self._owns(key):
-            if record is not None:
-                self.store.release(key, dirty=True)
-            return
-        with self._lock:
-            if key in self._stepped:
-                if record is not None:
-                    self.store.release(key, dirty=True)
-                return
-            self._stepped.add(key)
+    def _start_step(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None,
+                    clip_coef: float | None, grad_scale: float | None = None) -> None:
+        """Submit `key`'s step (already marked stepped in this window) to the workers."""
         if self._window_lr is None:
             self._window_lr = self.current_lr()
-        lr = self._window_lr
-        job = self._pool.submit(self._step_expert, key, record, lr, clip_coef, grad_scale, self._window)
+        job = self._pool.submit(self._step_expert, key, record, arrival, self._window_lr, clip_coef, grad_scale,
+                                self._window)
         self.engine.set_pending(key, job)
 
-    def _step_expert(self, key: ExpertKey, record: ExpertRecord | None, lr: float, clip_coef: float | None,
-                     grad_scale: float | None, window: int) -> None:
+    def _step_expert(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None, lr: float,
+                     clip_coef: float | None, grad_scale: float | None, window: int) -> None:
         t0 = time.perf_counter()
         if record is None:
+            self.engine.wait_for_grad(key)
             record = self.store.acquire(key)
         try:
+            if arrival is not None:
+                arrival.land(record)
             if not self.store.has_grad[key]:
                 return  # like torch: a parameter without .grad is not stepped
             grad = record.grad
             if grad_scale is not None:
                 grad.mul_(1.0 / grad_scale)
             if self.max_grad_norm is not None and self.clip_mode == "per_expert":
-                norm = float(grad.norm())
+                norm = float(torch.linalg.vector_norm(grad))
                 clip_coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
             if clip_coef is not None:
                 grad.mul_(clip_coef)
+            self.store.note_host_write(record)  # no upload may still be reading these weights
             self._adam(key, record, lr)
             record.grad.zero_()
             self.store.has_grad[key] = False
@@ -201,16 +230,23 @@ class ExpertOptimizer:
             )
         self.store.steps[key] = step + 1
 
+    def _measured_sq_norms(self) -> dict[ExpertKey, float]:
+        """Deferred mode: the squared norms measured during backward (waits for the measuring jobs)."""
+        return {key: fut.result() for key, fut in self._measuring.items()}
+
     def expert_grad_sq_norm(self) -> float:
-        """Sum of squared expert gradient norms (waits for nothing: call after backward). With a shared store
-        (hf_moe_offload.distributed) each process sums the experts it owns and the sums are all-reduced: every process
-        must call it."""
-        total = 0.0
+        """Sum of squared expert gradient norms (call after backward). On the window's last micro-step in deferred
+        mode the norms were taken as each gradient became final; otherwise (or for experts not measured) each
+        gradient is read once. With a shared store (hf_moe_offload.distributed) each process sums the experts it
+        owns and the sums are all-reduced: every process must call it."""
+        measured = self._measured_sq_norms()
+        total = sum(measured.values())
+        self.engine.synchronize()
         for key in self.store.keys():
-            if self.store.has_grad[key] and self._owns(key):
+            if key not in measured and self.store.has_grad[key] and self._owns(key):
                 record = self.store.acquire(key)
                 try:
-                    total += float(record.grad.double().pow(2).sum())
+                    total += float(torch.linalg.vector_norm(record.grad)) ** 2
                 finally:
                     self.store.release(key)
         coordinator = self.engine.coordinator
@@ -252,9 +288,11 @@ class ExpertOptimizer:
                 clip_coef = min(1.0, self.max_grad_norm / (total + 1e-6))
                 for p in params:
                     p.grad.mul_(clip_coef)
+        self._measured_sq_norms()  # the measuring jobs landed their gradients: wait for them before stepping
         for key in self.store.keys():
-            if key not in self._stepped and self.store.has_grad[key]:
-                self._submit(key, None, clip_coef, grad_scale)
+            if self._owns(key) and key not in self._stepped and self.store.has_grad[key]:
+                self._stepped.add(key)
+                self._start_step(key, None, None, clip_coef, grad_scale)
         self._end_window()
         return clip_coef
 
@@ -278,10 +316,15 @@ class ExpertOptimizer:
 
     def expert_grads_overflow(self) -> bool:
         """True when any expert gradient (of this rank's updates; all ranks agree) holds inf/nan. Collective under
-        expert parallelism."""
-        found = False
+        expert parallelism. Uses the norms measured during backward where there are some (an overflowed gradient
+        has a non-finite norm)."""
+        measured = self._measured_sq_norms()
+        found = any(not math.isfinite(v) for v in measured.values())
+        self.engine.synchronize()
         for key in self.store.keys():
-            if self.store.has_grad[key] and self._owns(key):
+            if found:
+                break
+            if key not in measured and self.store.has_grad[key] and self._owns(key):
                 record = self.store.acquire(key)
                 try:
                     if not torch.isfinite(record.grad).all():
@@ -300,6 +343,8 @@ class ExpertOptimizer:
             previous = [(start, end) for w, start, end in self._jobs if w == closing - 1]
             self._jobs = [job for job in self._jobs if job[0] >= closing]
             self._stepped.clear()
+            self._measured.clear()
+        self._measuring = {}
         self._window_lr = None
         called = self._step_called.pop(closing - 1, None)
         if called is not None:
@@ -372,7 +417,6 @@ class ExpertAwareOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        self.engine.synchronize()  # the step counts of updates still running on the workers would be stale
         return {"optimizer": self.optimizer.state_dict(), "experts": self.expert_optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

@@ -374,15 +374,20 @@ class PipelineConfigurator:
         self.model: PerformanceModel | None = None
         self.searches: dict[str, GranularitySearch] = {}
         self.choices: dict[int, tuple[int, str]] = {}
+        self.device = torch.device("cpu")
+        self.collective = False  # set by the executor: every rank must choose alike (expert-parallel stages)
 
     def _cost_fn(self, strategy: str) -> Callable[[int, int], float]:
         if self.method == "profile":
             def cost(B: int, n: int) -> float:
-                return all_reduce_max([self.profile_fn(B, n, strategy)])[0]
+                t = self.profile_fn(B, n, strategy)
+                # A collective stage needs the same choice on every rank (NCCL: the reduction runs on the device).
+                return all_reduce_max([t], self.device)[0] if self.collective else t
             return cost
         return lambda B, n: self.model.time(B, n, strategy)
 
     def prepare(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.device = device
         if self.method == "model" and self.model is None:
             if self.speeds is None:
                 self.speeds = measure_speeds(self.hidden, self.intermediate, dtype, device, comm_fn=self.comm_fn)
@@ -411,8 +416,14 @@ class PipelineConfigurator:
         )
         return choice
 
-    def choose(self, x: torch.Tensor, plan, experts) -> tuple[int, str]:
-        B = int(all_reduce_max([float(plan.token_index.numel())], x.device)[0])  # same B, same choice on every rank
+    def choose(self, x: torch.Tensor, plan, experts, collective: bool = False) -> tuple[int, str]:
+        """(n, strategy) for this layer call. A collective stage (expert parallelism: every rank must run the same
+        n) agrees on B with one all-reduce (on the device under NCCL); otherwise each rank decides alone, with no
+        communication in the forward."""
+        self.collective = collective
+        B = plan.token_index.numel()
+        if collective:
+            B = int(all_reduce_max([float(B)], x.device)[0])
         return self.choose_for(B, x.dtype, x.device)
 
 

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ..runtime import runtime_for
 from .restore import HostCopier, PartitionSaver, RestoreStrategy, SavedBytes, restore_strategy
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class PartitionedExecutor:
         self.copier = HostCopier()
         self.last_stats = SavedBytes()
         self.last_choice: tuple[int, str] = (n, self.strategy.name)
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams: dict[int, object] = {}  # side stream per device runtime
 
     def __repr__(self) -> str:
         mode = "auto" if self.configurator is not None else f"n={self.n}, strategy={self.strategy.name}"
@@ -197,7 +198,7 @@ class PartitionedExecutor:
             if not torch.is_grad_enabled():
                 strategy = restore_strategy("keep")  # nothing is saved for backward: nothing to restore
             return n, strategy
-        n, name = self.configurator.choose(x, plan, experts)
+        n, name = self.configurator.choose(x, plan, experts, collective=getattr(self.comm, "collective", False))
         return n, restore_strategy(name)
 
     def __call__(self, x: torch.Tensor, plan, experts: nn.Module) -> torch.Tensor:
@@ -214,7 +215,17 @@ class PartitionedExecutor:
         streamed = _is_streamed(experts)
         params = _param_storages(experts)
         out = torch.zeros_like(x)  # T_O
-        side = self._side_stream(x.device) if (x.is_cuda and self.overlap and n > 1) else None
+        rt = runtime_for(x.device)
+        compute = rt.current_stream()
+        # A side stream for dispatch/combine on asynchronous runtimes. NOTE: a collective stage on CPU (gloo) overlaps
+        # through asynchronous collectives (`Pending`) instead: gloo calls from a simulated stream's thread could
+        # interleave with this thread's collectives differently on each rank.
+        use_side = rt.asynchronous and self.overlap and n > 1 and (x.is_cuda or not getattr(self.comm, "collective",
+                                                                                             False))
+        side = self._side_stream(rt) if use_side else None
+        if side is not None:
+            rt.access(x, write=True)  # produced on the compute stream; read by the side stream's dispatches
+            rt.access(out, write=True)
         savers: list[PartitionSaver] = []
 
         def prefetch(d: Dispatched) -> None:
@@ -229,13 +240,18 @@ class PartitionedExecutor:
             part = parts[p]
             if side is None:
                 return self.comm.dispatch(x, part), None
+
+            def on_side() -> Dispatched:
+                rt.access(x)
+                d = _resolve(self.comm.dispatch(x, part))
+                for t in (d.x, d.weights):
+                    rt.access(t, write=True)
+                return d
+
             # MPMoE §3.2.1: dispatch of partition p runs on the side stream, overlapping partition p-1's experts.
-            side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(side):
-                res = self.comm.dispatch(x, part)
-                ev = torch.cuda.Event()
-                ev.record(side)
-            return res, ev
+            rt.wait_stream(side, compute)
+            res = rt.run_on(side, on_side)
+            return res, rt.record(side)
 
         combining: tuple[Pending, torch.Tensor] | None = None  # the previous partition's combine, in flight
 
@@ -243,7 +259,7 @@ class PartitionedExecutor:
             nonlocal combining
             if combining is not None:
                 combined, token_index = combining
-                out.index_add_(0, token_index, combined.finish())
+                out.index_add_(0, token_index, combined.finish().to(out.dtype))
                 combining = None
 
         pending = dispatch(0)
@@ -251,8 +267,10 @@ class PartitionedExecutor:
             d, ready = pending
             d = _resolve(d)  # an asynchronous dispatch: issued during the previous partition's experts
             if ready is not None:
-                torch.cuda.current_stream(x.device).wait_event(ready)
-                d.x.record_stream(torch.cuda.current_stream(x.device))
+                rt.wait_event(ready)
+                for t in (d.x, d.weights):  # made on the side stream, used here
+                    rt.record_stream(t, compute)
+                    rt.access(t)
             prefetch(d)
             if p + 1 < n:
                 pending = dispatch(p + 1)
@@ -292,22 +310,28 @@ class PartitionedExecutor:
                 if isinstance(combined, Pending):
                     combining = (combined, part.token_index)
                 else:
-                    out.index_add_(0, part.token_index, combined)
+                    out.index_add_(0, part.token_index, combined.to(out.dtype))
             else:
-                side.wait_stream(torch.cuda.current_stream(x.device))
-                with torch.cuda.stream(side):
-                    y_local.record_stream(side)
-                    out.index_add_(0, part.token_index, self.comm.combine(y_local, ctx))
+                def on_side(y_local=y_local, ctx=ctx, token_index=part.token_index) -> None:
+                    rt.access(y_local)
+                    rt.access(out, write=True)
+                    out.index_add_(0, token_index, _resolve(self.comm.combine(y_local, ctx)).to(out.dtype))
+
+                rt.access(y_local, write=True)
+                rt.wait_stream(side, compute)
+                rt.record_stream(y_local, side)
+                rt.run_on(side, on_side)
             del y_local
         finish_combine()
         if side is not None:
-            torch.cuda.current_stream(x.device).wait_stream(side)
+            rt.wait_stream(compute, side)
+            rt.access(out)
         return out
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
+    def _side_stream(self, rt):
+        if id(rt) not in self._streams:
+            self._streams[id(rt)] = rt.new_stream()
+        return self._streams[id(rt)]
 
 
 __all__ = ["CommStage", "Dispatched", "LocalComm", "PartPlan", "PartitionedExecutor", "Pending", "partition_bounds",

@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..precision import autocast_state, restore_autocast
+from ..runtime import DeviceRuntime, Event, runtime_for
+
 logger = logging.getLogger(__name__)
 
 
@@ -71,25 +74,27 @@ def restore_strategy(name: str | RestoreStrategy) -> RestoreStrategy:
 # Host copies: a side stream + pinned memory on CUDA, a background thread on CPU (overlap with compute, §3.3 Fig. 7)
 # ----------------------------------------------------------------------------------------------------------------
 class HostCopy:
-    """One tensor copied to host memory, asynchronously; `get()` brings it back to its device."""
+    """One tensor copied to host memory, asynchronously; `get()` brings it back to its device.
+
+    Asynchronous runtimes (CUDA, the simulation): device-to-host into page-locked memory on the copier's side stream,
+    after the producer's work; back on the same stream (prefetched), waited for by the consumer's stream."""
 
     def __init__(self, tensor: torch.Tensor, copier: "HostCopier"):
-        self.device = tensor.device
+        self.rt = rt = runtime_for(tensor.device)
         self.copier = copier
         self._future: Future | None = None
         self._host: torch.Tensor | None = None
-        self._done: torch.cuda.Event | None = None
+        self._done: Event | None = None
         self._back: torch.Tensor | None = None
-        self._back_done: torch.cuda.Event | None = None
-        if tensor.is_cuda:
-            stream = copier.side_stream(tensor.device)
-            stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the producer kernel must finish first
-            with torch.cuda.stream(stream):
-                self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                self._host.copy_(tensor, non_blocking=True)
-                self._done = torch.cuda.Event()
-                self._done.record(stream)
-            tensor.record_stream(stream)  # keep the device block alive until the copy has read it
+        self._back_done: Event | None = None
+        if rt.asynchronous:
+            stream = copier.side_stream(rt)
+            rt.access(tensor, write=True)  # produced on the compute stream
+            rt.wait_stream(stream, rt.current_stream())  # the producer kernel must finish first
+            self._host = rt.pinned_empty(tensor.shape, tensor.dtype, cached=True)
+            rt.record_stream(tensor, stream)  # keep the device block alive until the copy has read it
+            rt.copy_(self._host, tensor, stream)
+            self._done = rt.record(stream)
         else:
             # NOTE: on CPU "device" and host are the same memory; the copy keeps the code path (and its overlap on a
             # background thread) identical to the CUDA one, it saves no RAM.
@@ -99,29 +104,30 @@ class HostCopy:
         """Start the host-to-device copy early (backward of the next partition, §3.3 'prefetch')."""
         if self._host is None or self._back is not None:
             return
-        stream = self.copier.side_stream(self.device)
-        with torch.cuda.stream(stream):
-            stream.wait_event(self._done)
-            self._back = self._host.to(self.device, non_blocking=True)
-            self._back_done = torch.cuda.Event()
-            self._back_done.record(stream)
+        rt = self.rt
+        stream = self.copier.side_stream(rt)
+        rt.wait_event(self._done, stream)
+        self._back = rt.empty(self._host.shape, self._host.dtype, stream=stream)
+        rt.copy_(self._back, self._host, stream)
+        self._back_done = rt.record(stream)
 
     def get(self) -> torch.Tensor:
         if self._future is not None:
             return self._future.result()
         self.prefetch()
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(self._back_done)
-        self._back.record_stream(current)
+        rt = self.rt
+        rt.wait_event(self._back_done)
+        rt.record_stream(self._back, rt.current_stream())
+        rt.access(self._back)
         return self._back
 
 
 class HostCopier:
-    """Owns the side streams (CUDA) and the copy thread (CPU) used by host offload."""
+    """Owns the side stream (asynchronous runtimes) and the copy thread (CPU) used by host offload."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams: dict[int, object] = {}
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -129,10 +135,10 @@ class HostCopier:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpmoe-offload")
         return self._pool
 
-    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
+    def side_stream(self, rt: DeviceRuntime):
+        if id(rt) not in self._streams:
+            self._streams[id(rt)] = rt.new_stream()
+        return self._streams[id(rt)]
 
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
         return HostCopy(tensor, self)
@@ -189,12 +195,14 @@ class PartitionSaver:
         self.tdi = tdi
         self.tdi_key = _storage_key(tdi)
         self.tdi_requires_grad = tdi.requires_grad
+        self.tdi_device_type = tdi.device.type
         self.param_storages = param_storages
         self._redispatch = redispatch
         self._recompute = recompute
         self.copier = copier
         self.stats = stats
         self.rng_state = _get_rng(tdi.device)
+        self.autocast = autocast_state(tdi.device.type)  # re-entered by the re-dispatch and the recompute
         self.on_first_unpack: Callable[[], None] | None = None
         self._counted: dict[int, torch.Tensor] = {}  # holds the counted tensors until close(): no address reuse
         self._part_bytes = {"tdi": 0, "tm": 0, "tdo": 0}
@@ -281,7 +289,7 @@ class PartitionSaver:
 
     def _restore_tdi(self) -> torch.Tensor:
         if self._tdi_restored is None:
-            with torch.no_grad():
+            with torch.no_grad(), restore_autocast(self.tdi_device_type, self.autocast):
                 if self._tdi_host is not None:
                     self._tdi_restored = self._tdi_host.get()
                 else:
@@ -301,7 +309,8 @@ class PartitionSaver:
 
         devices = [tdi.device] if tdi.is_cuda else []
         hooks = torch.autograd.graph.saved_tensors_hooks(record, lambda t: t)
-        with torch.enable_grad(), torch.random.fork_rng(devices=devices), hooks:
+        autocast = restore_autocast(tdi.device.type, self.autocast)
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices), hooks, autocast:
             _set_rng(tdi.device, self.rng_state)
             self._recompute(tdi)
         if len(recorded) != self._n_act:

@@ -234,7 +234,8 @@ def run_moe(x: torch.Tensor, plan: DispatchPlan, experts: nn.Module) -> torch.Te
     x_sorted = x.index_select(0, plan.token_index)  # T_DI
     y_sorted = experts(x_sorted, plan.counts)  # T_DO
     y_sorted = y_sorted * plan.weights.to(y_sorted.dtype).unsqueeze(-1)
-    return torch.zeros_like(x).index_add_(0, plan.token_index, y_sorted)
+    # The combine writes in the output's dtype (autocast: bf16 expert outputs into the fp32 residual stream).
+    return torch.zeros_like(x).index_add_(0, plan.token_index, y_sorted.to(x.dtype))
 
 
 @dataclass

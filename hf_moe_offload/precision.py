@@ -1,0 +1,27 @@
+"""Mixed precision across recomputation: backward re-runs forward work under the autocast state of the forward.
+
+Autograd runs backward outside the user's `torch.autocast` block, so anything a backward recomputes (the offload
+engine's expert FFNs, MPMoE's S3/S4 restore, a comm stage's re-dispatch) re-enters the state its forward recorded;
+otherwise the recomputed GEMMs (and the gradient GEMMs after them) would run in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AutocastState = tuple[bool, torch.dtype, bool]
+
+
+def autocast_state(device_type: str) -> AutocastState:
+    """The current autocast state of `device_type` (record it in forward)."""
+    return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled())
+
+
+def restore_autocast(device_type: str, state: AutocastState) -> torch.autocast:
+    """A context that re-enters a recorded autocast state (use it around backward-time recomputation)."""
+    enabled, dtype, cache = state
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache)
+
+
+__all__ = ["AutocastState", "autocast_state", "restore_autocast"]

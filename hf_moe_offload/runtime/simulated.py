@@ -1,0 +1,306 @@
+"""`SimulatedRuntime`: an asynchronous device on the CPU, for testing the CUDA ordering without a GPU.
+
+- The compute stream runs inline on the calling thread; every other stream is a worker thread that runs its
+  operations in order, each after a seeded random delay (`max_delay`) plus whatever `delay_fn(stream, op)` adds.
+- `copy_` fills its destination with NaN when it is enqueued and copies only when its stream reaches it, so a read
+  that does not wait for the copy sees NaN.
+- Every stream and the host carry a vector clock. Enqueuing ticks the stream's clock (and orders it after the host's
+  past); `record` snapshots a clock into an event; `wait_event` / `Event.synchronize` merge it. Each declared access
+  to a buffer (`access`, the operands of `copy_`, an allocation) is checked against the buffer's last write and
+  reads: a read must come after the last write, a write after the last write and every read; otherwise
+  `HappensBeforeError` names the buffer, both streams and the fix. The check runs at enqueue time, so it does not
+  depend on the delays: a missing edge fails every run, not one in a thousand.
+- Device buffers from `empty(stream=s)` count as written by `s`; read on another stream `t`, they need
+  `record_stream(buffer, t)` first (the caching-allocator rule) unless allocated `persistent=True`.
+- Host threads share one clock (they synchronize among themselves with Python locks and futures, which the store's
+  own tests cover); what is checked is device-stream against device-stream and device-stream against host.
+
+Operations that raise on a worker are re-raised by the next `synchronize`, `run_on` or `check()`.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from .base import HOST, DeviceRuntime, Event, HappensBeforeError
+
+Clock = dict[str, int]
+
+
+def _merge(into: Clock, other: Clock) -> None:
+    for k, v in other.items():
+        if into.get(k, 0) < v:
+            into[k] = v
+
+
+class _Stream:
+    def __init__(self, runtime: "SimulatedRuntime", name: str, worker: bool):
+        self.name = name
+        self.clock: Clock = {}
+        self.rng = random.Random(f"{runtime.seed}:{name}")
+        self.thread: threading.Thread | None = None
+        self.done_pos = 0  # position of the last operation the worker finished
+        if worker:
+            self.queue: queue.Queue = queue.Queue()
+            self.thread = threading.Thread(target=runtime._work, args=(self,), name=f"sim-{name}", daemon=True)
+            self.thread.start()
+
+    def __repr__(self) -> str:
+        return f"<simulated stream {self.name}>"
+
+
+class _SimEvent(Event):
+    def __init__(self, runtime: "SimulatedRuntime", clock: Clock):
+        self.runtime = runtime
+        self.clock = clock
+        self.done = threading.Event()
+        self.t = 0.0
+
+    def _fire(self) -> None:
+        self.t = time.perf_counter()
+        self.done.set()
+
+    def synchronize(self) -> None:
+        self.done.wait()
+        self.runtime.check()
+        with self.runtime._lock:
+            _merge(self.runtime._host, self.clock)
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+
+class _Buffer:
+    __slots__ = ("ref", "name", "alloc", "persistent", "recorded", "last_write", "reads")
+
+    def __init__(self, t: torch.Tensor, name: str, alloc: str | None, persistent: bool):
+        self.ref = weakref.ref(t)
+        self.name = name
+        self.alloc = alloc  # stream the block belongs to (None: not allocated by the runtime)
+        self.persistent = persistent
+        self.recorded: set[str] = set()
+        self.last_write: tuple[str, int] | None = None
+        self.reads: dict[str, int] = {}
+
+
+class SimulatedRuntime(DeviceRuntime):
+    """See the module docstring. `seed` fixes the delays; `delay_fn(stream_name, op_name) -> seconds` adds more."""
+
+    name = "simulated"
+    asynchronous = True
+
+    def __init__(self, seed: int = 0, max_delay: float = 0.002,
+                 delay_fn: Callable[[str, str], float] | None = None):
+        self.seed = seed
+        self.max_delay = max_delay
+        self.delay_fn = delay_fn
+        self.device = torch.device("cpu")
+        self._lock = threading.RLock()
+        self._host: Clock = {"host": 0}
+        self._streams: list[_Stream] = []
+        self._compute = self._add_stream(worker=False)
+        self._local = threading.local()
+        self._buffers: dict[int, _Buffer] = {}
+        self._errors: list[BaseException] = []
+        self.checks = 0  # declared accesses checked (tests assert the simulation actually looked)
+        self.copies = 0
+
+    def _add_stream(self, worker: bool) -> _Stream:
+        with self._lock:
+            s = _Stream(self, f"s{len(self._streams)}" if self._streams or worker else "compute", worker)
+            self._streams.append(s)
+            return s
+
+    # --- streams ---
+    def current_stream(self):
+        return getattr(self._local, "stream", None) or self._compute
+
+    def new_stream(self):
+        return self._add_stream(worker=True)
+
+    def _resolve(self, stream) -> _Stream:
+        return self.current_stream() if stream is None else stream
+
+    def _tick(self, s: _Stream) -> int:
+        """Enqueue one operation on `s`: it comes after the host's past; returns its position."""
+        _merge(s.clock, self._host)
+        s.clock[s.name] = s.clock.get(s.name, 0) + 1
+        return s.clock[s.name]
+
+    def _submit(self, s: _Stream, op: str, fn: Callable[[], None], pos: int = 0) -> None:
+        if s.thread is None or threading.current_thread() is s.thread:
+            fn()  # the compute stream (inline), or work a stream enqueues on itself
+        else:
+            s.queue.put((op, fn, pos))
+
+    def _work(self, s: _Stream) -> None:
+        self._local.stream = s
+        while True:
+            op, fn, pos = s.queue.get()
+            delay = s.rng.random() * self.max_delay + (self.delay_fn(s.name, op) if self.delay_fn else 0.0)
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                fn()
+            except BaseException as err:  # noqa: BLE001 (re-raised on the host)
+                with self._lock:
+                    self._errors.append(err)
+            finally:
+                s.done_pos = max(s.done_pos, pos)
+
+    def check(self) -> None:
+        """Raise the first error of an operation that ran on a worker stream."""
+        with self._lock:
+            if self._errors:
+                err = self._errors.pop(0)
+                raise err
+
+    def run_on(self, stream, fn):
+        s = self._resolve(stream)
+        if s.thread is None or threading.current_thread() is s.thread:
+            return fn()
+        with self._lock:
+            pos = self._tick(s)
+        grad = torch.is_grad_enabled()
+        autocast = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+        result: list = []
+        done = threading.Event()
+
+        def op():
+            try:
+                with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=autocast[1], enabled=autocast[0]):
+                    result.append(fn())
+            except BaseException as err:  # noqa: BLE001
+                result.append(err)
+            finally:
+                done.set()
+
+        s.queue.put(("run_on", op, pos))
+        done.wait()  # NOTE: waiting here orders nothing in the clocks: a CUDA launch would return at once
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        return result[0]
+
+    # --- events ---
+    def record(self, stream=None):
+        s = self._resolve(stream)
+        with self._lock:
+            pos = self._tick(s)
+            event = _SimEvent(self, dict(s.clock))
+        self._submit(s, "record", event._fire, pos)
+        return event
+
+    def wait_event(self, event, stream=None):
+        if event is None:
+            return
+        s = self._resolve(stream)
+        with self._lock:
+            pos = self._tick(s)
+            _merge(s.clock, event.clock)
+        if s.thread is None:
+            event.done.wait()  # the inline compute stream: the calling thread is the stream
+            self.check()
+        else:
+            self._submit(s, "wait", event.done.wait, pos)
+
+    # --- memory ---
+    def empty(self, shape, dtype, stream=None, persistent=False):
+        s = self._resolve(stream)
+        t = torch.empty(shape, dtype=dtype)
+        _poison(t)
+        with self._lock:
+            pos = self._tick(s)
+            info = _Buffer(t, f"buffer{tuple(t.shape)}/{str(dtype).removeprefix('torch.')}", s.name, persistent)
+            info.last_write = (s.name, pos)
+            self._buffers[t.untyped_storage().data_ptr()] = info
+        return t
+
+    def record_stream(self, tensor, stream):
+        with self._lock:
+            self._info(tensor).recorded.add(self._resolve(stream).name)
+
+    def copy_(self, dst, src, stream=None):
+        s = self._resolve(stream)
+        with self._lock:
+            pos = self._tick(s)
+            own_read = self._info(dst).reads.get(s.name, 0)  # an earlier operation of this stream reads dst
+            self._check(src, s.name, pos, write=False, clock=s.clock)
+            self._check(dst, s.name, pos, write=True, clock=s.clock)
+            self.copies += 1
+        if s.thread is None:
+            dst.copy_(src)
+            return
+        if own_read <= s.done_pos:
+            _poison(dst)  # what a reader that did not wait sees until the copy has run
+
+        def op():
+            _poison(dst)
+            dst.copy_(src)
+
+        self._submit(s, "copy", op, pos)
+
+    def access(self, tensor, write=False, stream=None):
+        with self._lock:
+            if stream is HOST:
+                self._host["host"] += 1
+                self._check(tensor, "host", self._host["host"], write, clock=self._host)
+            else:
+                s = self._resolve(stream)
+                pos = self._tick(s)
+                self._check(tensor, s.name, pos, write, clock=s.clock)
+
+    def elapsed(self, start, end):
+        return max(0.0, end.t - start.t)
+
+    # --- the checks ---
+    def _info(self, t: torch.Tensor) -> _Buffer:
+        key = t.untyped_storage().data_ptr()
+        info = self._buffers.get(key)
+        if info is None or info.ref() is None:  # unknown, or a dead tensor's address reused
+            info = self._buffers[key] = _Buffer(t, f"tensor{tuple(t.shape)}", None, True)
+        return info
+
+    def _check(self, t: torch.Tensor, who: str, pos: int, write: bool, clock: Clock) -> None:
+        self.checks += 1
+        info = self._info(t)
+
+        def before(prior: tuple[str, int]) -> bool:
+            return prior[0] == who or clock.get(prior[0], 0) >= prior[1]
+
+        verb = "write" if write else "read"
+        if info.last_write is not None and not before(info.last_write):
+            raise HappensBeforeError(
+                f"{verb} of {info.name} on {who} is not ordered after its write on {info.last_write[0]}: wait for "
+                "an event recorded after that write (wait_event / Event.synchronize) first"
+            )
+        if write:
+            for reader, rpos in info.reads.items():
+                if not before((reader, rpos)):
+                    raise HappensBeforeError(
+                        f"write of {info.name} on {who} is not ordered after its read on {reader}: the buffer is "
+                        "reused while still in use; wait for an event recorded after that read first"
+                    )
+            info.last_write, info.reads = (who, pos), {}
+        else:
+            info.reads[who] = pos
+        if (info.alloc is not None and not info.persistent and who not in (info.alloc, "host")
+                and who not in info.recorded):
+            raise HappensBeforeError(
+                f"{info.name} was allocated for stream {info.alloc} and is used on {who} without "
+                "record_stream: the caching allocator could hand its memory out again while it is still in use"
+            )
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+
+
+__all__ = ["SimulatedRuntime"]
