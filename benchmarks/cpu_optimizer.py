@@ -54,6 +54,11 @@ class _Engine:
     def wait_for_grad(self, key):
         pass
 
+    def wait_for_update(self, key):
+        fut = self.pending.pop(key, None)
+        if fut is not None:
+            fut.result()
+
     def synchronize(self):
         for f in self.pending.values():
             f.result()

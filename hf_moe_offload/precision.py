@@ -7,7 +7,10 @@ otherwise the recomputed GEMMs (and the gradient GEMMs after them) would run in 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 AutocastState = tuple[bool, torch.dtype, bool]
 
@@ -24,4 +27,31 @@ def restore_autocast(device_type: str, state: AutocastState) -> torch.autocast:
     return torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache)
 
 
-__all__ = ["AutocastState", "autocast_state", "restore_autocast"]
+_GEMMS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
+          torch.ops.aten._addmm_activation}
+
+
+class GemmCounter(TorchDispatchMode):
+    """Counts the matrix multiplications that run inside the block, by dtype (a diagnostic: e.g. no float32 GEMM
+    should run in the backward of an autocast forward).
+
+    ```python
+    >>> with GemmCounter() as gemms:
+    ...     loss.backward()
+    >>> gemms.by_dtype[torch.float32]
+    0
+    ```
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_dtype: Counter[torch.dtype] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _GEMMS:
+            self.by_dtype[out.dtype] += 1
+        return out
+
+
+__all__ = ["AutocastState", "GemmCounter", "autocast_state", "restore_autocast"]

@@ -118,6 +118,8 @@ def _run_training_like(store: DiskExpertStore, keys: list, seed: int, windows: i
                         store.release(key, dirty=True)
                 if eager:
                     for key in (k for k in keys if k[0] == layer and k not in used[layer]):
+                        if key in pending:  # the previous window's step of an expert no forward used since
+                            pending.pop(key).result()
                         pending[key] = workers.submit(step, key, None)
             if not eager:
                 for key in keys:

@@ -179,6 +179,9 @@ class ExpertOptimizer:
     def _start_step(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None,
                     clip_coef: float | None, grad_scale: float | None = None) -> None:
         """Submit `key`'s step (already marked stepped in this window) to the workers."""
+        # The previous window's step of this expert may still run (an expert no forward used since): finish it
+        # first, or both could step the same gradient.
+        self.engine.wait_for_update(key)
         if self._window_lr is None:
             self._window_lr = self.current_lr()
         job = self._pool.submit(self._step_expert, key, record, arrival, self._window_lr, clip_coef, grad_scale,

@@ -28,7 +28,9 @@ Contract (what callers must do, and what the simulation checks):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
 import os
 import threading
 
@@ -75,7 +77,15 @@ def _env_simulated() -> DeviceRuntime:
             seed = int(os.environ.get(ENV_VAR + "_SEED", "0"))
             delay = float(os.environ.get(ENV_VAR + "_MAX_DELAY", "0.002"))
             _simulated = SimulatedRuntime(seed=seed, max_delay=delay)
+            report = os.environ.get(ENV_VAR + "_REPORT")
+            if report:  # tests: proof that the simulation ran in this process
+                atexit.register(_write_report, _simulated, f"{report}-{os.getpid()}.json")
         return _simulated
+
+
+def _write_report(runtime, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"copies": runtime.copies, "checks": runtime.checks}, f)
 
 
 @contextlib.contextmanager

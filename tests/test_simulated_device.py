@@ -1,0 +1,275 @@
+"""The GPU code paths, proven on CPU with the simulated asynchronous device (hf_moe_offload.runtime).
+
+1. The simulation itself: a copy's destination reads NaN until the copy ran; a read, a reuse or an overwrite without
+   a happens-before edge raises `HappensBeforeError`; device blocks used on another stream need `record_stream`.
+2. Deleting one wait from the engine makes a test fail (the upload wait, the slot-reuse wait, the gradient-download
+   wait): the simulation is not a test that cannot fail.
+3. The defects the CUDA review found, each where the simulation can show it: versions that survive eviction, the
+   device bound to the inputs, gradients downloaded in their own dtype, norms taken as gradients become final.
+4. The offload, pipelining, expert-optimizer and expert-parallel suites, re-run with every CPU runtime simulated
+   (`HF_MOE_OFFLOAD_RUNTIME=simulated`, seeded delays on every side stream).
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
+from hf_moe_offload.offload.engine import DeviceStager, GradArrival
+from hf_moe_offload.runtime import HOST, HappensBeforeError, use_runtime
+from hf_moe_offload.runtime.simulated import SimulatedRuntime
+
+from test_expert_optimizer import assert_same_weights
+from test_offload import small_model, store_grads_vs_reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- 1. the simulation ---
+def test_copy_destination_is_nan_until_the_copy_ran_and_reading_it_needs_a_wait():
+    rt = SimulatedRuntime(seed=0, max_delay=0.05)
+    side = rt.new_stream()
+    dst = rt.empty((8,), torch.float32, stream=side, persistent=True)
+    src = rt.pinned_empty((8,), torch.float32)
+    src.fill_(1.0)
+    rt.copy_(dst, src, side)
+    assert torch.isnan(dst).all()  # enqueued, not run: what a reader that does not wait sees
+    with pytest.raises(HappensBeforeError, match="not ordered after its write"):
+        rt.access(dst)  # compute reads without waiting for the copy
+    rt.wait_event(rt.record(side))
+    rt.access(dst)
+    assert torch.equal(dst, torch.ones(8))
+
+
+def test_reusing_a_buffer_before_its_reader_is_done_raises():
+    rt = SimulatedRuntime(seed=1)
+    side = rt.new_stream()
+    slot = rt.empty((4,), torch.float32, stream=side, persistent=True)
+    src = rt.pinned_empty((4,), torch.float32)
+    rt.copy_(slot, src, side)
+    rt.wait_event(rt.record(side))
+    rt.access(slot)  # compute reads the slot
+    with pytest.raises(HappensBeforeError, match="reused while still in use"):
+        rt.copy_(slot, src, side)  # the copy stream refills it without waiting for compute
+    rt.wait_event(rt.record(), side)  # the fix: wait for an event recorded after the read
+    rt.copy_(slot, src, side)
+
+
+def test_block_used_on_another_stream_needs_record_stream():
+    rt = SimulatedRuntime(seed=2)
+    side = rt.new_stream()
+    t = rt.empty((4,), torch.float32, stream=side)  # not persistent: the caching allocator's rule applies
+    rt.copy_(t, rt.pinned_empty((4,), torch.float32), side)
+    rt.wait_event(rt.record(side))
+    with pytest.raises(HappensBeforeError, match="record_stream"):
+        rt.access(t)
+    rt.record_stream(t, rt.current_stream())
+    rt.access(t)
+
+
+def test_host_reads_a_download_only_after_synchronize():
+    rt = SimulatedRuntime(seed=3, max_delay=0.02)
+    side = rt.new_stream()
+    host = rt.pinned_empty((4,), torch.float32)
+    dev = torch.full((4,), 2.0)
+    rt.access(dev, write=True)
+    rt.wait_stream(side, rt.current_stream())
+    rt.copy_(host, dev, side)
+    event = rt.record(side)
+    with pytest.raises(HappensBeforeError):
+        rt.access(host, stream=HOST)
+    event.synchronize()
+    rt.access(host, stream=HOST)
+    assert torch.equal(host, dev)
+
+
+# --- 2. deleting one wait makes a test fail ---
+def _offloaded_step(tier: str, tmp_path, pin_fraction: float = 0.0):
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "experts"),
+                                                        host_cache_experts=4, prefetch_depth=2,
+                                                        pin_fraction=pin_fraction))
+    x = torch.randint(0, 101, (3, 11))
+    model(x, labels=x).loss.backward()
+    reference(x, labels=x).loss.backward()
+    engine.synchronize()
+    return engine, reference
+
+
+def test_the_engine_is_correct_on_the_simulated_device(tmp_path):
+    with use_runtime(SimulatedRuntime(seed=4, max_delay=0.003)) as rt:
+        engine, reference = _offloaded_step("disk", tmp_path, pin_fraction=0.5)
+        assert engine.runtime is rt and rt.copies > 0 and rt.checks > 0
+        assert store_grads_vs_reference(engine, reference) <= 1e-6
+
+
+def test_deleting_the_upload_wait_fails(tmp_path, monkeypatch):
+    def wait_without_event(self, ready, weights):  # DeviceStager.wait minus its `wait_event`
+        self.rt.access(weights)
+
+    monkeypatch.setattr(DeviceStager, "wait", wait_without_event)
+    with use_runtime(SimulatedRuntime(seed=5, max_delay=0.003)):
+        with pytest.raises(HappensBeforeError, match="not ordered after its write"):
+            _offloaded_step("host", tmp_path)
+
+
+def test_deleting_the_gradient_download_wait_fails(tmp_path, monkeypatch):
+    def land_without_synchronize(self, record):  # GradArrival.land minus `event.synchronize()`
+        self.rt.access(self.buffer, stream=HOST)
+        record.grad.add_(self.buffer)
+        self.release()
+
+    monkeypatch.setattr(GradArrival, "land", land_without_synchronize)
+    with use_runtime(SimulatedRuntime(seed=6, max_delay=0.003)):
+        with pytest.raises(HappensBeforeError):
+            _offloaded_step("host", tmp_path)
+
+
+class _DropsWaitsOf(SimulatedRuntime):
+    """A simulated device whose copy streams skip every `wait_event`: the stager's wait for a slot's last use."""
+
+    def wait_event(self, event, stream=None):
+        if stream is not None and stream is not self.current_stream():
+            return
+        super().wait_event(event, stream)
+
+
+def test_deleting_the_slot_reuse_wait_fails(tmp_path):
+    with use_runtime(_DropsWaitsOf(seed=7, max_delay=0.003)):
+        with pytest.raises(HappensBeforeError, match="reused while still in use"):
+            _offloaded_step("host", tmp_path)
+
+
+# --- 3. defects of the CUDA review, shown on the simulated device ---
+def test_pinned_device_copy_is_refreshed_after_eviction_and_update(tmp_path):
+    """A pinned expert's device copy is reused while its version is unchanged. Versions live in the store: an
+    evicted expert read back keeps its count (it used to restart at 0, so after one more update the stale copy of
+    the same number was used for a whole window)."""
+    with use_runtime(SimulatedRuntime(seed=8)):
+        model = small_model()
+        engine = enable_expert_offload(model, OffloadConfig(mode="disk", offload_dir=str(tmp_path / "e"),
+                                                            host_cache_experts=3, prefetch_depth=1,
+                                                            pin_fraction=0.0))
+        x = torch.randint(0, 101, (2, 5))
+        with torch.no_grad():
+            model(x)  # binds the engine to the CPU (simulated device)
+        store, key = engine.store, (0, 0)
+        engine.stager.set_pinned({key})
+
+        def upload_now() -> torch.Tensor:
+            record = store.acquire(key)
+            weights, ready, _ = engine.stager.upload(key, record)
+            engine.stager.wait(ready, weights)
+            engine._release_after(key, ready)
+            engine.synchronize()
+            return weights.clone()
+
+        def update(value: float) -> None:
+            store.write_param(key, torch.full((store.numel,), value), reset_state=False)
+
+        update(1.0)
+        assert torch.equal(upload_now(), torch.ones(store.numel))  # cached copy at this version
+        for other in [(0, e) for e in range(1, 6)]:  # evict the expert (LRU; the store does not pin it)
+            store.acquire(other)
+            store.release(other)
+        assert key not in store.resident_keys()
+        update(2.0)  # read back from disk, updated once more
+        assert torch.equal(upload_now(), torch.full((store.numel,), 2.0))
+
+
+def test_engine_binds_to_the_inputs_device(tmp_path):
+    model = small_model()
+    engine = enable_expert_offload(model, OffloadConfig(mode="host"))
+    assert engine.device is None  # nothing fixed at enable time (was cuda:current_device() whenever CUDA existed)
+    x = torch.randint(0, 101, (2, 5))
+    with torch.no_grad():
+        model(x)
+    assert engine.device == torch.device("cpu")
+    other = small_model()
+    enable_expert_offload(other, OffloadConfig(mode="host", device="cuda:0"))
+    with pytest.raises(RuntimeError, match="OffloadConfig.device is cuda:0 but the inputs are on cpu"):
+        with torch.no_grad():
+            other(x)
+
+
+def test_gradients_are_downloaded_in_their_own_dtype(tmp_path):
+    """bf16 compute copies under bf16 autocast: the gradient goes to the host in bf16 (half the bytes of the old fp32
+    upcast), through the ring of page-locked buffers, and accumulates in the fp32 store slot."""
+    with use_runtime(SimulatedRuntime(seed=9)):
+        torch.manual_seed(0)
+        model = small_model()
+        engine = enable_expert_offload(model, OffloadConfig(mode="host", compute_dtype=torch.bfloat16))
+        x = torch.randint(0, 101, (3, 11))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, labels=x).loss
+        loss.backward()
+        engine.synchronize()
+        ring = engine._rings[torch.bfloat16]
+        assert all(b.dtype == torch.bfloat16 for b in ring.buffers) and len(ring._free) == len(ring.buffers)
+        experts_run = sum(1 for layer in engine.layers for n in layer.last_counts if n)
+        assert engine.stats.d2h_bytes == experts_run * engine.store.numel * 2
+        record = engine.store.acquire((0, 0))
+        assert record.grad.dtype == torch.float32
+        engine.store.release((0, 0))
+
+
+def test_global_clipping_takes_expert_norms_as_gradients_become_final(tmp_path):
+    """Deferred mode (exact global clipping): each expert's norm is taken on the optimizer's workers when its
+    gradient lands during backward; computing the global norm then re-reads no expert (the disk tier used to read
+    every expert back, with an fp64 copy per tensor). The result equals torch's clip_grad_norm_."""
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, OffloadConfig(mode="disk", offload_dir=str(tmp_path / "e"),
+                                                        host_cache_experts=4))
+    expert_opt = ExpertOptimizer(engine, lr=1e-2, max_grad_norm=0.5)
+    opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0), expert_opt)
+    assert not expert_opt.eager
+    x = torch.randint(0, 101, (3, 11))
+    model(x, labels=x).loss.backward()
+    misses = engine.stats.cache_misses
+    sq = expert_opt.expert_grad_sq_norm()
+    assert engine.stats.cache_misses == misses  # nothing read back from disk
+    reference(x, labels=x).loss.backward()
+    expert_sq = sum(float(torch.linalg.vector_norm(p.grad)) ** 2 for n, p in reference.named_parameters()
+                    if "experts" in n)
+    assert abs(sq - expert_sq) <= 1e-5 * expert_sq
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    ref_opt.step()
+    opt.step()
+    engine.synchronize()
+    assert_same_weights(model, reference)
+    expert_opt.close()
+
+
+# --- 4. the suites, re-run on the simulated device ---
+SUITES = {
+    "offload": ["tests/test_offload.py"],
+    "pipelining+optimizer": ["tests/test_pipelining.py", "tests/test_expert_optimizer.py",
+                             "tests/test_mixed_precision.py::test_autocast_trains_on_every_tier_and_strategy"],
+    "expert-parallel": ["tests/test_distributed.py::test_expert_parallel_equals_one_process_on_the_concatenated_batch",
+                        "tests/test_distributed.py::test_micro_batch_pipelining_over_expert_parallelism",
+                        "tests/test_distributed.py::test_expert_parallel_under_autocast"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suite", list(SUITES))
+def test_suite_passes_on_the_simulated_device(suite, tmp_path):
+    env = dict(os.environ, HF_MOE_OFFLOAD_RUNTIME="simulated", HF_MOE_OFFLOAD_RUNTIME_MAX_DELAY="0.001",
+               HF_MOE_OFFLOAD_RUNTIME_REPORT=str(tmp_path / "sim"))
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SUITES[suite]],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+    reports = [json.loads(open(p).read()) for p in glob.glob(str(tmp_path / "sim*.json"))]
+    # The simulation really ran: copies on side streams, and every declared access checked.
+    assert sum(r["copies"] for r in reports) > 0 and sum(r["checks"] for r in reports) > 0, reports
