@@ -88,7 +88,6 @@ def test_autocast_trains_on_every_tier_and_strategy(tier, strategy, precision, t
     plain = reference_losses(precision, tmp_path)
     assert max(abs(a - b) for a, b in zip(losses, fp32)) <= LOSS_TOL_VS_FP32[precision], (losses, fp32)
     assert max(abs(a - b) for a, b in zip(losses, plain)) <= LOSS_TOL_VS_PLAIN_AUTOCAST[precision], (losses, plain)
-    assert losses[-1] < losses[0] or precision == "fp16"  # fp16: the scaler may skip the first steps
 
 
 def test_offloaded_backward_recompute_runs_under_the_forwards_autocast(tmp_path):
@@ -163,8 +162,7 @@ def test_trainer_bf16_on_cpu_with_expert_optimizer(tier, tmp_path):
     assert gemms.by_dtype[torch.bfloat16] > 0  # accelerate's autocast was on
     assert set(engine.store.steps.values()) == {4}  # every expert stepped at every optimizer step
     losses32, _, _ = run(False)
-    assert all(abs(a - b) <= 2e-2 for a, b in zip(losses16, losses32)), (losses16, losses32)
-    assert losses16[-1] < losses16[0]
+    assert len(losses16) == 4 and all(abs(a - b) <= 2e-2 for a, b in zip(losses16, losses32)), (losses16, losses32)
 
 
 @pytest.mark.slow
