@@ -159,6 +159,8 @@ def overflow_in_backward(engine, value=float("inf")) -> None:
 
     def overflow(key, record, arrival) -> bool:
         engine._grad_hooks.remove(overflow)
+        if arrival.event is not None:  # an asynchronous download (simulated device): let it arrive first
+            arrival.event.synchronize()
         arrival.buffer[0] = value
         return False  # the optimizer's hook still gets it
 

@@ -206,7 +206,10 @@ class ExpertParallelCoordinator:
         before the next micro-step may place those experts elsewhere (disk tier; a no-op on the host tier)."""
         publish = getattr(self.engine.store, "publish", None)
         if publish is not None:
-            publish([(layer, e) for e in range(self.num_experts[layer])])
+            keys = [(layer, e) for e in range(self.num_experts[layer])]
+            for key in keys:  # gradients still landing on the host worker (asynchronous runtimes) first
+                self.engine.wait_for_grad(key)
+            publish(keys)
 
 
 class AllToAllExecutor:

@@ -89,7 +89,6 @@ class HostCopy:
         self._back_done: Event | None = None
         if rt.asynchronous:
             stream = copier.side_stream(rt)
-            rt.access(tensor, write=True)  # produced on the compute stream
             rt.wait_stream(stream, rt.current_stream())  # the producer kernel must finish first
             self._host = rt.pinned_empty(tensor.shape, tensor.dtype, cached=True)
             rt.record_stream(tensor, stream)  # keep the device block alive until the copy has read it

@@ -163,30 +163,24 @@ class SimulatedRuntime(DeviceRuntime):
                 raise err
 
     def run_on(self, stream, fn):
+        """Run `fn` as work of `stream`: once the stream has reached this point (its earlier copies and waits ran),
+        on the calling thread (so autograd's thread-local state, hooks and modes apply as on CUDA, where launching
+        on a side stream stays on the calling thread), with `stream` current for what `fn` declares."""
         s = self._resolve(stream)
         if s.thread is None or threading.current_thread() is s.thread:
             return fn()
         with self._lock:
             pos = self._tick(s)
-        grad = torch.is_grad_enabled()
-        autocast = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
-        result: list = []
-        done = threading.Event()
-
-        def op():
-            try:
-                with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=autocast[1], enabled=autocast[0]):
-                    result.append(fn())
-            except BaseException as err:  # noqa: BLE001
-                result.append(err)
-            finally:
-                done.set()
-
-        s.queue.put(("run_on", op, pos))
-        done.wait()  # NOTE: waiting here orders nothing in the clocks: a CUDA launch would return at once
-        if isinstance(result[0], BaseException):
-            raise result[0]
-        return result[0]
+        reached = threading.Event()
+        s.queue.put(("run_on", reached.set, pos))
+        reached.wait()  # NOTE: waiting here orders nothing in the clocks: a CUDA launch would return at once
+        self.check()
+        previous = getattr(self._local, "stream", None)
+        self._local.stream = s
+        try:
+            return fn()
+        finally:
+            self._local.stream = previous
 
     # --- events ---
     def record(self, stream=None):
@@ -239,6 +233,8 @@ class SimulatedRuntime(DeviceRuntime):
             return
         if own_read <= s.done_pos:
             _poison(dst)  # what a reader that did not wait sees until the copy has run
+        # The pending copy holds the memory, not the caller's tensor objects (as record_stream does on CUDA).
+        dst, src = dst.detach(), src.detach()
 
         def op():
             _poison(dst)
