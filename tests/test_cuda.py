@@ -25,13 +25,13 @@ def test_cuda_streamed_equals_resident(tier, depth, tmp_path):
     engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "e"),
                                                         host_cache_experts=4, prefetch_depth=depth))
     model.cuda()  # moves the non-expert weights only
-    assert engine.stager.cuda
     for _ in range(2):
         x = torch.randint(0, 101, (3, 11), device="cuda")
         ref_out, out = reference(x, labels=x), model(x, labels=x)
         torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-5, rtol=1e-5)
         ref_out.loss.backward()
         out.loss.backward()
+    assert engine.runtime.name == "cuda" and engine.device.type == "cuda"  # bound to the inputs' device
     assert store_grads_vs_reference(engine, reference.cpu()) <= 1e-5
     assert engine.stats.h2d_bytes > 0 and engine.stats.d2h_bytes > 0
 
@@ -51,4 +51,4 @@ def test_cuda_bf16_compute_copies_stay_current(tmp_path):
         record = engine.store.acquire(key)
         torch.testing.assert_close(record.compute.float(), record.param.to(torch.bfloat16).float())
         engine.store.release(key)
-        assert record.compute.is_pinned()
+        assert record.compute.is_pinned() and not record.grad.is_pinned()  # only the DMA source is page-locked
