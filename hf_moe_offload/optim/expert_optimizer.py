@@ -126,10 +126,26 @@ class ExpertOptimizer:
     def _on_grad(self, key: ExpertKey, record: ExpertRecord, arrival: GradArrival) -> bool:
         """An expert's gradient is final (the window's last micro-step): step it now (eager), or measure its norm
         now (deferred: clipping / loss scaling need every norm before any step). False leaves it to the engine."""
-        if not self.boundary_fn() or not self._owns(key):
+        if not self.boundary_fn():
+            return False
+        return self._take_final(key, record, arrival)
+
+    def _on_layer_done(self, layer: int) -> None:
+        if not self.boundary_fn():
+            return
+        # Experts that got no token in this micro-step still have a (possibly zero) final gradient.
+        for e in range(self.engine.layers[layer].layout.num_experts):
+            self._take_final((layer, e), None, None)
+
+    def _take_final(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None) -> bool:
+        """Claim `key`'s final gradient once per window (if this process owns the expert) and step it (eager) or
+        measure it (deferred). Without a record, a deferred expert with no gradient is skipped."""
+        if not self._owns(key):
             return False
         with self._lock:
             if key in self._stepped or key in self._measured:
+                return False
+            if record is None and not self.eager and not self.store.has_grad[key]:
                 return False
             (self._stepped if self.eager else self._measured).add(key)
         if self.eager:
@@ -137,25 +153,6 @@ class ExpertOptimizer:
         else:
             self._measuring[key] = self._pool.submit(self._measure, key, record, arrival)
         return True
-
-    def _on_layer_done(self, layer: int) -> None:
-        if not self.boundary_fn():
-            return
-        # Experts that got no token in this micro-step still have a (possibly zero) final gradient.
-        for e in range(self.engine.layers[layer].layout.num_experts):
-            key = (layer, e)
-            if not self._owns(key):
-                continue
-            with self._lock:
-                if key in self._stepped or key in self._measured:
-                    continue
-                if not self.eager and not self.store.has_grad[key]:
-                    continue
-                (self._stepped if self.eager else self._measured).add(key)
-            if self.eager:
-                self._start_step(key, None, None, clip_coef=None)
-            else:
-                self._measuring[key] = self._pool.submit(self._measure, key, None, None)
 
     def _measure(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None) -> float:
         """Deferred mode, on a worker: land the gradient and return its squared L2 norm (fp32, like

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import abc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,47 +34,55 @@ class Event:
         return True
 
 
-class DeviceRuntime:
-    """Streams, events, asynchronous copies and page-locked memory of one device (see the package docstring)."""
+class DeviceRuntime(abc.ABC):
+    """Streams, events, asynchronous copies and page-locked memory of one device (see the package docstring).
+    The abstract methods are what each implementation (inline, CUDA, simulated) provides."""
 
     name = "?"
     device = torch.device("cpu")
     asynchronous = False  # False: host memory is the compute memory; nothing is copied or waited for
 
     # --- streams ---
+    @abc.abstractmethod
     def current_stream(self) -> Any:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def new_stream(self) -> Any:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def run_on(self, stream, fn: Callable[[], Any]) -> Any:
         """Run `fn` with `stream` current (its kernels are ordered on `stream`); returns fn's result."""
-        raise NotImplementedError
+        ...
 
     # --- events and ordering ---
+    @abc.abstractmethod
     def record(self, stream=None) -> Event:
         """An event that happens once everything enqueued on `stream` (default: current) so far has run."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def wait_event(self, event: Event | None, stream=None) -> None:
         """Make `stream` (default: current) wait for `event` (None: nothing to wait for)."""
-        raise NotImplementedError
+        ...
 
     def wait_stream(self, stream, other) -> None:
         """Make `stream` wait for everything enqueued on `other` so far."""
         self.wait_event(self.record(other), stream)
 
     # --- memory ---
+    @abc.abstractmethod
     def copy_(self, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:
         """Asynchronous `dst.copy_(src)` on `stream` (default: current). Host memory involved must be page-locked
         (`pinned_empty` / `pin_`) and must stay alive until the copy has run."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def empty(self, shape, dtype: torch.dtype, stream=None, persistent: bool = False) -> torch.Tensor:
         """Device memory for use on `stream` (default: current). `persistent`: kept for the owner's whole life (no
         `record_stream` needed when used on other streams, whose ordering the owner manages with events)."""
-        raise NotImplementedError
+        ...
 
     def pinned_empty(self, shape, dtype: torch.dtype, cached: bool = False) -> torch.Tensor:
         """Page-locked host memory. Default: exactly this size (no power-of-two rounding), for long-lived buffers.
@@ -94,9 +102,10 @@ class DeviceRuntime:
         simulation; free elsewhere."""
 
     # --- timing ---
+    @abc.abstractmethod
     def elapsed(self, start: Event, end: Event) -> float:
         """Seconds between two recorded events (both must have happened)."""
-        raise NotImplementedError
+        ...
 
     def now_event(self, stream=None) -> Event:
         """An event for timing (may be a cheaper kind than `record`'s)."""
@@ -142,11 +151,6 @@ class InlineRuntime(DeviceRuntime):
 
     def elapsed(self, start, end):
         return max(0.0, end.t - start.t)
-
-
-@contextlib.contextmanager
-def null_context():
-    yield
 
 
 __all__ = ["DeviceRuntime", "Event", "HOST", "HappensBeforeError", "InlineRuntime"]
