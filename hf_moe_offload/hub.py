@@ -45,16 +45,13 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
     `active_params` counts what one token runs through: every non-expert parameter plus `top_k` experts in each MoE
     layer (embeddings included, as usual for total counts; the tied output projection is counted once).
     """
-    from .offload.api import find_expert_modules
-    from .offload.layout import layout_for
+    from .moe_path import experts_layers
 
     model = _unwrap(model)
     cfg = model.config
-    expert_modules = find_expert_modules(model)
     per_layer = []
     expert_param_ids = set()
-    for _name, module in expert_modules:
-        layout = module._offload_layer.layout if hasattr(module, "_offload_layer") else layout_for(module)
+    for _name, module, layout in experts_layers(model):
         per_layer.append((layout.num_experts, layout.numel))
         expert_param_ids |= {id(p) for p in module.parameters(recurse=False)}
     non_expert = sum(p.numel() for p in model.parameters() if id(p) not in expert_param_ids)

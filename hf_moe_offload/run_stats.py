@@ -1,10 +1,10 @@
 """What a training run records for its figures and its model card: tokens per expert per logging interval, offload
 telemetry totals, and the plots drawn from them.
 
-- `ExpertLoadCallback`: counts the tokens routed to every expert of every MoE layer during training (forward hooks
-  on the MoE blocks read their `last_expert_counts`; for other MoE families, the offload engine's per-layer
-  telemetry), one row per logging step, summed over processes under `accelerate launch`. It adds
-  `expert_load/max_over_mean` to the logs.
+- `ExpertLoadCallback`: counts the tokens routed to every expert of every MoE layer during training (a forward
+  pre-hook on each experts module reads the `top_k_index` of transformers' experts signature, so every family is
+  counted the same way), one row per logging step, summed over processes under `accelerate launch`. It adds
+  `expert_load/max_over_mean` and the number of dead experts (no token in the interval) to the logs.
 - `OffloadTotalsCallback`: sums the offload engine's counters over the run (bytes read/written, stalls, cache hits),
   although `ExpertOptimizerCallback` resets them at every log.
 - `plot_expert_load` / `plot_training_curves`: PNGs with matplotlib's Agg backend (no display needed).
@@ -21,15 +21,16 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from .moe_path import experts_layers
 from .offload.api import get_offload_engine
 from .offload.telemetry import OffloadStats, add_to_logs
 
 logger = logging.getLogger(__name__)
 
 
-def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """MoE blocks that record their routing (`last_expert_counts`), in forward order."""
-    return [(n, m) for n, m in model.named_modules() if hasattr(m, "last_expert_counts")]
+def routed_counts(top_k_index: torch.Tensor, num_experts: int) -> list[int]:
+    """Tokens per expert of one experts call (ids >= num_experts are dropped assignments)."""
+    return torch.bincount(top_k_index.reshape(-1), minlength=num_experts + 1)[:num_experts].tolist()
 
 
 def _all_reduce_counts(counts: list[list[int]], device: torch.device) -> list[list[int]]:
@@ -75,7 +76,6 @@ class ExpertLoadCallback(TrainerCallback):
         self.history: list[dict] = []
         self._acc: list[list[int]] = []
         self._handles: list = []
-        self._engine_layers = False
         self._model: nn.Module | None = None
 
     # --- collection ---
@@ -88,31 +88,22 @@ class ExpertLoadCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._model = model
-        blocks = find_moe_blocks(model)
-        if blocks:
-            self.layer_names = [n for n, _ in blocks]
-            self._acc = [[] for _ in blocks]
-            for i, (_, block) in enumerate(blocks):
-                def hook(module, _inputs, _output, i=i):
-                    if module.training and module.last_expert_counts is not None:
-                        self._add(i, module.last_expert_counts)
-                self._handles.append(block.register_forward_hook(hook))
-            return
-        engine = get_offload_engine(model)
-        if engine is not None and getattr(engine, "layers", None):
-            # Other MoE families: the engine's telemetry holds each layer's counts of its last forward.
-            self._engine_layers = True
-            self.layer_names = [f"moe layer {i}" for i in range(len(engine.layers))]
-            self._acc = [[] for _ in engine.layers]
-        else:
-            logger.warning("ExpertLoadCallback: %s has no MoE block that records its routing; no expert load is "
+        experts = experts_layers(model)
+        if not experts:
+            logger.warning("ExpertLoadCallback: %s has no experts module hf_moe_offload knows; no expert load is "
                            "collected", type(model).__name__)
+            return
+        self.layer_names = [n for n, _, _ in experts]
+        self._acc = [[] for _ in experts]
+        for i, (_, module, layout) in enumerate(experts):
+            num_experts = layout.num_experts
 
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if self._engine_layers:
-            engine = get_offload_engine(model)
-            for key, counts in engine.stats.tokens_per_expert.items():
-                self._add(int(key), counts)
+            def hook(module, args, kwargs, i=i, num_experts=num_experts):
+                top_k_index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+                if module.training and isinstance(top_k_index, torch.Tensor):
+                    self._add(i, routed_counts(top_k_index, num_experts))
+
+            self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def _snapshot(self, args, step: int) -> list[list[int]] | None:
         if not self._acc:
@@ -132,7 +123,9 @@ class ExpertLoadCallback(TrainerCallback):
         counts = self._snapshot(args, state.global_step)
         if counts:
             ratios = [load_summary(r)["max_over_mean"] for r in counts if sum(r)]
-            add_to_logs(state, logs, {"expert_load/max_over_mean": round(sum(ratios) / len(ratios), 4)})
+            dead = sum(1 for r in counts for c in r if c == 0)  # experts no token reached in this interval
+            add_to_logs(state, logs, {"expert_load/max_over_mean": round(sum(ratios) / len(ratios), 4),
+                                      "expert_load/dead_experts": dead})
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._acc and any(sum(r) for r in self._acc):
@@ -321,7 +314,7 @@ def plot_training_curves(log_history: list[dict], path: str, title: str = "Train
 __all__ = [
     "ExpertLoadCallback",
     "OffloadTotalsCallback",
-    "find_moe_blocks",
+    "routed_counts",
     "load_summary",
     "plot_expert_load",
     "plot_training_curves",

@@ -425,6 +425,7 @@ def test_layer_called_several_times_per_micro_step_steps_each_expert_once(tmp_pa
     """MPMoE partitions call a layer's experts several times per micro-step: an eager expert step must wait for the
     backward of the layer's last call, else it would update with a partial gradient."""
     from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import run_moe
+    from hf_moe_offload.moe_path import moe_path
 
     def two_partitions(x, plan, experts):
         half = x.shape[0] // 2
@@ -439,10 +440,9 @@ def test_layer_called_several_times_per_micro_step_steps_each_expert_once(tmp_pa
 
     reference = small_model()
     model = copy.deepcopy(reference)
-    for m in model.modules():
-        if hasattr(m, "executor"):
-            m.executor = two_partitions
     engine = enable_expert_offload(model, OffloadConfig(mode="host"))
+    for layer in moe_path(model).layers:
+        layer.set_pipelined(two_partitions)
     ref_opt = torch.optim.AdamW(param_groups(reference, 0.0), lr=1e-2)
     opt = torch.optim.AdamW(param_groups(model, 0.0), lr=1e-2)
     experts = ExpertOptimizer(engine, lr=1e-2)

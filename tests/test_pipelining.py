@@ -32,6 +32,7 @@ from hf_moe_offload.pipelining import (
     split_plan,
 )
 from hf_moe_offload.pipelining.memory import measure_saving
+from hf_moe_offload.moe_path import get_moe_path, moe_path, sorted_experts
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 STRATEGIES = ["keep", "S1", "S2", "S3", "S4"]
@@ -129,7 +130,7 @@ def test_layer_equals_unpartitioned(factory, strategy, n, tmp_path):
     xr, xp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     out_ref = ref_block(xr)[0]
     (out_ref * gy).sum().backward()
-    block.executor = PartitionedExecutor(n, strategy)
+    moe_path(model).layers[0].set_pipelined(PartitionedExecutor(n, strategy))
     out = block(xp)[0]
     (out * gy).sum().backward()
     torch.testing.assert_close(out, out_ref, **TOL)
@@ -167,7 +168,8 @@ def test_causal_lm_equals_unpartitioned(factory, strategy, n, tmp_path):
     if engine is not None:
         assert_grads_close(expert_grads(model, engine, reference), reference_store_grads(reference, engine))
     disable_micro_batch_pipelining(model)
-    assert all(layer.moe.executor is None for layer in model.model.layers)
+    path = get_moe_path(model)
+    assert path is None or all(layer.pipelined is None for layer in path.layers)
 
 
 @pytest.mark.parametrize("strategy", ["S3", "S4"])
@@ -212,9 +214,10 @@ def test_saved_bytes_reach_95_percent_of_eq5(name):
     cfg = MoEGPTConfig(hidden_size=M, intermediate_size=H, num_experts=E, num_experts_per_tok=k,
                        activation_function="relu", num_attention_heads=4)
     torch.manual_seed(0)
-    experts = MoEGPTExperts(cfg)
-    for p in experts.parameters():
+    module = MoEGPTExperts(cfg)
+    for p in module.parameters():
         torch.nn.init.normal_(p, std=0.02)
+    experts = sorted_experts(module)
     x = torch.randn(S, M, requires_grad=True)
     plan = DispatchPlan.build(torch.rand(S, k, requires_grad=True), torch.randint(0, E, (S, k)), E)
     B, elem = S * k, 4
@@ -401,7 +404,7 @@ def test_partition_buffers_are_released_before_backward(strategy):
     model = tiny_model()
     block = model.model.layers[0].moe
     comm = RecordingComm()
-    block.executor = PartitionedExecutor(4, strategy, comm=comm)
+    moe_path(model).layers[0].set_pipelined(PartitionedExecutor(4, strategy, comm=comm))
     x = torch.randn(2, 9, 32, requires_grad=True)
     out = block(x)[0]
     gc.collect()

@@ -36,10 +36,10 @@ from .exchange import (
 from .placement import static_owner
 
 
-def _layer_of(coordinator, experts: nn.Module) -> int:
-    for block, executor in coordinator.executors:
-        if block.experts is experts:
-            return executor.layer
+def _layer_of(coordinator, experts) -> int:
+    for layer in coordinator.layers:
+        if layer.experts is experts:
+            return layer.index
     raise ValueError(f"{type(experts).__name__} is not an experts module of this expert-parallel model")
 
 

@@ -1,9 +1,9 @@
 """Expert parallelism for a few GPUs under `accelerate launch`: static EP, ES-MoE dynamic placement, PPMoE dispatch.
 
 Each process runs the model on its own micro-batch (data parallel: non-expert parameters go through DDP as usual) and
-the MoE layers exchange tokens so that every expert runs on exactly one rank. `enable_expert_parallel` installs an
-executor on every `MoEGPTSparseMoeBlock` (the hook `executor(x, plan, experts)` of the modeling file). One MoE layer,
-from router to combine, on rank r of k:
+the MoE layers exchange tokens so that every expert runs on exactly one rank. `enable_expert_parallel` sets an
+executor on every layer of the model's MoE path (hf_moe_offload.moe_path: any family served through transformers'
+experts signature). One MoE layer, from router to combine, on rank r of k:
 
     router -> DispatchPlan (local tokens sorted by expert, counts c_r)
       -> all-gather counts: C (k x E)                                   [one small collective]
@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.moe_gpt.modeling_moe_gpt import DispatchPlan
+from ..moe_path import get_moe_path, moe_path
 from ..offload.api import enable_expert_offload, get_offload_engine
 from ..offload.config import OffloadConfig
 from ..offload.engine import OffloadEngine
@@ -75,11 +76,6 @@ def _require_distributed() -> None:
             "...` (CPU: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu ...) and create the Accelerator (or "
             "TrainingArguments) before calling enable_expert_parallel"
         )
-
-
-def _moe_blocks(model: nn.Module) -> list[nn.Module]:
-    """MoE blocks in forward order (modules with the `executor` hook and an `experts` child)."""
-    return [m for m in model.modules() if hasattr(m, "executor") and hasattr(m, "experts") and hasattr(m, "router")]
 
 
 class ExpertParallelCoordinator:
@@ -106,7 +102,7 @@ class ExpertParallelCoordinator:
         self.placements: dict[int, Placement] = {}  # last training forward of each layer
         self.expert_tokens: dict[int, list[int]] = {}  # global tokens per expert in that forward
         self.pins: dict[int, dict[int, int]] = {}  # layer -> {expert: rank}
-        self.executors: list = []
+        self.layers: list = []  # the MoELayers of the model's path this coordinator runs
         self.ppmoe_validated: set[int] = set()  # layers whose replicated input was checked (mode="ppmoe")
         # Telemetry: tokens each rank ran in the last forward of each layer, and the running max/mean ratio.
         self.rank_tokens: dict[int, list[int]] = {}
@@ -223,7 +219,7 @@ class AllToAllExecutor:
         c = self.coordinator
         return f"AllToAllExecutor(mode={c.mode!r}, layer={self.layer}, rank={c.rank}, world_size={c.world_size})"
 
-    def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts: nn.Module) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts) -> torch.Tensor:
         c = self.coordinator
         E = len(plan.counts)
         counts = all_gather_counts(plan.counts, c.group, device=c.device)  # (k, E)
@@ -260,7 +256,7 @@ class PPMoEExecutor:
         c = self.coordinator
         return f"PPMoEExecutor(layer={self.layer}, rank={c.rank}, world_size={c.world_size})"
 
-    def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts: nn.Module) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts) -> torch.Tensor:
         c = self.coordinator
         if c.validate_replicated and self.layer not in c.ppmoe_validated:
             check_replicated(c, self.layer, x, plan.counts)
@@ -304,10 +300,10 @@ def check_replicated(c: ExpertParallelCoordinator, layer: int, x: torch.Tensor, 
         )
 
 
-def _keep_parameters_in_graph(y: torch.Tensor, experts: nn.Module, ran_any: bool) -> torch.Tensor:
+def _keep_parameters_in_graph(y: torch.Tensor, experts, ran_any: bool) -> torch.Tensor:
     """Device tier: when this rank ran none of its experts, still give their parameters a (zero) gradient, as the
     single-process model does, so AdamW steps them (weight decay, moments) in lockstep with the reference."""
-    params = list(experts.parameters(recurse=False))
+    params = experts.expert_parameters()
     if ran_any or not params or not torch.is_grad_enabled():
         return y
     return y + sum(p.reshape(-1)[:1].sum() for p in params) * 0.0
@@ -351,14 +347,12 @@ def enable_expert_parallel(
                          "(expert parameters have to be excluded from DDP first)")
     if get_expert_parallel(model) is not None:
         raise RuntimeError("expert parallelism is already enabled on this model; call disable_expert_parallel first")
-    blocks = _moe_blocks(model)
-    if not blocks:
-        raise ValueError(f"{type(model).__name__} has no MoE block with an executor hook (MoEGPTSparseMoeBlock)")
-    for block in blocks:
-        if block.executor is not None:
+    path = moe_path(model)
+    for layer in path.layers:
+        if layer.parallel is not None or layer.pipelined is not None:
             raise ValueError(
-                f"{type(block).__name__} already has an executor ({block.executor!r}); enable expert parallelism first "
-                "and compose other executors with its exchange functions (see hf_moe_offload.distributed.exchange)"
+                f"MoE layer {layer.name} already runs {layer.executor!r}; enable expert parallelism first and "
+                "micro-batch pipelining after it (it then runs over this exchange)"
             )
     engine = get_offload_engine(model)
     offloaded = engine is not None and engine.store is not None
@@ -380,13 +374,7 @@ def enable_expert_parallel(
         _share_existing_store(engine, offload_config, group, shared_dir)
     if mode == "dynamic" and not offloaded:  # mode="auto" chose the device tier
         raise ValueError(no_store_message)
-    layers = []
-    for ordinal, block in enumerate(blocks):
-        layer = block.experts._offload_layer.layer if offloaded else ordinal
-        layers.append(layer)
-    num_experts = [0] * len(blocks)
-    for block, layer in zip(blocks, layers):
-        num_experts[layer] = block.num_experts
+    num_experts = [layer.num_experts for layer in path.layers]
     if pin_fraction is None:
         pin_fraction = engine.pin_fraction if offloaded else 0.0
     if placement_cost is None:
@@ -397,13 +385,13 @@ def enable_expert_parallel(
         engine.coordinator = coordinator
         engine.add_layer_done_hook(coordinator.on_layer_backward_done)
     else:
-        _exclude_from_ddp(model, blocks)
+        _exclude_from_ddp(model, path.layers)
     executor_cls = PPMoEExecutor if mode == "ppmoe" else AllToAllExecutor
-    for block, layer in zip(blocks, layers):
-        block.executor = executor_cls(coordinator, layer)
-        coordinator.executors.append((block, block.executor))
+    for layer in path.layers:
+        layer.set_parallel(executor_cls(coordinator, layer.index))
+    coordinator.layers = list(path.layers)
     setattr(model, STATE_ATTR, coordinator)
-    logger.info("expert parallelism: mode=%s, %d MoE layers, rank %d of %d, experts %s", mode, len(blocks),
+    logger.info("expert parallelism: mode=%s, %d MoE layers, rank %d of %d, experts %s", mode, len(path.layers),
                 coordinator.rank, coordinator.world_size, "offloaded (node-shared store)" if offloaded else "resident")
     return coordinator
 
@@ -491,15 +479,19 @@ def _share_existing_store(engine: OffloadEngine, config: OffloadConfig | None, g
     engine.store = store
 
 
-def _expert_parameter_names(model: nn.Module, blocks: list[nn.Module]) -> list[str]:
-    ids = {id(p) for b in blocks for p in b.experts.parameters()}
+def _expert_parameter_ids(layers) -> set[int]:
+    return {id(p) for layer in layers for p in layer.resident.expert_parameters()}
+
+
+def _expert_parameter_names(model: nn.Module, layers) -> list[str]:
+    ids = _expert_parameter_ids(layers)
     return [n for n, p in model.named_parameters() if id(p) in ids]
 
 
-def _exclude_from_ddp(model: nn.Module, blocks: list[nn.Module]) -> None:
+def _exclude_from_ddp(model: nn.Module, layers) -> None:
     """Resident experts are not replicas: each rank's gradient is complete for its experts and zero elsewhere, so DDP
     must not average them (torch DDP reads `_ddp_params_and_buffers_to_ignore` when it wraps the model)."""
-    names = _expert_parameter_names(model, blocks)
+    names = _expert_parameter_names(model, layers)
     existing = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
     model._ddp_params_and_buffers_to_ignore = existing + [n for n in names if n not in existing]
 
@@ -514,9 +506,9 @@ def sync_expert_parameters(model: nn.Module) -> None:
         return  # offloaded: one node-shared copy, nothing to gather
     src_ranks = dist.get_process_group_ranks(coordinator.group)
     with torch.no_grad():
-        for block, _ in coordinator.executors:
-            E = block.num_experts
-            for p in block.experts.parameters(recurse=False):
+        for layer in coordinator.layers:
+            E = layer.num_experts
+            for p in layer.resident.expert_parameters():
                 for r in range(coordinator.world_size):
                     owned = [e for e in range(E) if static_owner(e, E, coordinator.world_size) == r]
                     if owned:  # a contiguous block: a contiguous slice of the (E, ...) tensor
@@ -531,8 +523,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, parameters=None) -> float
     if coordinator is None:
         raise RuntimeError("expert parallelism is not enabled on this model")
     inner = getattr(model, "module", model)
-    blocks = [b for b, _ in coordinator.executors]
-    expert_ids = {id(p) for b in blocks for p in b.experts.parameters()}
+    expert_ids = _expert_parameter_ids(coordinator.layers)
     params = [p for p in (parameters if parameters is not None else inner.parameters()) if p.grad is not None]
     local = sum(float(p.grad.double().pow(2).sum()) for p in params if id(p) in expert_ids)
     shared = sum(float(p.grad.double().pow(2).sum()) for p in params if id(p) not in expert_ids)
@@ -555,13 +546,13 @@ def disable_expert_parallel(model: nn.Module, offload_dir: str | None = None) ->
     coordinator = get_expert_parallel(model)
     if coordinator is None:
         raise RuntimeError("expert parallelism is not enabled on this model")
-    if any(block.executor is not executor and block.executor is not None for block, executor in coordinator.executors):
+    if any(layer.pipelined is not None for layer in coordinator.layers):
         raise RuntimeError("micro-batch pipelining runs over this model's expert parallelism: call "
                            "hf_moe_offload.pipelining.disable_micro_batch_pipelining(model) first")
     engine = coordinator.engine
     if engine is None:
         sync_expert_parameters(model)
-        names = set(_expert_parameter_names(model, [b for b, _ in coordinator.executors]))
+        names = set(_expert_parameter_names(model, coordinator.layers))
         model._ddp_params_and_buffers_to_ignore = [
             n for n in getattr(model, "_ddp_params_and_buffers_to_ignore", []) if n not in names
         ]
@@ -598,10 +589,12 @@ def disable_expert_parallel(model: nn.Module, offload_dir: str | None = None) ->
         engine.coordinator = None
         if coordinator.on_layer_backward_done in engine._layer_done_hooks:
             engine._layer_done_hooks.remove(coordinator.on_layer_backward_done)
-    for block, executor in coordinator.executors:
-        if block.executor is executor:
-            block.executor = None
+    for layer in coordinator.layers:
+        layer.set_parallel(None)
     delattr(model, STATE_ATTR)
+    path = get_moe_path(model)
+    if path is not None:
+        path.remove_if_idle()
 
 
 __all__ = [

@@ -1,8 +1,9 @@
 """Turning expert offload on and off for a model, and keeping `state_dict()` whole while it is on.
 
 `enable_expert_offload(model, OffloadConfig(...))` moves every experts module's weights into an expert store and
-swaps the module's forward for the streamed one (the module object and its name stay; its expert tensors are no longer
-`nn.Parameter`s, so Trainer/DDP optimizers never see them). `state_dict()` and `load_state_dict()` still show the
+puts the streamed experts on the model's MoE path (hf_moe_offload.moe_path: transformers' experts implementation
+"hf_moe_offload"; the module object and its name stay; its expert tensors are no longer `nn.Parameter`s, so
+Trainer/DDP optimizers never see them). `state_dict()` and `load_state_dict()` still show the
 experts under their standard names, whatever the tier. `disable_expert_offload(model)` puts everything back.
 """
 
@@ -19,7 +20,8 @@ from torch import nn
 
 from .config import OffloadConfig
 from .engine import OffloadEngine, ResidentEngine
-from .layout import ExpertLayout, layout_for, uses_routing_signature
+from ..moe_path import find_experts_modules, get_moe_path, moe_path
+from .layout import layout_for
 from .planner import choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
 from .store import DiskExpertStore, ExpertStore, ExpertStoreError, HostExpertStore
 from .telemetry import OffloadStats
@@ -30,18 +32,8 @@ ENGINE_ATTR = "_moe_offload_engine"
 
 
 def find_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Experts modules in forward order, recognised by their layout adapter (see layout.py)."""
-    found = []
-    for name, module in model.named_modules():
-        if hasattr(module, "_offload_layer"):  # already offloaded: its tensors are in the store
-            found.append((name, module))
-            continue
-        try:
-            layout_for(module)
-        except TypeError:
-            continue
-        found.append((name, module))
-    return found
+    """Experts modules in forward order (see `hf_moe_offload.moe_path.find_experts_modules`)."""
+    return find_experts_modules(model)
 
 
 def get_offload_engine(model: nn.Module) -> OffloadEngine | None:
@@ -63,7 +55,11 @@ def enable_expert_offload(
         raise RuntimeError("expert offload is already enabled on this model; call disable_expert_offload first")
     experts = find_expert_modules(model)
     if not experts:
-        raise ValueError(f"{type(model).__name__} has no experts module that hf_moe_offload knows how to offload")
+        raise ValueError(
+            f"{type(model).__name__} has no experts module that hf_moe_offload can serve: it needs an experts module "
+            "decorated with transformers' @use_experts_implementation whose tensors an ExpertLayout describes "
+            "(hf_moe_offload/offload/layout.py)"
+        )
     device = config.resolved_device()
     mode = config.mode
     est = estimate_memory(model, [m for _, m in experts], tokens_per_batch)
@@ -136,16 +132,21 @@ def enable_expert_offload(
                            config.prefetch_depth, config.pin_fraction, stats, mode)
     engine.config = config
     engine.model_dtype = model_dtype
-    for layer, ((_name, module), layout) in enumerate(zip(experts, layouts)):
+    path = moe_path(model)
+    for streamed, route in zip(engine.layers, path.layers):
+        module, layout = route.module, route.layout
         if _initialize:
             with torch.no_grad():
                 flat = torch.empty(layout.numel)
                 for e in range(layout.num_experts):
                     tensors = [getattr(module, t.name)[e].detach().float() for t in layout.tensors]
-                    store.write_param((layer, e), layout.pack(tensors, flat))
-        routed = uses_routing_signature(module)  # decided before its tensors leave the module
-        _detach_parameters(module, layout)
-        _install(module, engine.layers[layer], routed)
+                    store.write_param((streamed.layer, e), layout.pack(tensors, flat))
+        streamed.meta = _detach_parameters(module, layout)
+        streamed.handles = [
+            module._register_state_dict_hook(functools.partial(_state_dict_hook, layer=streamed)),
+            module._register_load_state_dict_pre_hook(functools.partial(_load_state_dict_pre_hook, layer=streamed)),
+        ]
+        route.set_streamed(streamed)
     store.flush()
     setattr(model, ENGINE_ATTR, engine)
     if hasattr(model, "save_pretrained"):
@@ -166,22 +167,14 @@ def _streaming_save_pretrained(model: nn.Module, save_directory, state_dict=None
     save_offloaded_pretrained(model, str(save_directory))
 
 
-def _detach_parameters(module: nn.Module, layout: ExpertLayout) -> None:
+def _detach_parameters(module: nn.Module, layout) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Take the expert tensors off the module; returns their (shape, dtype) in registration order, so that
+    disable_expert_offload restores the same parameter order."""
     names = set(layout.names())
-    # Original registration order, so that disable_expert_offload restores the same parameter order.
-    module._offloaded_meta = {n: (p.shape, p.dtype) for n, p in module._parameters.items() if n in names}
+    meta = {n: (p.shape, p.dtype) for n, p in module._parameters.items() if n in names}
     for t in layout.tensors:
         del module._parameters[t.name]
-
-
-def _install(module: nn.Module, layer, routed: bool) -> None:
-    module.forward = layer.routed_forward if routed else layer.forward
-    module.prefetch = layer.prefetch
-    module._offload_layer = layer
-    module._offload_handles = [
-        module._register_state_dict_hook(_state_dict_hook),
-        module._register_load_state_dict_pre_hook(_load_state_dict_pre_hook, with_module=True),
-    ]
+    return meta
 
 
 def _expert_tensor(layer, name: str) -> torch.Tensor:
@@ -189,15 +182,14 @@ def _expert_tensor(layer, name: str) -> torch.Tensor:
     engine, layout = layer.engine, layer.layout
     idx = layout.names().index(name)
     spec = layout.tensors[idx]
-    shape, dtype = layer.module._offloaded_meta[name]
+    shape, dtype = layer.meta[name]
     out = torch.empty(shape, dtype=dtype)
     for e in range(layout.num_experts):
         out[e] = engine.store.read_param((layer.layer, e))[layout.offsets[idx] : layout.offsets[idx] + spec.numel].view(spec.shape)
     return out
 
 
-def _state_dict_hook(module, state_dict, prefix, local_metadata):
-    layer = module._offload_layer
+def _state_dict_hook(module, state_dict, prefix, local_metadata, layer):
     if not layer.engine._state_dict_experts:  # a streaming save writes the experts itself
         return state_dict
     layer.engine.synchronize()
@@ -206,9 +198,8 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
     return state_dict
 
 
-def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-    layer = module._offload_layer
+def _load_state_dict_pre_hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs,
+                              layer):
     layout = layer.layout
     names = layout.names()
     present = [n for n in names if prefix + n in state_dict]
@@ -241,16 +232,17 @@ def disable_expert_offload(model: nn.Module) -> None:
         raise RuntimeError("expert offload is not enabled on this model")
     if engine.store is not None:
         engine.synchronize()
-        for layer in engine.layers:
+        path = get_moe_path(model)
+        for layer, route in zip(engine.layers, path.layers):
             module = layer.module
-            tensors = {n: _expert_tensor(layer, n) for n in module._offloaded_meta}
-            for handle in module._offload_handles:
+            tensors = {n: _expert_tensor(layer, n) for n in layer.meta}
+            for handle in layer.handles:
                 handle.remove()
-            for attr in ("forward", "prefetch", "_offload_layer", "_offload_handles", "_offloaded_meta"):
-                module.__dict__.pop(attr, None)
             for n, t in tensors.items():
                 module.register_parameter(n, nn.Parameter(t))
+            route.set_streamed(None)
         engine.store.close()
+        path.remove_if_idle()
     model.__dict__.pop("save_pretrained", None)
     delattr(model, ENGINE_ATTR)
 

@@ -291,11 +291,16 @@ def load_expert_state(engine, folder: str) -> dict:
 
 
 # --- whole models ---
+def _offloaded_meta(model: nn.Module, layer: int) -> dict | None:
+    engine = get_offload_engine(model)
+    return engine.layers[layer].meta if engine is not None and engine.store is not None else None
+
+
 def _expert_param_names(model: nn.Module) -> dict[str, tuple[int, str]]:
     """Full state-dict name -> (MoE layer ordinal, tensor name) for every expert tensor."""
     out = {}
     for layer, (prefix, module) in enumerate(find_expert_modules(model)):
-        names = module._offloaded_meta if hasattr(module, "_offloaded_meta") else dict(module.named_parameters(recurse=False))
+        names = _offloaded_meta(model, layer) or dict(module.named_parameters(recurse=False))
         for n in names:
             out[f"{prefix}.{n}"] = (layer, n)
     return out
@@ -372,7 +377,7 @@ def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serial
             names = [(full, n) for full, (l, n) in expert_names.items() if l == layer.layer]
             specs = []
             for full, n in names:
-                shape, dtype = layer.module._offloaded_meta[n]
+                shape, dtype = layer.meta[n]
                 specs.append((full, dtype, tuple(shape)))
             idx = {n: layer.layout.names().index(n) for _, n in names}
             by_full = dict(names)

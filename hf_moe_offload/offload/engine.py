@@ -176,7 +176,8 @@ class GradArrival:
 
 
 class OffloadedExpertsLayer:
-    """Replaces one experts module's forward; its weights live in the store under keys (layer, e)."""
+    """The streamed experts of one MoE layer, `experts(x_sorted, counts, expert_ids)` on the model's MoE path; their
+    weights live in the store under keys (layer, e)."""
 
     def __init__(self, engine: "OffloadEngine", layer: int, module: nn.Module, layout: ExpertLayout):
         self.engine = engine
@@ -189,6 +190,12 @@ class OffloadedExpertsLayer:
         self.outstanding = 0
         # Makes autograd call our backward even when no input requires grad (e.g. frozen layers below).
         self._anchor = torch.zeros(0, requires_grad=True)
+        # Trainable parameters of the module that every expert's computation uses (e.g. a post-expert norm): ordinary
+        # parameters, whose gradients the recompute in backward accumulates.
+        expert_names = set(layout.names())
+        self.shared_parameters = [p for n, p in module.named_parameters() if n not in expert_names]
+        self.meta: dict[str, tuple[torch.Size, torch.dtype]] = {}  # expert tensor -> (shape, dtype) on the module
+        self.handles: list = []  # the module's state-dict hooks (offload/api.py)
 
     def keys(self, expert_ids: list[int]) -> list[ExpertKey]:
         return [(self.layer, e) for e in expert_ids]
@@ -198,21 +205,18 @@ class OffloadedExpertsLayer:
         ids = [e for e, n in enumerate(counts) if n]
         self.engine.store.prefetch(self.keys(ids[: self.engine.depth + 1]))
 
-    def routed_forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """transformers' experts signature: sort by expert, stream, weight and combine (index_add_)."""
-        k = top_k_index.shape[-1]
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.layout.num_experts + 1)[: self.layout.num_experts].tolist()
-        order = order[: sum(counts)]  # ids >= num_experts mark dropped assignments
-        token_index = order // k
-        self.prefetch(counts)
-        y = self.forward(hidden.index_select(0, token_index), counts)
-        y = y * top_k_weights.reshape(-1)[order].to(y.dtype).unsqueeze(-1)
-        # The combine writes in the output's dtype (autocast: bf16 expert outputs into the fp32 residual stream).
-        return torch.zeros_like(hidden).index_add_(0, token_index, y.to(hidden.dtype))
+    @property
+    def training(self) -> bool:
+        return self.module.training
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int], expert_ids: list[int] | None = None) -> torch.Tensor:
+    @property
+    def num_experts(self) -> int:
+        return self.layout.num_experts
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        return []  # the experts live in the store
+
+    def __call__(self, x_sorted: torch.Tensor, counts: list[int], expert_ids: list[int] | None = None) -> torch.Tensor:
         ids = list(range(len(counts))) if expert_ids is None else list(expert_ids)
         self.engine.bind(x_sorted.device)
         total = [0] * self.layout.num_experts
@@ -222,7 +226,8 @@ class OffloadedExpertsLayer:
         self.engine.stats.tokens_per_expert[str(self.layer)] = total
         if torch.is_grad_enabled() and self.engine.trainable:
             self.outstanding += 1
-            return _StreamedExperts.apply(x_sorted, self._anchor, self, tuple(counts), tuple(ids))
+            shared = [p for p in self.shared_parameters if p.requires_grad]
+            return _StreamedExperts.apply(x_sorted, self._anchor, self, tuple(counts), tuple(ids), *shared)
         with torch.no_grad():
             return self.run_forward(x_sorted, counts, ids, rng_states=None)
 
@@ -255,9 +260,11 @@ class OffloadedExpertsLayer:
             y[start : start + n] = out
         return y if y is not None else x[:0].clone()
 
-    def run_backward(self, x, gy, counts, ids, rng_states: list) -> torch.Tensor:
+    def run_backward(self, x, gy, counts, ids, rng_states: list, shared: tuple = ()) -> tuple:
+        """-> (input gradient, gradients of the `shared` parameters); expert gradients go to the store."""
         segments = self._segments(counts, ids)
         gx = torch.zeros_like(x)
+        g_shared = [None] * len(shared)
         order = list(reversed(range(len(segments))))
         stream = self.engine.stream(self.layer, [segments[i][0] for i in order], keep=True)
         for (w, record), i in zip(stream, order):
@@ -269,14 +276,18 @@ class OffloadedExpertsLayer:
                     _set_rng(x.device, rng_states[i])
                 ys = self.layout.forward(xs, leaves)
             train = self.engine.train_experts
-            grads = torch.autograd.grad(ys, [xs, *leaves] if train else [xs], gy[start : start + n].to(ys.dtype))
+            grads = torch.autograd.grad(ys, [xs, *(leaves if train else []), *shared],
+                                        gy[start : start + n].to(ys.dtype), allow_unused=bool(shared))
             gx[start : start + n] = grads[0]
+            for j, g in enumerate(grads[len(grads) - len(shared):]):
+                if g is not None:
+                    g_shared[j] = g if g_shared[j] is None else g_shared[j] + g
             if train:
-                self.engine.accumulate_grad((self.layer, e), record, grads[1:])
+                self.engine.accumulate_grad((self.layer, e), record, grads[1 : 1 + len(leaves)])
             else:
                 self.engine.release_record((self.layer, e), record)
         self.engine.layer_backward_done(self.layer)
-        return gx
+        return gx, g_shared
 
     def _has_dropout(self) -> bool:
         return self.module.training and any(
@@ -303,8 +314,8 @@ class _StreamedExperts(torch.autograd.Function):
     state of the forward (backward itself runs outside the user's autocast block)."""
 
     @staticmethod
-    def forward(ctx, x_sorted, anchor, layer: OffloadedExpertsLayer, counts, ids):
-        ctx.layer, ctx.counts, ctx.ids = layer, counts, ids
+    def forward(ctx, x_sorted, anchor, layer: OffloadedExpertsLayer, counts, ids, *shared):
+        ctx.layer, ctx.counts, ctx.ids, ctx.shared = layer, counts, ids, shared
         ctx.rng_states = []
         ctx.autocast = autocast_state(x_sorted.device.type)
         ctx.save_for_backward(x_sorted)
@@ -314,8 +325,9 @@ class _StreamedExperts(torch.autograd.Function):
     def backward(ctx, gy):
         (x_sorted,) = ctx.saved_tensors
         with restore_autocast(x_sorted.device.type, ctx.autocast):
-            gx = ctx.layer.run_backward(x_sorted, gy.contiguous(), ctx.counts, ctx.ids, ctx.rng_states)
-        return gx, None, None, None, None
+            gx, g_shared = ctx.layer.run_backward(x_sorted, gy.contiguous(), ctx.counts, ctx.ids, ctx.rng_states,
+                                                  ctx.shared)
+        return gx, None, None, None, None, *g_shared
 
 
 class UpdateCoordinator(Protocol):

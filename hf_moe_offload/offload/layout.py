@@ -3,8 +3,8 @@
 The store and the streaming engine know nothing of module names: an `ExpertLayout` says which leading-expert-dim
 tensors make up an expert, how they pack into one flat fp32 vector (weights first, then the tensors that get no weight
 decay, so the optimizer sees two contiguous segments), and which function computes one expert. MoE-GPT's layout is
-below, and transformers' 3-D `gate_up_proj` (E, 2I, H) / `down_proj` (E, H, I) experts (Mixtral, Qwen3-MoE, OLMoE)
-have theirs (`transformers_3d_layout`).
+below; every experts module of transformers' `ExpertsInterface` (`@use_experts_implementation`) gets its layout from
+its own flags (`experts_interface_layout`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ class ExpertTensor:
 class ExpertLayout:
     """Packing of one expert's tensors into a flat vector: [decayed tensors | non-decayed tensors]."""
 
-    def __init__(self, tensors: list[ExpertTensor], num_experts: int, expert_forward: Callable[..., torch.Tensor]):
+    def __init__(self, tensors: list[ExpertTensor], num_experts: int, expert_forward: Callable[..., torch.Tensor],
+                 hidden_size: int | None = None):
         self.tensors = sorted(tensors, key=lambda t: not t.decay)  # stable: decayed first
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.expert_forward = expert_forward
         self.offsets: list[int] = []
         offset = 0
@@ -43,6 +45,9 @@ class ExpertLayout:
             offset += t.numel
         self.numel = offset
         self.decay_numel = sum(t.numel for t in self.tensors if t.decay)
+        # Width of a two-GEMM FFN with this many weights (MoE-GPT: its ffn size; gated: 1.5x the gate/up width),
+        # for the FLOP and activation models (MPMoE configurator, memory estimates).
+        self.intermediate_size = self.decay_numel // (2 * hidden_size) if hidden_size else None
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-tensor views of one expert's flat vector, in `self.tensors` order."""
@@ -73,36 +78,56 @@ def moe_gpt_layout(experts: nn.Module) -> ExpertLayout:
         ExpertTensor("fc1_bias", (I,), False),
         ExpertTensor("fc2_bias", (H,), False),
     ]
-    return ExpertLayout(tensors, E, forward)
+    return ExpertLayout(tensors, E, forward, H)
 
 
-def transformers_3d_layout(experts: nn.Module) -> ExpertLayout:
-    """Layout of transformers v5 MoE experts (Mixtral, Qwen3-MoE, OLMoE, ...): `gate_up_proj` (E, 2I, H),
-    `down_proj` (E, H, I), `act_fn`; expert e computes `down(act(gate) * up)`."""
-    E, two_i, H = experts.gate_up_proj.shape
-    I = two_i // 2
+def experts_interface_layout(experts: nn.Module) -> ExpertLayout:
+    """Layout of an experts module decorated with transformers' `@use_experts_implementation` (Mixtral, Qwen3-MoE,
+    OLMoE, gpt-oss, DeepSeek, GLM, Granite, Nemotron-H, ...), built from the module's own flags:
 
-    def forward(x, gate_up_proj, down_proj):
-        gate, up = F.linear(x, gate_up_proj).chunk(2, dim=-1)
-        return F.linear(experts.act_fn(gate) * up, down_proj)
+    - `has_gate`: `gate_up_proj` feeds the module's own `_apply_gate` (the family's SwiGLU variant, clamps and
+      interleaving included: `is_concatenated` is its business), else `up_proj` feeds `act_fn`;
+    - `is_transposed`: weights are stored (E, in, out) instead of (E, out, in);
+    - `has_bias`: `<name>_bias` (E, out) next to each weight;
+    - `has_post_expert_norm`: the module's `post_expert_norm` (shared by all experts, so an ordinary parameter that
+      stays on the module) runs after the down projection.
+    """
+    up_name = "gate_up_proj" if experts.has_gate else "up_proj"
+    names = [up_name, "down_proj"]
+    if experts.has_bias:
+        names += [f"{up_name}_bias", "down_proj_bias"]
+    missing = [n for n in names if not isinstance(getattr(experts, n, None), torch.Tensor)]
+    if missing:
+        raise TypeError(f"{type(experts).__name__} declares experts flags but has no {', '.join(missing)}")
+    E = getattr(experts, up_name).shape[0]
+    tensors = [ExpertTensor(n, tuple(getattr(experts, n).shape[1:]), not n.endswith("_bias")) for n in names]
+    transposed = experts.is_transposed
+    gate = experts._apply_gate if experts.has_gate else experts.act_fn
+    post_norm = experts.post_expert_norm if experts.has_post_expert_norm else None
 
-    tensors = [ExpertTensor("gate_up_proj", (two_i, H), True), ExpertTensor("down_proj", (H, I), True)]
-    return ExpertLayout(tensors, E, forward)
+    def linear(x, w, b):
+        return (x @ w + b if b is not None else x @ w) if transposed else F.linear(x, w, b)
+
+    def forward(x, w_up, w_down, b_up=None, b_down=None):
+        y = linear(gate(linear(x, w_up, b_up)), w_down, b_down)
+        return post_norm(y) if post_norm is not None else y
+
+    down = getattr(experts, "down_proj")  # (E, H, I), or (E, I, H) transposed
+    return ExpertLayout(tensors, E, forward, down.shape[2] if transposed else down.shape[1])
 
 
 def layout_for(experts: nn.Module) -> ExpertLayout:
     """The layout adapter of a known experts module."""
     if all(hasattr(experts, n) for n in ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "expert_forward")):
         return moe_gpt_layout(experts)
-    if all(hasattr(experts, n) for n in ("gate_up_proj", "down_proj", "act_fn")) and experts.gate_up_proj.dim() == 3:
-        return transformers_3d_layout(experts)
+    if is_experts_interface_module(experts):
+        return experts_interface_layout(experts)
     raise TypeError(
         f"no expert layout adapter for {type(experts).__name__}; write an ExpertLayout for it (see "
         "hf_moe_offload/offload/layout.py)"
     )
 
 
-def uses_routing_signature(experts: nn.Module) -> bool:
-    """transformers' experts are called as `experts(hidden, top_k_index, top_k_weights)` and combine themselves;
-    MoE-GPT's as `experts(x_sorted, counts, expert_ids)` on tokens already sorted by expert."""
-    return hasattr(experts, "gate_up_proj")
+def is_experts_interface_module(module: nn.Module) -> bool:
+    """Decorated with transformers' `@use_experts_implementation` (its __init__ sets these flags)."""
+    return all(hasattr(module, f) for f in ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm"))

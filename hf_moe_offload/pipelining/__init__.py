@@ -1,4 +1,4 @@
-"""MPMoE for MoE-GPT (and any model whose MoE blocks expose `executor`): micro-batch pipelining of the MoE layer
+"""MPMoE for every MoE family on the model's MoE path (hf_moe_offload.moe_path): micro-batch pipelining of the MoE layer
 (§3.2), memory reuse with the restore strategies S1-S4 (§3.3, Table 2) and the adaptive (n, S) configurator (§4).
 
     >>> from hf_moe_offload.pipelining import enable_micro_batch_pipelining, disable_micro_batch_pipelining
@@ -17,6 +17,7 @@ import time
 import torch
 from torch import nn
 
+from ..moe_path import get_moe_path, moe_path
 from .configurator import (
     GranularitySearch,
     PerformanceModel,
@@ -31,34 +32,22 @@ from .restore import RESTORE_STRATEGIES, RestoreStrategy, SavedBytes, restore_st
 logger = logging.getLogger(__name__)
 
 
-def _moe_blocks(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "executor") and hasattr(m, "experts")]
-
-
-def _dims(model: nn.Module, block: nn.Module) -> tuple[int, int]:
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "intermediate_size"):
-        return cfg.hidden_size, cfg.intermediate_size
-    w = block.experts.fc1_weight  # (E, I, H)
-    return w.shape[2], w.shape[1]
-
-
-def make_layer_profiler(block: nn.Module, top_k: int, executor_kwargs: dict | None = None):
-    """profile_fn(B, n, S) -> seconds of one forward+backward of `block.experts` through a PartitionedExecutor on
-    B random balanced rows (Algorithm 1's "profile the execution time"). Only input gradients are computed, so
-    parameter `.grad`s are untouched."""
-    experts = block.experts
+def make_layer_profiler(layer, top_k: int, executor_kwargs: dict | None = None):
+    """profile_fn(B, n, S) -> seconds of one forward+backward of a MoE layer's resident experts through a
+    PartitionedExecutor on B random balanced rows (Algorithm 1's "profile the execution time"). Only input gradients
+    are computed, so parameter `.grad`s are untouched. `layer`: a `MoELayer` of the model's path."""
+    experts = layer.experts
     if hasattr(experts, "prefetch"):
         raise ValueError("method='profile' needs resident experts (streamed experts would accumulate gradients); "
                          "use method='model' with expert offload")
     from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import DispatchPlan
 
-    p = next(experts.parameters())
-    num_experts = experts.num_experts
+    p = experts.expert_parameters()[0]
+    num_experts = layer.num_experts
+    hidden = layer.layout.hidden_size
 
     def profile(B: int, n: int, strategy: str) -> float:
         S = max(1, B // top_k)
-        hidden = p.shape[-1]
         x = torch.randn(S, hidden, dtype=p.dtype, device=p.device, requires_grad=True)
         ids = torch.randint(0, num_experts, (S, top_k), device=p.device)
         w = torch.rand(S, top_k, device=p.device)
@@ -99,10 +88,8 @@ def enable_micro_batch_pipelining(
     executor shared by all blocks; reversible with `disable_micro_batch_pipelining`. `overlap=False` runs every
     exchange synchronously, in line (the baseline of the overlap measurement).
     """
-    blocks = _moe_blocks(model)
-    if not blocks:
-        raise ValueError("model has no MoE block with an `executor` hook (MoEGPTSparseMoeBlock)")
-    parallel = _expert_parallel_executors(model)
+    layers = moe_path(model).layers
+    parallel = any(layer.parallel is not None for layer in layers)
     if parallel:
         if comm is not None:
             raise ValueError("this model runs expert parallelism, which brings its own communication stage; "
@@ -112,13 +99,13 @@ def enable_micro_batch_pipelining(
         restore_strategy(strategy)  # validates the name
     configurator = None
     if n == "auto" or strategy == "auto":
-        hidden, intermediate = _dims(model, blocks[0])
+        hidden, intermediate = layers[0].layout.hidden_size, layers[0].layout.intermediate_size
         profile_fn = None
         if method == "profile" and parallel:
             raise ValueError("method='profile' is for a single process; use method='model' with expert parallelism")
         if method == "profile":
             top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
-            profile_fn = make_layer_profiler(blocks[0], top_k, {"comm": comm} if comm is not None else None)
+            profile_fn = make_layer_profiler(layers[0], top_k, {"comm": comm} if comm is not None else None)
         configurator = PipelineConfigurator(hidden, intermediate, n=n, strategy=strategy, strategies=strategies,
                                             method=method, n_max=n_max, speeds=speeds, profile_fn=profile_fn,
                                             comm_fn=getattr(comm, "benchmark_fn", None))
@@ -127,33 +114,26 @@ def enable_micro_batch_pipelining(
         raise ValueError(f"n must be a positive int or 'auto', got {n!r}")
     else:
         executor = PartitionedExecutor(n, strategy, comm=comm, overlap=overlap)
-    for block in blocks:
-        current = block.executor
-        if current is not None and not isinstance(current, PartitionedExecutor) and current is not parallel.get(block):
-            raise ValueError(f"{type(block).__name__} already has executor {current!r}; disable it first")
-        block.executor = executor
-    logger.info("micro-batch pipelining on %d MoE blocks: %r", len(blocks), executor)
+    for layer in layers:
+        layer.set_pipelined(executor)
+    logger.info("micro-batch pipelining on %d MoE layers: %r", len(layers), executor)
     return executor
 
 
 def disable_micro_batch_pipelining(model: nn.Module) -> None:
-    """Restore the unpartitioned MoE path (plain, or the expert-parallel executor) on every pipelined block."""
-    parallel = _expert_parallel_executors(model)
-    for block in _moe_blocks(model):
-        if isinstance(block.executor, PartitionedExecutor):
-            block.executor = parallel.get(block)
+    """Restore the unpartitioned MoE path (plain, or expert parallelism's exchange) on every layer."""
+    path = get_moe_path(model)
+    if path is None:
+        return
+    for layer in path.layers:
+        layer.set_pipelined(None)
+    path.remove_if_idle()
 
 
 def _get_expert_parallel(model: nn.Module):
     from hf_moe_offload.distributed.expert_parallel import get_expert_parallel  # noqa: PLC0415 (optional part)
 
     return get_expert_parallel(model)
-
-
-def _expert_parallel_executors(model: nn.Module) -> dict[nn.Module, object]:
-    """block -> its expert-parallel executor, when `enable_expert_parallel` ran on the model."""
-    coordinator = _get_expert_parallel(model)
-    return dict(coordinator.executors) if coordinator is not None else {}
 
 
 __all__ = [

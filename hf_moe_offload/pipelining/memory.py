@@ -69,11 +69,12 @@ class SavingMeasurement:
         return self.saving_bytes / self.theory_bytes if self.theory_bytes else float("nan")
 
 
-def measure_saving(x: torch.Tensor, plan, experts: nn.Module, n: int, strategy: str) -> SavingMeasurement:
-    """Run the layer unpartitioned and as (n, strategy), count what is saved for backward (see module docstring)."""
+def measure_saving(x: torch.Tensor, plan, experts, n: int, strategy: str) -> SavingMeasurement:
+    """Run the layer unpartitioned and as (n, strategy), count what is saved for backward (see module docstring).
+    `experts`: resident experts in the sorted signature (`hf_moe_offload.moe_path.sorted_experts(module)`)."""
     from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import run_moe
 
-    params = {p.untyped_storage().data_ptr() for p in experts.parameters()}
+    params = {p.untyped_storage().data_ptr() for p in experts.expert_parameters()}
     _, keep = _count_saved(lambda: run_moe(x, plan, experts), params)
     ex = PartitionedExecutor(n, strategy)
     _, outside = _count_saved(lambda: ex(x, plan, experts), params)
@@ -81,7 +82,7 @@ def measure_saving(x: torch.Tensor, plan, experts: nn.Module, n: int, strategy: 
     buffers = 2 * st.max_partition["tdi"] + st.max_partition["tm"] + 2 * st.max_partition["tdo"]
     reuse = outside + st.total(fate="device") + (buffers if strategy != "keep" else 0)
     hidden = x.shape[1]
-    intermediate = getattr(experts, "fc1_weight").shape[1]
+    intermediate = experts.layout.intermediate_size
     theory = eq5_saving_elements(plan.token_index.numel(), hidden, intermediate, n) * x.element_size()
     return SavingMeasurement(keep, reuse, theory)
 

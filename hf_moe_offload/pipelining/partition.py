@@ -157,12 +157,13 @@ def _is_streamed(experts: nn.Module) -> bool:
     return hasattr(experts, "prefetch")
 
 
-def _param_storages(experts: nn.Module) -> set[int]:
-    return {p.untyped_storage().data_ptr() for p in experts.parameters() if p.device.type != "meta"}
+def _param_storages(experts) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in experts.expert_parameters() if p.device.type != "meta"}
 
 
 class PartitionedExecutor:
-    """`MoEGPTSparseMoeBlock.executor`: run one MoE layer as n token partitions with restore strategy S.
+    """A MoE layer's executor on the model's MoE path (`MoELayer.set_pipelined`): run the layer as n token partitions
+    with restore strategy S. `experts` is the layer's sorted-signature experts (resident or streamed).
 
     `n` / `strategy` may be fixed, or chosen per call by a `configurator` (see `configurator.PipelineConfigurator`)
     from the number of dispatched rows B. `last_stats` holds the saved-bytes accounting of the last forward.

@@ -33,6 +33,7 @@ from accelerate import Accelerator
 
 import hf_moe_offload  # noqa: F401
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, MoEGPTConfig, MoEGPTForCausalLM, OffloadConfig
+from hf_moe_offload.moe_path import get_moe_path
 from hf_moe_offload.distributed import (
     ExchangePlan,
     all_to_all,
@@ -201,8 +202,8 @@ def run_mode(spec: str) -> dict:
     _, ref_g = reference_grads(ids)
     grads = {n: q.grad for n, q in model.named_parameters() if q.grad is not None}
     if engine is None and coordinator is not None:  # resident experts: each rank has its own experts' gradients
-        for block, _ in coordinator.executors:
-            for q in block.experts.parameters(recurse=False):
+        for layer in coordinator.layers:
+            for q in layer.resident.expert_parameters():
                 dist.all_reduce(q.grad, group=coordinator.group)  # disjoint slices: the sum gathers them
     grads.update(expert_grads(model, engine))
     missing = set(ref_g) - set(grads)
@@ -310,7 +311,7 @@ def run_mode(spec: str) -> dict:
             result["disable_expert_parallel_refused_while_pipelined"] = "disable_micro_batch_pipelining" in str(err)
         disable_micro_batch_pipelining(model)
         result["after_disable_pipelining_expert_parallel_executors"] = all(
-            block.executor is ex for block, ex in coordinator.executors)
+            layer.parallel is not None and layer.pipelined is None for layer in coordinator.layers)
     if mode in ("static", "dynamic-host"):
         # disable_expert_parallel: every rank holds the whole trained model again (offloaded: a private copy).
         ids = global_batch(98, 0)
@@ -318,8 +319,8 @@ def run_mode(spec: str) -> dict:
             expected = reference(ids).logits
             disable_expert_parallel(model)
             result["after_disable_logits_max_abs_diff"] = (model(ids).logits - expected).abs().max().item()
-        result["after_disable_no_executor"] = all(
-            m.executor is None for m in model.modules() if hasattr(m, "executor"))
+        result["after_disable_no_executor"] = get_moe_path(model) is None or all(
+            layer.idle() for layer in get_moe_path(model).layers)
     # Every rank must agree (all-reduce the worst differences).
     t = torch.tensor([result["grad_max_abs_diff"], result["weight_max_abs_diff"]], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -134,6 +134,8 @@ class MoEGPTConfig(PretrainedConfig):
         self.layernorm_embedding = layernorm_embedding
         self.final_layer_norm = final_layer_norm
         self.use_cache = use_cache
+        # The experts' plain path (fairseq parity) unless another implementation is asked for (modeling file).
+        kwargs.setdefault("experts_implementation", "eager")
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,

@@ -11,9 +11,11 @@ There is no (tokens x experts x capacity) dispatch mask, no zero padding and, by
 expert's weights are one contiguous block of leading-expert-dimension tensors (`fc1_weight[e]`, ...), the layout of
 transformers' own MoE models, so that the offload engine can move, store and update experts one at a time.
 
-Hooks for `hf_moe_offload`: `MoEGPTSparseMoeBlock.executor` (None = the plain path below) runs plan -> experts ->
-combine (MPMoE partitioning, distributed dispatch), and the `experts` module may be swapped for a streaming one (expert
-offload). This file imports only torch, transformers and its configuration: it is saved next to models as remote code.
+The experts module is an `ExpertsInterface` module (`@use_experts_implementation`): it is called as
+`experts(hidden_states, top_k_index, top_k_weights)` like every transformers MoE family, and `hf_moe_offload` reaches
+it through that one entry (offload, MPMoE partitions, expert parallelism) by registering its own implementation.
+The default implementation is "eager" (the plain path below; fairseq parity). This file imports only torch,
+transformers and its configuration: it is saved next to models as remote code.
 
 References: ES-MoE (Kim et al., ICML 2024) §4.1; fairseq `moe` branch (top1gate.py, top2gate.py, moe_layer.py);
 Switch Transformer (aux loss); ST-MoE (router z-loss).
@@ -31,6 +33,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.integrations import use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
@@ -168,12 +171,14 @@ def load_balancing_loss(probs: torch.Tensor, top1: torch.Tensor, num_experts: in
     return num_experts * torch.sum(me * ce)
 
 
+@use_experts_implementation(has_bias=True, has_gate=False)
 class MoEGPTExperts(nn.Module):
     """All experts of one layer as leading-expert-dimension tensors.
 
     NOTE: one 3-D tensor per weight (not a ModuleList) so that expert `e` is the contiguous block `W[e]` of each
     tensor: the offload engine copies whole experts with single memcpys, and the layout matches transformers' MoE
-    models (`gate_up_proj` (E, 2I, H) / `down_proj` (E, H, I)).
+    models (`gate_up_proj` (E, 2I, H) / `down_proj` (E, H, I)). The names stay fairseq's (`fc1_weight`, ...), so only
+    "eager" and implementations that take their layout from `hf_moe_offload` serve it.
     """
 
     def __init__(self, config: MoEGPTConfig):
@@ -191,7 +196,13 @@ class MoEGPTExperts(nn.Module):
         """One expert's FFN on its tokens: (n, C) -> (n, C)."""
         return F.linear(self.activation_dropout(self.act(F.linear(x, fc1_w, fc1_b))), fc2_w, fc2_b)
 
-    def forward(
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """transformers' experts signature: (S, C) tokens, (S, k) expert ids (`num_experts` = dropped), (S, k)
+        combine weights -> (S, C)."""
+        plan = DispatchPlan.build(top_k_weights, top_k_index, self.num_experts)
+        return run_moe(hidden_states, plan, self.sorted_forward)
+
+    def sorted_forward(
         self, x_sorted: torch.Tensor, counts: list[int], expert_ids: list[int] | None = None
     ) -> torch.Tensor:
         """x_sorted: (N, C) tokens grouped by expert; counts[i] tokens go to expert `expert_ids[i]` (default i)."""
@@ -226,8 +237,9 @@ class DispatchPlan:
         return cls(token_index=order // k, weights=weights.reshape(-1)[order], counts=counts)
 
 
-def run_moe(x: torch.Tensor, plan: DispatchPlan, experts: nn.Module) -> torch.Tensor:
-    """Dispatch -> sequential experts -> weighted combine for flattened tokens x: (S, C)."""
+def run_moe(x: torch.Tensor, plan: DispatchPlan, experts) -> torch.Tensor:
+    """Dispatch -> sequential experts -> weighted combine for flattened tokens x: (S, C). `experts(x_sorted, counts)`
+    runs each expert on its contiguous rows."""
     prefetch = getattr(experts, "prefetch", None)
     if prefetch is not None:  # offloaded experts: start the first uploads before the permutation (ES-MoE §4.1)
         prefetch(plan.counts)
@@ -247,16 +259,13 @@ class MoEGPTModelOutput(MoeModelOutputWithPast):
 
 
 class MoEGPTSparseMoeBlock(nn.Module):
-    """Router + experts + dropless combine. `executor(x, plan, experts)` may replace `run_moe` (MPMoE, EP)."""
+    """Router + experts (dispatch, sequential experts and dropless combine, through the experts implementation)."""
 
     def __init__(self, config: MoEGPTConfig):
         super().__init__()
         self.num_experts = config.num_experts
         self.router = MoEGPTRouter(config)
         self.experts = MoEGPTExperts(config)
-        self.executor = None
-        # Tokens routed to each expert in the last forward (ES-MoE §4.3 pinning reads it).
-        self.last_expert_counts: list[int] | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, C = hidden_states.shape
@@ -265,9 +274,7 @@ class MoEGPTSparseMoeBlock(nn.Module):
         probs = logits.softmax(dim=-1)
         aux_loss = load_balancing_loss(probs, probs.argmax(dim=-1), self.num_experts)
         z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
-        plan = DispatchPlan.build(weights, experts, self.num_experts)
-        self.last_expert_counts = plan.counts
-        out = (self.executor or run_moe)(x, plan, self.experts)
+        out = self.experts(x, experts, weights)
         return out.view(B, T, C), logits, aux_loss, z_loss
 
 
@@ -305,6 +312,14 @@ class MoEGPTPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     # Loss is a per-rank mean (Trainer must not rescale it by the number of processes under DDP).
     accepts_loss_kwargs = False
+    # transformers' own kernels read `gate_up_proj` / `up_proj`, which fairseq-named experts do not have.
+    _unsupported_experts_implementations = ("grouped_mm", "batched_mm", "deepgemm", "sonicmoe")
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        if requested_experts in self._unsupported_experts_implementations:
+            raise ValueError(f"MoE-GPT experts support experts_implementation='eager' (the default) or one registered "
+                             f"by hf_moe_offload, not {requested_experts!r}")
+        return super().get_correct_experts_implementation(requested_experts or "eager")
 
     @torch.no_grad()
     def _init_weights(self, module):
