@@ -28,7 +28,7 @@ from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
 from .models.moe_gpt.modeling_moe_gpt import DispatchPlan, run_moe
-from .offload.layout import ExpertLayout, layout_for
+from .offload.layout import ExpertLayout, is_experts_interface_module, layout_for
 
 IMPLEMENTATION = "hf_moe_offload"
 PATH_ATTR = "_hf_moe_path"
@@ -142,7 +142,10 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         try:
             layout_for(module)
-        except TypeError:
+        except TypeError as err:
+            if is_experts_interface_module(module):  # on transformers' experts interface, but not a layout we know
+                family = getattr(getattr(module, "config", None), "model_type", None) or type(model).__name__
+                raise ValueError(f"hf_moe_offload cannot serve the experts of {family!r} ({name}): {err}") from None
             continue
         found.append((name, module))
     return found

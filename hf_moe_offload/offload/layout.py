@@ -98,7 +98,8 @@ def experts_interface_layout(experts: nn.Module) -> ExpertLayout:
         names += [f"{up_name}_bias", "down_proj_bias"]
     missing = [n for n in names if not isinstance(getattr(experts, n, None), torch.Tensor)]
     if missing:
-        raise TypeError(f"{type(experts).__name__} declares experts flags but has no {', '.join(missing)}")
+        raise TypeError(f"{type(experts).__name__} is on transformers' experts interface but has no {', '.join(missing)} "
+                        "(the expert tensors its flags promise); write an ExpertLayout for it")
     E = getattr(experts, up_name).shape[0]
     tensors = [ExpertTensor(n, tuple(getattr(experts, n).shape[1:]), not n.endswith("_bias")) for n in names]
     transposed = experts.is_transposed
