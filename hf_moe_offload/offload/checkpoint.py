@@ -27,6 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .api import enable_expert_offload, find_expert_modules, get_offload_engine
+from .hub_layout import plan_checkpoint
 from .config import OffloadConfig
 from .store import ExpertStoreError, tensor_bytes
 
@@ -470,43 +471,56 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
             readers[file] = SafetensorsReader(file)
         return readers[file]
 
-    missing = [k for k in expert_names if k not in files]
+    # Keys in the layout transformers saves (per-expert tensors, renamed modules) map onto the model through
+    # transformers' own conversion rules for the family (hub_layout.py); our own saves map one to one.
+    own = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    plan = plan_checkpoint(model, files, own | set(expert_names))
+    missing = [k for k in expert_names if not plan.covers(k)]
     if missing:
         raise CheckpointError(f"{path} lacks expert tensors {missing[:3]}...; is it a checkpoint of this model?")
+
+    def read_whole(key: str) -> torch.Tensor:
+        return reader(files[key]).get(key)
+
     for layer in tqdm(engine.layers, desc="loading experts", unit="layer"):
         fulls = {n: full for full, (l, n) in expert_names.items() if l == layer.layer}
         flat = torch.empty(layer.layout.numel)
-        crcs = dict.fromkeys(fulls.values(), 0)  # over the slices in order = the CRC32 of the whole tensor
+        fused = {full: plan.direct[full] for full in fulls.values() if full in plan.direct}
+        crcs = dict.fromkeys(fused.values(), 0)  # over the slices in order = the CRC32 of the whole tensor
         for e in range(layer.layout.num_experts):
             tensors = []
             for n in layer.layout.names():
-                piece = reader(files[fulls[n]]).get(fulls[n], e)
-                crcs[fulls[n]] = zlib.crc32(tensor_bytes(piece), crcs[fulls[n]])
+                full = fulls[n]
+                if full in fused:  # one (E, ...) tensor: read expert e's slice
+                    key = fused[full]
+                    piece = reader(files[key]).get(key, e)
+                    crcs[key] = zlib.crc32(tensor_bytes(piece), crcs[key])
+                else:  # one tensor per expert and projection: fuse expert e's alone
+                    piece = plan.per_expert[full].expert(e, read_whole, model)
                 tensors.append(piece.float())
             engine.store.write_param((layer.layer, e), layer.layout.pack(tensors, flat))
-        for full, crc in crcs.items():
-            reader(files[full]).check_crc(full, crc)
+        for key, crc in crcs.items():
+            reader(files[key]).check_crc(key, crc)
     engine.store.flush()
     # As from_pretrained does, a checkpoint of another head of the same base model loads: tensors outside the base
     # model that this class lacks (e.g. a causal-LM `lm_head`) are skipped, and head parameters the checkpoint lacks
     # (e.g. a new classifier `score`) are initialised. Anything missing inside the base model is still an error.
     base_prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else None
-    own = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
 
     def is_head(name: str) -> bool:
         return base_prefix is not None and not name.startswith(base_prefix)
 
-    unused = []
-    for name, file in files.items():
+    unused = [t for t in plan.per_expert if t not in expert_names]
+    for name, key in plan.direct.items():
         if name in expert_names:
             continue
         if name not in own and is_head(name):
-            unused.append(name)
+            unused.append(key)
             continue
         try:
-            set_module_tensor_to_device(model, name, "cpu", value=reader(file).get(name))
+            set_module_tensor_to_device(model, name, "cpu", value=read_whole(key))
         except (AttributeError, KeyError) as err:
-            raise CheckpointError(f"{path}: tensor {name} does not belong to this model ({err})") from err
+            raise CheckpointError(f"{path}: tensor {key} does not belong to this model ({err})") from err
     model.tie_weights()
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if meta and all(is_head(n) for n in meta):
