@@ -10,6 +10,7 @@ the reason.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from functools import cache
 
@@ -108,10 +109,17 @@ def tiny_config(model_type: str):
     return cfg
 
 
-def tiny_model(model_type: str, seed: int = 0):
-    """The family's tiny causal LM, fp32, eager experts, random weights (seeded), in train mode."""
+def tiny_model(model_type: str, seed: int = 0, **overrides):
+    """The family's tiny causal LM, fp32, eager experts, random weights (seeded), in train mode. `overrides` set
+    config fields (only those the family's config has: e.g. num_experts=7 reaches num_local_experts too)."""
+    config = copy.deepcopy(tiny_config(model_type))
+    aliases = {"num_experts": ("num_experts", "num_local_experts", "n_routed_experts")}
+    for key, value in overrides.items():
+        for name in aliases.get(key, (key,)):
+            if hasattr(config, name):
+                setattr(config, name, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type), experts_implementation="eager")
+    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
     with torch.no_grad():  # some families initialise experts to zero (or leave them empty): give every tensor values
         for p in model.parameters():
             if p.dim() >= 2:
