@@ -97,3 +97,36 @@ def test_every_recipe_states_its_launch_command():
         if name.endswith(".py"):
             head = open(os.path.join(RECIPES, name)).read(4000)
             assert "accelerate launch" in head or "python recipes/" in head, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_classification_recipe_on_a_qwen3_moe_checkpoint(tmp_path, method):
+    """Issue 13: the recipe takes another family's checkpoint (written by transformers' save_pretrained, Hub layout)
+    with that family's sequence-classification head, experts on the disk tier. LoRA: the offloaded experts are
+    frozen and come out exactly as they went in; full: the expert optimizer trains them (routers frozen here)."""
+    import torch
+    from moe_families import tiny_config
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from hf_moe_offload.data import gpt2_tokenizer
+
+    tokenizer = gpt2_tokenizer()
+    config = tiny_config("qwen3_moe")
+    config.vocab_size, config.max_position_embeddings = len(tokenizer), 256
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hub")
+    tokenizer.save_pretrained(tmp_path / "hub")
+    out = tmp_path / method
+    _run([sys.executable, os.path.join(RECIPES, "finetune_classification.py"), "--method", method, "--short",
+          "--model-path", str(tmp_path / "hub"), "--offload", "disk", "--freeze-router", "--output-dir", str(out)])
+    metrics = _metrics(out)
+    assert metrics["model"]["class"] == "Qwen3MoeForSequenceClassification"
+    assert "`qwen3_moe`" in (out / "README.md").read_text()
+    before = AutoModelForCausalLM.from_pretrained(tmp_path / "hub").state_dict()
+    after = AutoModelForSequenceClassification.from_pretrained(out).state_dict()
+    experts = [n for n in after if ".experts." in n]
+    routers = [n for n in after if n.endswith("mlp.gate.weight")]
+    assert experts and routers
+    assert all(torch.equal(after[n], before[n]) for n in routers)  # --freeze-router
+    unchanged = [torch.equal(after[n], before[n]) for n in experts]
+    assert all(unchanged) if method == "lora" else not any(unchanged)
