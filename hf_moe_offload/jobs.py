@@ -176,6 +176,8 @@ def offload_config(args: argparse.Namespace, precision: str | None = None, subdi
         host_budget_bytes=int(args.host_budget_mb * mb) if args.host_budget_mb else None,
         # NOTE: autocast runs the expert matmuls in bf16 anyway; streaming bf16 copies halves the bytes moved.
         compute_dtype=torch.bfloat16 if (precision or getattr(args, "precision", "fp32")) == "bf16" else None,
+        # Frozen experts (a LoRA recipe sets it): the store keeps their weights only.
+        train_experts=getattr(args, "train_experts", True),
     )
 
 

@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
             raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))
         data = {k: tokenize(v, tokenizer, text_columns, args.block_size) for k, v in raw.items()}
 
+    args.train_experts = args.method == "full"  # LoRA: offloaded experts frozen, stored as weights only
     model, engine = jobs.prepare_model(args, tokenizer, model_class=AutoModelForSequenceClassification,
                                        config_overrides={"num_labels": num_labels})
     model.config.pad_token_id = tokenizer.pad_token_id

@@ -445,3 +445,33 @@ def test_device_tier_is_the_plain_model(tmp_path):
         ref_out.loss.backward()
     for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_frozen_experts_are_stored_as_weights_only(tier, tmp_path):
+    """OffloadConfig(train_experts=False): one fp32 row per expert instead of four (no gradient, no Adam moments);
+    backward still gives every other parameter the stock model's gradient (experts frozen in both), the experts never
+    change, and the expert optimizer refuses such a store with the reason."""
+    from hf_moe_offload import ExpertOptimizer
+
+    reference = small_model()
+    for m in expert_modules(reference):
+        m.requires_grad_(False)
+    model = copy.deepcopy(reference)
+    cfg = offload_cfg(tier, tmp_path, cache=3)
+    cfg.train_experts = False
+    engine = enable_expert_offload(model, cfg)
+    assert engine.store.state_rows == 1 and not engine.store.trainable
+    assert engine.store.record_bytes() == engine.store.numel * 4
+    before = [engine.store.read_param(k) for k in engine.store.keys()]
+    x = torch.randint(0, 101, (2, 9))
+    model(x, labels=x).loss.backward()
+    reference(x, labels=x).loss.backward()
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, atol=1e-6, rtol=0, msg=name)
+    assert not any(engine.store.has_grad.values())
+    assert all(torch.equal(b, engine.store.read_param(k)) for b, k in zip(before, engine.store.keys()))
+    engine.zero_grad()  # nothing to clear, and no gradient row to touch
+    with pytest.raises(ValueError, match="offloaded frozen"):
+        ExpertOptimizer(engine)

@@ -23,7 +23,7 @@ from .engine import OffloadEngine, ResidentEngine
 from ..moe_path import find_experts_modules, get_moe_path, moe_path
 from .layout import layout_for
 from .planner import choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
-from .store import DiskExpertStore, ExpertStore, ExpertStoreError, HostExpertStore
+from .store import STATE_ROWS, DiskExpertStore, ExpertStore, ExpertStoreError, HostExpertStore
 from .telemetry import OffloadStats
 
 logger = logging.getLogger(__name__)
@@ -93,12 +93,15 @@ def enable_expert_offload(
         raise ValueError("all MoE layers must have experts of the same size to share one store")
     keys = [(i, e) for i, lay in enumerate(layouts) for e in range(lay.num_experts)]
     stats = OffloadStats()
-    record_bytes = 4 * numel * 4
+    state_rows = STATE_ROWS if config.train_experts else 1  # frozen experts: weights only
+    if store_factory is not None and not config.train_experts:
+        raise ValueError("frozen experts (train_experts=False) stay in per-process stores; do not share them")
+    record_bytes = state_rows * numel * 4
 
     if mode == "device":
         store = None
     elif mode == "host":
-        store = (HostExpertStore(keys, numel, compute_dtype, stats) if store_factory is None
+        store = (HostExpertStore(keys, numel, compute_dtype, stats, state_rows) if store_factory is None
                  else store_factory("host", keys, numel, compute_dtype, stats, None))
     else:
         cache = config.host_cache_experts
@@ -107,13 +110,15 @@ def enable_expert_offload(
             if cache < 1:
                 raise ExpertStoreError(
                     f"host_cache_bytes={config.host_cache_bytes} is smaller than one expert's state ({record_bytes} "
-                    "bytes: fp32 weights, gradient and two Adam moments); raise it"
+                    "bytes: fp32 weights, and unless the experts are frozen its gradient and two Adam moments); "
+                    "raise it"
                 )
         if cache is None:  # default: a quarter of the experts, at least prefetch_depth + 2
             cache = max(config.prefetch_depth + 2, len(keys) // 4)
         if store_factory is None:
             store = DiskExpertStore(
-                keys, numel, compute_dtype, stats, os.path.join(config.offload_dir), cache, config.io_threads
+                keys, numel, compute_dtype, stats, os.path.join(config.offload_dir), cache, config.io_threads,
+                state_rows=state_rows,
             )
         else:
             store = store_factory("disk", keys, numel, compute_dtype, stats, cache)
@@ -132,6 +137,7 @@ def enable_expert_offload(
                            config.prefetch_depth, config.pin_fraction, stats, mode)
     engine.config = config
     engine.model_dtype = model_dtype
+    engine.train_experts = config.train_experts
     path = moe_path(model)
     for streamed, route in zip(engine.layers, path.layers):
         module, layout = route.module, route.layout

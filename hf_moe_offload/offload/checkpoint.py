@@ -222,6 +222,9 @@ def save_expert_state(engine, folder: str, optimizer_state: dict | None = None, 
     with its CRC32) and step counts, written atomically to `folder/expert_state.safetensors`."""
     engine.synchronize()
     store = engine.store
+    if not store.trainable:
+        raise ValueError("frozen experts (train_experts=False) have no optimizer state to save; their weights are "
+                         "in the model's own save")
     specs = [(f"expert.{l}.{e}", torch.float32, (3, store.numel)) for l, e in store.keys()]
 
     def chunks(name: str) -> Iterator[torch.Tensor]:

@@ -35,6 +35,10 @@ class OffloadConfig:
     io_threads: int = field(default=2, metadata={"help": "background threads for disk reads and write-backs"})
     pin_fraction: float = field(default=0.25, metadata={"help": "ES-MoE §4.3: most-loaded experts kept resident"})
     compute_dtype: torch.dtype | None = field(default=None, metadata={"help": "dtype of the streamed copies"})
+    train_experts: bool = field(default=True, metadata={
+        "help": "False: the experts are frozen (e.g. LoRA on the other parts): the store keeps their weights only, "
+                "no gradient and no Adam moments (a quarter of the memory), and backward computes no expert "
+                "weight gradient"})
     device: str | torch.device | None = None
 
     def __post_init__(self) -> None:

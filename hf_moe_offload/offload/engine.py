@@ -542,9 +542,11 @@ class OffloadEngine:
             fut.result()
 
     def layer_backward_done(self, layer: int) -> None:
-        # Plain autograd gives every expert of a layer that ran backward a (possibly zero) gradient.
-        for e in range(self.layers[layer].layout.num_experts):
-            self.store.has_grad[(layer, e)] = True
+        # Plain autograd gives every expert of a layer that ran backward a (possibly zero) gradient; frozen experts
+        # get none.
+        if self.train_experts:
+            for e in range(self.layers[layer].layout.num_experts):
+                self.store.has_grad[(layer, e)] = True
         state = self.layers[layer]
         state.outstanding = max(0, state.outstanding - 1)
         if state.outstanding == 0:  # the layer's gradients are final for this micro-step

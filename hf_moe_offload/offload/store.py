@@ -36,6 +36,9 @@ ExpertKey = tuple[int, int]  # (MoE layer index, expert index)
 SLOTS = ("param", "grad", "exp_avg", "exp_avg_sq")
 
 
+STATE_ROWS = 4  # rows of a trainable expert's record: param, grad, exp_avg, exp_avg_sq
+
+
 class ExpertStoreError(RuntimeError):
     """Base class of the store's errors; the message says what to do."""
 
@@ -62,7 +65,10 @@ class ExpertRecord:
         self.key = key
         self._versions = versions if versions is not None else {key: 0}
         self.buffer = buffer
-        self.param, self.grad, self.exp_avg, self.exp_avg_sq = buffer.unbind(0)
+        rows = buffer.unbind(0)
+        self.param = rows[0]
+        # A weights-only record (frozen experts, `OffloadConfig(train_experts=False)`) has no training state.
+        self.grad, self.exp_avg, self.exp_avg_sq = rows[1:] if len(rows) == STATE_ROWS else (None, None, None)
         self.compute = None
         if compute_dtype != torch.float32:
             # The disk tier passes its cache slot's compute buffer: nothing is allocated (or pinned) per read.
@@ -93,9 +99,13 @@ class ExpertStore:
 
     tier = "?"
 
-    def __init__(self, keys: Iterable[ExpertKey], numel: int, compute_dtype: torch.dtype, stats: OffloadStats):
+    def __init__(self, keys: Iterable[ExpertKey], numel: int, compute_dtype: torch.dtype, stats: OffloadStats,
+                 state_rows: int = STATE_ROWS):
+        if state_rows not in (1, STATE_ROWS):
+            raise ValueError(f"state_rows must be 1 (weights only) or {STATE_ROWS}, got {state_rows}")
         self._keys = list(keys)
         self.numel = numel
+        self.state_rows = state_rows  # 4: [param | grad | exp_avg | exp_avg_sq]; 1: weights only (frozen experts)
         self.compute_dtype = compute_dtype
         self.stats = stats
         self.steps: dict[ExpertKey, int] = {k: 0 for k in self._keys}  # Adam step count per expert
@@ -116,8 +126,12 @@ class ExpertStore:
     def __contains__(self, key) -> bool:
         return key in self.steps
 
+    @property
+    def trainable(self) -> bool:
+        return self.state_rows == STATE_ROWS
+
     def record_bytes(self) -> int:
-        return 4 * self.numel * 4
+        return self.state_rows * self.numel * 4
 
     def read_param(self, key: ExpertKey) -> torch.Tensor:
         """A copy of the fp32 master weights of `key`."""
@@ -188,9 +202,9 @@ class HostExpertStore(ExpertStore):
 
     tier = "host"
 
-    def __init__(self, keys, numel, compute_dtype, stats):
-        super().__init__(keys, numel, compute_dtype, stats)
-        self._records = {k: self._new_record(k, torch.zeros(4, numel)) for k in self._keys}
+    def __init__(self, keys, numel, compute_dtype, stats, state_rows: int = 4):
+        super().__init__(keys, numel, compute_dtype, stats, state_rows)
+        self._records = {k: self._new_record(k, torch.zeros(state_rows, numel)) for k in self._keys}
 
     def _dma_sources(self):
         return [r.compute_param() for r in self._records.values()]
@@ -296,8 +310,8 @@ class DiskExpertStore(ExpertStore):
     stall_timeout = 60.0  # seconds a thread waits for a cache slot before the cache is declared too small
 
     def __init__(self, keys, numel, compute_dtype, stats, offload_dir: str, cache_experts: int, io_threads: int = 2,
-                 owner: bool = True):
-        super().__init__(keys, numel, compute_dtype, stats)
+                 owner: bool = True, state_rows: int = 4):
+        super().__init__(keys, numel, compute_dtype, stats, state_rows)
         if cache_experts < 1:
             raise ExpertStoreError(
                 f"the disk tier's host cache holds {cache_experts} experts; it needs at least 1 (one expert's state "
@@ -319,7 +333,7 @@ class DiskExpertStore(ExpertStore):
         if owner:
             self._discard_stale_files(killed=not self._dir_lock.previous_closed)
         self.cache_experts = cache_experts
-        self._slots = [torch.empty(4, numel) for _ in range(cache_experts)]
+        self._slots = [torch.empty(state_rows, numel) for _ in range(cache_experts)]
         # One compute copy per slot, allocated (and page-locked) once, not per read.
         self._compute_slots = ([torch.empty(numel, dtype=compute_dtype) for _ in range(cache_experts)]
                                if compute_dtype != torch.float32 else [None] * cache_experts)

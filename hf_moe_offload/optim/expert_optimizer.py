@@ -77,6 +77,10 @@ class ExpertOptimizer:
         if engine.store is None:
             raise ValueError("ExpertOptimizer needs offloaded experts (mode host or disk); on the device tier use "
                              "the ordinary optimizer")
+        if not engine.store.trainable:
+            raise ValueError("these experts were offloaded frozen (OffloadConfig(train_experts=False)): their store "
+                             "holds weights only, no gradient or Adam state; offload with train_experts=True to "
+                             "train them")
         if clip_mode not in ("global", "per_expert"):
             raise ValueError(f"clip_mode must be 'global' or 'per_expert', got {clip_mode!r}")
         if max_grad_norm is not None and max_grad_norm <= 0:
