@@ -56,7 +56,9 @@ class ResidentExperts:
     def __call__(self, x_sorted: torch.Tensor, counts: list[int], expert_ids: list[int] | None = None) -> torch.Tensor:
         # NOTE: unbind once instead of indexing W[e] per expert: each indexing op's backward would materialise a full
         # (E, ...) gradient, O(E^2) memory traffic per layer; unbind's backward stacks the slices once.
-        per_expert = [t.unbind(0) for t in self.expert_parameters()]
+        # getattr, not the parameters themselves: a parametrized tensor (peft's `target_parameters` LoRA on expert
+        # tensors) reads as its effective value, weight + the adapter's delta.
+        per_expert = [getattr(self.module, t.name).unbind(0) for t in self.layout.tensors]
         outputs, start = [], 0
         for i, n in enumerate(counts):
             if n == 0:

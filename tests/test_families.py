@@ -166,3 +166,38 @@ def test_qwen3_moe_micro_batch_pipelining_equals_stock(tier, strategy):
     path = get_moe_path(model)
     assert (path is None) == (tier == "device")  # the path stays while the experts are offloaded
     assert model.config._experts_implementation == ("eager" if tier == "device" else IMPLEMENTATION)
+
+
+def test_peft_target_parameters_lora_on_resident_experts_through_the_path():
+    """peft's `target_parameters` LoRA on Qwen3-MoE's expert tensors (a parametrization: the experts read as W + BA):
+    the resident experts on the MoE path read the effective weights, so MPMoE partitions (S1, S2) give the same loss
+    and LoRA gradients as the plain model (1e-6). S3/S4 recompute refuses parametrized experts with a clear error."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_moe_offload.pipelining import disable_micro_batch_pipelining, enable_micro_batch_pipelining
+
+    model = get_peft_model(tiny_model("qwen3_moe"), LoraConfig(
+        r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    with torch.no_grad():  # a non-zero adapter, so that the delta matters
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(1))
+    lora = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert lora and all("lora" in n for n, _ in lora)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    ref = model(input_ids=ids, labels=ids).loss
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in lora}
+    model.zero_grad()
+    for strategy in ("S1", "S2"):
+        enable_micro_batch_pipelining(model.base_model.model, n=2, strategy=strategy)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.testing.assert_close(loss, ref, atol=1e-6, rtol=0)
+        for n, p in lora:
+            torch.testing.assert_close(p.grad, ref_grads[n], atol=1e-6, rtol=0, msg=f"{strategy} {n}")
+        model.zero_grad()
+        disable_micro_batch_pipelining(model.base_model.model)
+    enable_micro_batch_pipelining(model.base_model.model, n=2, strategy="S4")
+    with pytest.raises(RuntimeError, match="use strategy S1/S2"):
+        model(input_ids=ids, labels=ids).loss.backward()
