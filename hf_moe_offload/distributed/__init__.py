@@ -12,9 +12,7 @@ from .exchange import (
     scale_grad,
 )
 from .expert_parallel import (
-    AllToAllExecutor,
     ExpertParallelCoordinator,
-    PPMoEExecutor,
     clip_grad_norm_,
     disable_expert_parallel,
     enable_expert_parallel,
@@ -41,8 +39,6 @@ __all__ = [
     "SharedDiskExpertStore",
     "create_node_shared_store",
     "ExpertParallelCoordinator",
-    "AllToAllExecutor",
-    "PPMoEExecutor",
     "enable_expert_parallel",
     "disable_expert_parallel",
     "get_expert_parallel",

@@ -10,10 +10,11 @@ expert parallelism each partition's tokens travel through one of these stages in
 - `PPMoEComm` (mode "ppmoe", PPMoE §3.3): the layer input is replicated; each partition index-selects the rows of this
   rank's experts and one all-reduce per partition sums the partial outputs (of the partition's rows).
 
-Gradient scaling follows `AllToAllExecutor`: expert gradients come out as the mean over ranks (DDP's convention for
-every other parameter). Here the weighting runs expert-side (inside the partition), so the 1/world applied to the
-gradient entering the combine also reaches the combine weights; `scale_grad(.., world)` on the received tokens and
-weights undoes it for everything but the expert parameters.
+These stages are the only implementation of the exchange: expert parallelism alone runs each layer as one partition
+over them. Gradient scaling (expert_parallel.py's docstring): expert gradients come out as the mean over ranks (DDP's
+convention for every other parameter). The weighting runs expert-side (inside the partition), so the 1/world applied
+to the gradient entering the combine also reaches the combine weights; `scale_grad(.., world)` on the received tokens
+and weights undoes it for everything but the expert parameters.
 """
 
 from __future__ import annotations

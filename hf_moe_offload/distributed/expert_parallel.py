@@ -12,7 +12,11 @@ experts signature). One MoE layer, from router to combine, on rank r of k:
       -> prefetch the first experts this rank will run                  (ES-MoE §4.1: overlaps the exchange)
       -> all_to_all(tokens, splits)  -> regroup expert-major            [exchange.py]
       -> experts(x, counts, expert_ids)   resident, or streamed from the node-shared store
-      -> all_to_all back -> weighted combine (index_add_)
+      -> weighting (expert side) -> all_to_all back -> combine (index_add_)
+
+The exchange is implemented once, as the communication stage of MPMoE's partitioned executor (comm_stages.py): a
+layer under expert parallelism alone runs as one partition (`PartitionedExecutor(1, "keep", comm=stage)`), and
+micro-batch pipelining runs n partitions over the same stage.
 
 `mode="ppmoe"` (PPMoE §3.3, Algorithm 1) is for inputs replicated across the group (a tensor-parallel region): no
 all-to-all; each rank index-selects its local experts' tokens, and one all-reduce sums the partial outputs.
@@ -53,13 +57,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.moe_gpt.modeling_moe_gpt import DispatchPlan
 from ..moe_path import get_moe_path, moe_path
+from ..pipelining.partition import PartitionedExecutor
 from ..offload.api import enable_expert_offload, get_offload_engine
 from ..offload.config import OffloadConfig
 from ..offload.engine import OffloadEngine
 from ..offload.store import DiskExpertStore, ExpertKey, HostExpertStore
-from .exchange import ExchangePlan, all_gather_counts, all_to_all, copy_to_group, reduce_from_group, scale_grad
 from .placement import Placement, PlacementCost, plan_placement, static_owner, static_placement
 from .shared_store import create_node_shared_store
 
@@ -208,82 +211,6 @@ class ExpertParallelCoordinator:
             publish(keys)
 
 
-class AllToAllExecutor:
-    """Static expert parallelism or dynamic placement for one MoE layer (the module docstring's data flow)."""
-
-    def __init__(self, coordinator: ExpertParallelCoordinator, layer: int):
-        self.coordinator = coordinator
-        self.layer = layer
-
-    def __repr__(self) -> str:
-        c = self.coordinator
-        return f"AllToAllExecutor(mode={c.mode!r}, layer={self.layer}, rank={c.rank}, world_size={c.world_size})"
-
-    def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts) -> torch.Tensor:
-        c = self.coordinator
-        E = len(plan.counts)
-        counts = all_gather_counts(plan.counts, c.group, device=c.device)  # (k, E)
-        training = torch.is_grad_enabled() and experts.training
-        placement = c.place(self.layer, counts, training)
-        xp = ExchangePlan.build(counts, placement.rank_of, c.rank, device=x.device)
-        prefetch = getattr(experts, "prefetch", None)
-        if prefetch is not None:  # ES-MoE §4.1: the first uploads overlap the permutation and the exchange
-            mine = [0] * E
-            for e, n in zip(xp.expert_ids, xp.expert_counts):
-                mine[e] = n
-            prefetch(mine)
-        rows = plan.token_index.index_select(0, xp.send_order)  # source token of each sent row
-        x_recv = all_to_all(x.index_select(0, rows), xp.output_splits, xp.input_splits, c.group)
-        x_experts = scale_grad(x_recv.index_select(0, xp.regroup), c.ddp_world_size)  # (N_r, C), expert-major
-        y = experts(x_experts, xp.expert_counts, xp.expert_ids)
-        y = _keep_parameters_in_graph(y, experts, ran_any=bool(xp.expert_ids))
-        # Expert gradients = mean over ranks, like DDP's (module docstring); the token gradient is scaled back above.
-        y = scale_grad(y, 1.0 / c.ddp_world_size)
-        y_back = all_to_all(y.index_select(0, xp.ungroup), xp.input_splits, xp.output_splits, c.group)
-        w = plan.weights.index_select(0, xp.send_order)
-        y_back = y_back * w.to(y_back.dtype).unsqueeze(-1)
-        return torch.zeros_like(x).index_add_(0, rows, y_back.to(x.dtype))
-
-
-class PPMoEExecutor:
-    """Pipeline-MoE dispatch (PPMoE §3.3, Algorithm 1) for one MoE layer whose input is replicated on the group."""
-
-    def __init__(self, coordinator: ExpertParallelCoordinator, layer: int):
-        self.coordinator = coordinator
-        self.layer = layer
-
-    def __repr__(self) -> str:
-        c = self.coordinator
-        return f"PPMoEExecutor(layer={self.layer}, rank={c.rank}, world_size={c.world_size})"
-
-    def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts) -> torch.Tensor:
-        c = self.coordinator
-        if c.validate_replicated and self.layer not in c.ppmoe_validated:
-            check_replicated(c, self.layer, x, plan.counts)
-            c.ppmoe_validated.add(self.layer)
-        E = len(plan.counts)
-        training = torch.is_grad_enabled() and experts.training
-        c.place(self.layer, torch.as_tensor([plan.counts]), training)  # static; recorded for update ownership
-        local = [e for e in range(E) if static_owner(e, E, c.world_size) == c.rank]  # a contiguous block
-        starts = [0]
-        for n in plan.counts:
-            starts.append(starts[-1] + n)
-        lo, hi = (starts[local[0]], starts[local[-1] + 1]) if local else (0, 0)
-        counts = [plan.counts[e] for e in local]
-        prefetch = getattr(experts, "prefetch", None)
-        if prefetch is not None:
-            prefetch([plan.counts[e] if e in local else 0 for e in range(E)])
-        # Backward of copy_to_group sums the partial input/weight gradients of all ranks (each saw only its experts).
-        x_in = copy_to_group(x, c.group)
-        w = copy_to_group(plan.weights, c.group)
-        rows = plan.token_index[lo:hi]  # PPMoE: the index selection replaces the all-to-all
-        y = experts(x_in.index_select(0, rows), counts, local)
-        y = _keep_parameters_in_graph(y, experts, ran_any=hi > lo)
-        y = y * w[lo:hi].to(y.dtype).unsqueeze(-1)
-        partial = torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype))
-        return reduce_from_group(partial, c.group)
-
-
 def check_replicated(c: ExpertParallelCoordinator, layer: int, x: torch.Tensor, counts: Sequence[int]) -> None:
     """mode="ppmoe": raise unless the MoE input (and its routing) is identical on every rank of the group."""
     xd = x.detach().double()
@@ -386,9 +313,11 @@ def enable_expert_parallel(
         engine.add_layer_done_hook(coordinator.on_layer_backward_done)
     else:
         _exclude_from_ddp(model, path.layers)
-    executor_cls = PPMoEExecutor if mode == "ppmoe" else AllToAllExecutor
+    # One exchange implementation: the layer is one partition of MPMoE's partitioned executor over this mode's
+    # communication stage (comm_stages.py); micro-batch pipelining later runs n partitions over the same stage.
+    executor = PartitionedExecutor(1, "keep", comm=coordinator.comm_stage())
     for layer in path.layers:
-        layer.set_parallel(executor_cls(coordinator, layer.index))
+        layer.set_parallel(executor)
     coordinator.layers = list(path.layers)
     setattr(model, STATE_ATTR, coordinator)
     logger.info("expert parallelism: mode=%s, %d MoE layers, rank %d of %d, experts %s", mode, len(path.layers),
@@ -600,8 +529,6 @@ def disable_expert_parallel(model: nn.Module, offload_dir: str | None = None) ->
 __all__ = [
     "MODES",
     "ExpertParallelCoordinator",
-    "AllToAllExecutor",
-    "PPMoEExecutor",
     "enable_expert_parallel",
     "disable_expert_parallel",
     "get_expert_parallel",
