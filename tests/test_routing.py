@@ -65,3 +65,30 @@ def test_job_helper_applies_both():
     assert model.config.output_router_logits
     assert all(not p.requires_grad for _, r in router_modules(model) for p in r.parameters())
     assert model.training
+
+
+def test_expert_load_is_counted_for_any_family_from_the_experts_call(tmp_path):
+    """ExpertLoadCallback counts tokens per expert from `top_k_index` of transformers' experts signature: a Mixtral
+    (offloaded, so through the MoE path) and a gpt-oss (stock) model both get per-layer counts and dead experts."""
+    import types
+
+    from transformers import TrainerState
+
+    from hf_moe_offload.run_stats import ExpertLoadCallback
+
+    for family, offload in (("mixtral", True), ("gpt_oss", False)):
+        model = tiny_model(family, num_experts=16)
+        if offload:
+            enable_expert_offload(model, OffloadConfig(mode="host"))
+        callback = ExpertLoadCallback()
+        args, state = types.SimpleNamespace(device="cpu"), TrainerState()
+        callback.on_train_begin(args, state, None, model=model)
+        ids = torch.randint(0, VOCAB, (1, 3))  # 3 tokens x top-2: at most 6 of 16 experts reached per layer
+        model(ids)
+        state.global_step = 1
+        logs = {"loss": 1.0}
+        callback.on_log(args, state, None, logs=logs)
+        counts = callback.history[-1]["counts"]
+        assert len(counts) == len(find_experts_modules(model)) and all(sum(r) == 3 * 2 for r in counts), family
+        assert logs["expert_load/dead_experts"] == sum(r.count(0) for r in counts) >= 2 * 10, family
+        callback.on_train_end(args, state, None)
