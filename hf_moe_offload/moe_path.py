@@ -126,8 +126,8 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     if layer is None:
         raise RuntimeError(
             f"{type(module).__name__} runs experts_implementation={IMPLEMENTATION!r} but is not on an installed "
-            "hf_moe_offload path (the model was copied or the feature disabled); set another implementation with "
-            "model.set_experts_implementation(...)"
+            "hf_moe_offload path (its features were disabled on another model object, or the module was moved); set "
+            "another implementation with model.set_experts_implementation(...)"
         )
     return layer.forward(hidden_states, top_k_index, top_k_weights)
 
@@ -223,5 +223,5 @@ def moe_path(model: nn.Module) -> MoEPath:
     return path
 
 
-__all__ = ["IMPLEMENTATION", "MoELayer", "MoEPath", "ResidentExperts", "experts_forward", "experts_layers", "find_experts_modules",
-           "get_moe_path", "moe_path", "sorted_experts"]
+__all__ = ["IMPLEMENTATION", "MoELayer", "MoEPath", "ResidentExperts", "experts_forward", "experts_layers",
+           "find_experts_modules", "get_moe_path", "moe_path", "sorted_experts"]
