@@ -135,44 +135,42 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
 ExpertsInterface.register(IMPLEMENTATION, experts_forward)
 
 
-def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Experts modules in forward order: on an installed path its layers, else those a layout adapter knows."""
+def experts_layers(model: nn.Module) -> list[tuple[str, nn.Module, ExpertLayout]]:
+    """(name, experts module, layout) of every MoE layer in forward order: an installed path's layers (offloaded
+    tensors are in the store), else every module a layout adapter describes."""
     path = get_moe_path(model)
     if path is not None:
-        return [(layer.name, layer.module) for layer in path.layers]
+        return [(layer.name, layer.module, layer.layout) for layer in path.layers]
     found = []
     for name, module in model.named_modules():
         try:
-            layout_for(module)
+            layout = layout_for(module)
         except TypeError as err:
             if is_experts_interface_module(module):  # on transformers' experts interface, but not a layout we know
                 family = getattr(getattr(module, "config", None), "model_type", None) or type(model).__name__
                 raise ValueError(f"hf_moe_offload cannot serve the experts of {family!r} ({name}): {err}") from None
             continue
-        found.append((name, module))
+        found.append((name, module, layout))
     return found
 
 
-def experts_layers(model: nn.Module) -> list[tuple[str, nn.Module, ExpertLayout]]:
-    """(name, experts module, layout) of every MoE layer in forward order, offloaded (tensors in the store) or not."""
-    path = get_moe_path(model)
-    if path is not None:
-        return [(layer.name, layer.module, layer.layout) for layer in path.layers]
-    return [(name, module, layout_for(module)) for name, module in find_experts_modules(model)]
+def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Experts modules in forward order (see `experts_layers`)."""
+    return [(name, module) for name, module, _ in experts_layers(model)]
 
 
 class MoEPath:
     """Every MoE layer of one model on the "hf_moe_offload" experts implementation (module docstring)."""
 
     def __init__(self, model: nn.Module):
-        found = find_experts_modules(model)
+        found = experts_layers(model)
         if not found:
             raise ValueError(
                 f"{type(model).__name__} has no experts module that hf_moe_offload can serve: it needs an experts "
                 "module decorated with transformers' @use_experts_implementation (called as experts(hidden_states, "
                 "top_k_index, top_k_weights)) whose tensors an ExpertLayout describes (hf_moe_offload/offload/layout.py)"
             )
-        self.layers = [MoELayer(i, name, module, layout_for(module)) for i, (name, module) in enumerate(found)]
+        self.layers = [MoELayer(i, name, module, layout) for i, (name, module, layout) in enumerate(found)]
         if not hasattr(model, "set_experts_implementation"):
             raise ValueError(f"{type(model).__name__} is not a transformers PreTrainedModel; its experts implementation "
                              "cannot be set")

@@ -28,9 +28,14 @@ from .offload.telemetry import OffloadStats, add_to_logs
 logger = logging.getLogger(__name__)
 
 
+def routed_counts_tensor(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens per expert of one experts call, on the routing's device (ids >= num_experts are dropped assignments)."""
+    return torch.bincount(top_k_index.detach().reshape(-1), minlength=num_experts + 1)[:num_experts]
+
+
 def routed_counts(top_k_index: torch.Tensor, num_experts: int) -> list[int]:
-    """Tokens per expert of one experts call (ids >= num_experts are dropped assignments)."""
-    return torch.bincount(top_k_index.reshape(-1), minlength=num_experts + 1)[:num_experts].tolist()
+    """`routed_counts_tensor` as a list (a host sync)."""
+    return routed_counts_tensor(top_k_index, num_experts).tolist()
 
 
 def _all_reduce_counts(counts: list[list[int]], device: torch.device) -> list[list[int]]:
@@ -74,18 +79,14 @@ class ExpertLoadCallback(TrainerCallback):
     def __init__(self) -> None:
         self.layer_names: list[str] = []
         self.history: list[dict] = []
-        self._acc: list[list[int]] = []
+        # Tokens per expert since the last log, per layer: a tensor on the routing's device, read back only at a log
+        # (a per-layer `.tolist()` in the forward would synchronize the GPU once per MoE layer).
+        self._acc: list[torch.Tensor | None] = []
+        self._widths: list[int] = []
         self._handles: list = []
         self._model: nn.Module | None = None
 
     # --- collection ---
-    def _add(self, layer: int, counts: Sequence[int]) -> None:
-        row = self._acc[layer]
-        if len(row) < len(counts):
-            row.extend([0] * (len(counts) - len(row)))
-        for e, c in enumerate(counts):
-            row[e] += int(c)
-
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._model = model
         experts = experts_layers(model)
@@ -94,24 +95,24 @@ class ExpertLoadCallback(TrainerCallback):
                            "collected", type(model).__name__)
             return
         self.layer_names = [n for n, _, _ in experts]
-        self._acc = [[] for _ in experts]
+        self._widths = [layout.num_experts for _, _, layout in experts]
+        self._acc = [None] * len(experts)
         for i, (_, module, layout) in enumerate(experts):
-            num_experts = layout.num_experts
 
-            def hook(module, args, kwargs, i=i, num_experts=num_experts):
+            def hook(module, args, kwargs, i=i, num_experts=layout.num_experts):
                 top_k_index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
                 if module.training and isinstance(top_k_index, torch.Tensor):
-                    self._add(i, routed_counts(top_k_index, num_experts))
+                    counts = routed_counts_tensor(top_k_index, num_experts)
+                    self._acc[i] = counts if self._acc[i] is None else self._acc[i] + counts
 
             self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def _snapshot(self, args, step: int) -> list[list[int]] | None:
         if not self._acc:
             return None
-        width = max((len(r) for r in self._acc), default=0)
-        counts = [r + [0] * (width - len(r)) for r in self._acc]
+        counts = [t.tolist() if t is not None else [0] * w for t, w in zip(self._acc, self._widths)]
         counts = _all_reduce_counts(counts, args.device)
-        self._acc = [[] for _ in self._acc]
+        self._acc = [None] * len(self._acc)
         if not any(sum(r) for r in counts):
             return None
         self.history.append({"step": step, "counts": counts})
@@ -128,7 +129,7 @@ class ExpertLoadCallback(TrainerCallback):
                                       "expert_load/dead_experts": dead})
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._acc and any(sum(r) for r in self._acc):
+        if any(t is not None for t in self._acc):
             self._snapshot(args, state.global_step)  # the tail after the last log
         for h in self._handles:
             h.remove()

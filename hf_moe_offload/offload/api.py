@@ -20,8 +20,7 @@ from torch import nn
 
 from .config import OffloadConfig
 from .engine import OffloadEngine, ResidentEngine
-from ..moe_path import find_experts_modules, get_moe_path, moe_path
-from .layout import layout_for
+from ..moe_path import experts_layers, find_experts_modules, get_moe_path, moe_path
 from .planner import choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
 from .store import STATE_ROWS, DiskExpertStore, ExpertStore, ExpertStoreError, HostExpertStore
 from .telemetry import OffloadStats
@@ -53,7 +52,8 @@ def enable_expert_offload(
     config = config or OffloadConfig()
     if get_offload_engine(model) is not None:
         raise RuntimeError("expert offload is already enabled on this model; call disable_expert_offload first")
-    experts = find_expert_modules(model)
+    found = experts_layers(model)
+    experts = [(name, module) for name, module, _ in found]
     if not experts:
         raise ValueError(
             f"{type(model).__name__} has no experts module that hf_moe_offload can serve: it needs an experts module "
@@ -84,7 +84,7 @@ def enable_expert_offload(
             raise ValueError(
                 f"mode='auto' chose the disk tier ({why}); set OffloadConfig.offload_dir to a directory on a fast disk"
             )
-    layouts = [layout_for(m) for _, m in experts]
+    layouts = [layout for _, _, layout in found]
     first = experts[0][1]
     model_dtype = getattr(first, layouts[0].tensors[0].name).dtype
     compute_dtype = config.compute_dtype or model_dtype
@@ -133,12 +133,12 @@ def enable_expert_offload(
         return engine
 
     # The compute device is bound on the first forward, from the inputs (or checked against OffloadConfig.device).
-    engine = OffloadEngine(store, [(m, lay) for (_, m), lay in zip(experts, layouts)], config.device,
+    path = moe_path(model)  # the engine's layers and the path's share one layout per module
+    engine = OffloadEngine(store, [(layer.module, layer.layout) for layer in path.layers], config.device,
                            config.prefetch_depth, config.pin_fraction, stats, mode)
     engine.config = config
     engine.model_dtype = model_dtype
     engine.train_experts = config.train_experts
-    path = moe_path(model)
     for streamed, route in zip(engine.layers, path.layers):
         module, layout = route.module, route.layout
         if _initialize:

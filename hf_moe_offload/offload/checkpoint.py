@@ -77,7 +77,8 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 
 def _crc_field(crcs: dict[str, int]) -> str:
-    """The CRC metadata value: fixed-width hex, so the placeholder (all 0) and the real one have the same length."""
+    """The CRC metadata value: fixed-width hex, so the header written before the tensors (every CRC 0) and the one
+    written after them (the real CRCs) have the same length."""
     return json.dumps({name: f"{crc:08x}" for name, crc in crcs.items()})
 
 
@@ -103,7 +104,9 @@ def write_safetensors_streaming(
         header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     meta = dict(metadata or {})
-    meta[CRC_METADATA_KEY] = _crc_field(dict.fromkeys((name for name, _, _ in specs), 0))  # placeholder, patched in place below
+    # The CRCs are known only once the tensors have streamed through: the header goes out first with zeros of the
+    # same width and is rewritten in place, with the real values, after the last tensor (before the fsync).
+    meta[CRC_METADATA_KEY] = _crc_field(dict.fromkeys((name for name, _, _ in specs), 0))
     header["__metadata__"] = meta
     blob = _header_blob(header)
     crcs: dict[str, int] = {}
@@ -123,7 +126,7 @@ def write_safetensors_streaming(
                 if written != want:
                     raise CheckpointError(f"tensor {name}: wrote {written} bytes, expected {want}")
                 crcs[name] = crc
-            meta[CRC_METADATA_KEY] = _crc_field(crcs)  # same width as the placeholder: the header keeps its length
+            meta[CRC_METADATA_KEY] = _crc_field(crcs)  # the same width as the zeros: the header keeps its length
             f.seek(8)
             f.write(_header_blob(header))
             f.flush()

@@ -25,6 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -161,15 +162,23 @@ class ExpertOptimizer:
     def _measure(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None) -> float:
         """Deferred mode, on a worker: land the gradient and return its squared L2 norm (fp32, like
         `clip_grad_norm_`; inf/nan when the gradient overflowed)."""
+        with self._landed(key, record, arrival, dirty=arrival is not None) as record:
+            return float(torch.linalg.vector_norm(record.grad)) ** 2
+
+    @contextmanager
+    def _landed(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None, dirty: bool):
+        """`key`'s record with its final gradient in it (the in-flight download landed), released afterwards. A
+        `record` passed in was acquired by the gradient hook that handed it over; None: acquire it here, once the
+        engine's host worker has added the gradient."""
         if record is None:
             self.engine.wait_for_grad(key)
             record = self.store.acquire(key)
         try:
             if arrival is not None:
                 arrival.land(record)
-            return float(torch.linalg.vector_norm(record.grad)) ** 2
+            yield record
         finally:
-            self.store.release(key, dirty=arrival is not None)
+            self.store.release(key, dirty=dirty)
 
     # --- stepping ---
     def _owns(self, key: ExpertKey) -> bool:
@@ -192,29 +201,24 @@ class ExpertOptimizer:
     def _step_expert(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None, lr: float,
                      clip_coef: float | None, grad_scale: float | None, window: int) -> None:
         t0 = time.perf_counter()
-        if record is None:
-            self.engine.wait_for_grad(key)
-            record = self.store.acquire(key)
         try:
-            if arrival is not None:
-                arrival.land(record)
-            if not self.store.has_grad[key]:
-                return  # like torch: a parameter without .grad is not stepped
-            grad = record.grad
-            if grad_scale is not None:
-                grad.mul_(1.0 / grad_scale)
-            if self.max_grad_norm is not None and self.clip_mode == "per_expert":
-                norm = float(torch.linalg.vector_norm(grad))
-                clip_coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
-            if clip_coef is not None:
-                grad.mul_(clip_coef)
-            self.store.note_host_write(record)  # no upload may still be reading these weights
-            self._adam(key, record, lr)
-            record.grad.zero_()
-            self.store.has_grad[key] = False
-            record.refresh_compute()
+            with self._landed(key, record, arrival, dirty=True) as record:
+                if not self.store.has_grad[key]:
+                    return  # like torch: a parameter without .grad is not stepped
+                grad = record.grad
+                if grad_scale is not None:
+                    grad.mul_(1.0 / grad_scale)
+                if self.max_grad_norm is not None and self.clip_mode == "per_expert":
+                    norm = float(torch.linalg.vector_norm(grad))
+                    clip_coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+                if clip_coef is not None:
+                    grad.mul_(clip_coef)
+                self.store.note_host_write(record)  # no upload may still be reading these weights
+                self._adam(key, record, lr)
+                record.grad.zero_()
+                self.store.has_grad[key] = False
+                record.refresh_compute()
         finally:
-            self.store.release(key, dirty=True)
             end = time.perf_counter()
             with self._lock:
                 self._jobs.append((window, t0, end))
