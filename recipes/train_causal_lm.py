@@ -64,6 +64,7 @@ ES_MOE_DEFAULTS = dict(
     grad_accum=1,
     logging_steps=50,
     max_eval_blocks=None,
+    train_tokenizer=0,  # GPT-2 BPE, as the paper's models
 )
 
 

@@ -29,9 +29,13 @@ def run_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_main_job_prints_figures_and_saves_a_loadable_model(run_dir):
     out, stdout = run_dir
-    for line in ("train loss", "eval", "perplexity", "offload", "disk tier", "expert load", "saved"):
+    for line in ("train loss", "eval", "perplexity", "unigram baseline", "offload", "disk tier", "expert load", "saved"):
         assert line in stdout, stdout
     metrics = json.loads((out / "metrics.json").read_text())
+    # issue 16: the unigram baseline of the same held-out blocks is recorded beside the model's perplexity
+    assert metrics["metrics"]["unigram_perplexity"] > 1 and "unigram model" in metrics["note"]
+    # the default trains a vocabulary of 8192 on the training text, and the model's head has that width
+    assert metrics["model"]["vocab_size"] == 8192, metrics["model"]
     history = [h["loss"] for h in metrics["log_history"] if "loss" in h]
     assert history[-1] < history[0]  # the loss goes down
     # experts really lived on disk behind a cache smaller than the experts
@@ -54,7 +58,7 @@ def test_model_card_contents(run_dir):
     card = (out / "README.md").read_text()
     metrics = json.loads((out / "metrics.json").read_text())
     assert card.startswith("---\n") and "library_name: transformers" in card  # Hub metadata header
-    for needle in ("experts", "active per token", "Expert offload", "disk", "Wikipedia", "perplexity",
+    for needle in ("experts", "active per token", "Expert offload", "disk", "Wikipedia", "perplexity", "unigram",
                    "expert_load.png", "trust_remote_code=True", "import hf_moe_offload"):
         assert needle in card, needle
     assert "{{" not in card  # every placeholder filled

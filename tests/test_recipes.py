@@ -48,6 +48,11 @@ def test_classification_recipe_full_and_lora(tmp_path, method):
           "--output-dir", str(tmp_path / method)])
     metrics = _metrics(tmp_path / method)
     assert "eval_accuracy" in json.dumps(metrics)  # computed by evaluate with the local metric module
+    # issue 16: the offline tweets by default, the majority-class baseline and a 95% interval beside the accuracy
+    m = metrics["metrics"]
+    assert metrics["model"]["num_labels"] == 3  # negative / neutral / positive
+    assert 0 < m["majority_accuracy"] < 1 and m["eval_accuracy_ci95"][0] <= m["eval_accuracy"] <= m["eval_accuracy_ci95"][1]
+    assert m["versus_baseline"] in metrics["note"] and "majority-class" in (tmp_path / method / "README.md").read_text()
 
 
 @pytest.mark.slow
