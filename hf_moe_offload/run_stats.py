@@ -7,6 +7,7 @@ telemetry totals, and the plots drawn from them.
   `expert_load/max_over_mean` and the number of dead experts (no token in the interval) to the logs.
 - `OffloadTotalsCallback`: sums the offload engine's counters over the run (bytes read/written, stalls, cache hits),
   although `ExpertOptimizerCallback` resets them at every log.
+- `TrainingProgressCallback` / `use_progress_bar`: one progress bar with loss, tokens/s and the cache hit rate.
 - `plot_expert_load` / `plot_training_curves`: PNGs with matplotlib's Agg backend (no display needed).
 """
 
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
+from transformers import ProgressCallback, TrainerCallback
 
 from .moe_path import experts_layers
 from .offload.api import get_offload_engine
@@ -224,6 +226,80 @@ class OffloadTotalsCallback(TrainerCallback):
             "streamed_compute_s": round(t.compute_seconds, 3),
             "stall_fraction": round(t.stall_seconds / t.compute_seconds, 4) if t.compute_seconds else None,
         }
+
+
+    def hit_rate(self) -> float | None:
+        """The disk tier's cache hit rate over the run so far (None for the other tiers, or before training)."""
+        if self.mode != "disk" or self._stats is None:
+            return None
+        hits = self.totals.cache_hits + self._stats.cache_hits
+        lookups = hits + self.totals.cache_misses + self._stats.cache_misses
+        return hits / lookups if lookups else None
+
+
+# --- the terminal ---
+_EVAL_BOOKKEEPING = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_model_preparation_time")
+
+
+class TrainingProgressCallback(ProgressCallback):
+    """One progress bar: loss, throughput and the disk tier's cache hit rate in its postfix, refreshed at every log;
+    each evaluation as one line above it. The Trainer's per-log dict (15+ fields with offload telemetry) is not
+    printed; all of it is still in `state.log_history`, `metrics.json` and the `report_to` integrations.
+
+    Throughput is tokens/s when the job knows its tokens per optimizer step, else examples/s; time spent evaluating
+    is left out. Install with `use_progress_bar`.
+    """
+
+    def __init__(self, tokens_per_step: int | None = None, offload_totals: OffloadTotalsCallback | None = None):
+        super().__init__()
+        self.tokens_per_step = tokens_per_step
+        self.offload_totals = offload_totals
+        self._mark: tuple[float, int] | None = None  # (time, global step) of the last log or evaluation
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        self._mark = (time.perf_counter(), state.global_step)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        super().on_evaluate(args, state, control, **kwargs)
+        self._mark = (time.perf_counter(), state.global_step)  # the next rate leaves the evaluation out
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or self.training_bar is None or not logs:
+            return
+        if "loss" in logs:
+            post = {"loss": f"{float(logs['loss']):.3f}"}
+            now, step = time.perf_counter(), state.global_step
+            if self._mark is not None and step > self._mark[1] and now > self._mark[0]:
+                steps_per_s = (step - self._mark[1]) / (now - self._mark[0])
+                if self.tokens_per_step:
+                    post["tok/s"] = f"{self.tokens_per_step * steps_per_s:,.0f}"
+                else:
+                    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+                    post["ex/s"] = f"{per_step * steps_per_s:,.1f}"
+            self._mark = (now, step)
+            hit = self.offload_totals.hit_rate() if self.offload_totals is not None else None
+            if hit is not None:
+                post["hit"] = f"{hit:.2f}"
+            self.training_bar.set_postfix(post, refresh=True)
+        elif any(k.startswith("eval_") for k in logs):
+            shown = [f"{k[len('eval_'):]} {v:.4g}" for k, v in logs.items()
+                     if k.startswith("eval_") and k not in _EVAL_BOOKKEEPING and isinstance(v, (int, float))]
+            self.training_bar.write(f"step {state.global_step}: eval " + ", ".join(shown))
+
+
+def use_progress_bar(trainer, tokens_per_step: int | None = None,
+                     offload_totals: OffloadTotalsCallback | None = None) -> TrainingProgressCallback | None:
+    """Replace the Trainer's default progress bar (which prints every log as a dict) by `TrainingProgressCallback`.
+    Leaves a Trainer with `disable_tqdm=True` as it is (its printer is what such a user asked for)."""
+    if trainer.args.disable_tqdm:
+        return None
+    for cb in list(trainer.callback_handler.callbacks):
+        if type(cb) is ProgressCallback:  # exactly the default: `remove_callback(cls)` would match subclasses too
+            trainer.callback_handler.remove_callback(cb)
+    bar = TrainingProgressCallback(tokens_per_step, offload_totals)
+    trainer.add_callback(bar)
+    return bar
 
 
 # --- plots ---

@@ -35,6 +35,7 @@ from . import jobs
 from .baselines import unigram_counts, unigram_perplexity
 from .data import OFFLINE_WIKIPEDIA, lm_blocks, load_text_dataset, train_tokenizer
 from .hub import describe_model
+from .run_stats import use_progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
         callbacks=callbacks, preprocess_logits_for_metrics=jobs.lm_nll_per_sequence,
         compute_metrics=jobs.perplexity_metrics,
     )
+    use_progress_bar(trainer, tokens_per_step, totals)
     logger.info("training %s for %d steps on %d sequences of %d tokens (%s)", type(model).__name__, args.steps,
                 len(train_ds), args.block_size, f"offload={engine.mode}" if engine is not None else "no offload")
     train_output = trainer.train(resume_from_checkpoint=jobs.resume_checkpoint(args, engine))

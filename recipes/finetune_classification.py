@@ -60,6 +60,7 @@ from hf_moe_offload.distributed import end_process_groups
 from hf_moe_offload.errors import run_reporting_errors
 from hf_moe_offload.hub import describe_model
 from hf_moe_offload.offload.checkpoint import save_offloaded_pretrained
+from hf_moe_offload.run_stats import use_progress_bar
 from hf_moe_offload.train import print_figures
 
 logger = logging.getLogger("finetune_classification")
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
         data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer, callbacks=callbacks,
         preprocess_logits_for_metrics=predictions, compute_metrics=compute_metrics,
     )
+    use_progress_bar(trainer, offload_totals=totals)
     zero_shot = trainer.evaluate(metric_key_prefix="initial")  # before fine-tuning (ES-MoE Table 2's first row)
     train_output = trainer.train(resume_from_checkpoint=jobs.resume_checkpoint(args, engine))
     final = trainer.evaluate()

@@ -43,7 +43,7 @@ def tiny_model(seed=0, **overrides) -> MoEGPTForCausalLM:
     [("hidden_size", 30), ("num_experts_per_tok", 3), ("num_experts", 0), ("moe_layer_frequency", -1),
      ("activation_function", "swish7"), ("hidden_dropout", 1.5), ("second_expert_policy", "random"),
      ("position_embedding_type", "rotary"), ("vocab_size", 0), ("router_aux_loss_coef", -1.0),
-     ("position_offset", -2)],
+     ("position_offset", -2), ("loss_chunk_tokens", -1)],
 )
 def test_config_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field if field != "hidden_size" else "hidden_size"):
@@ -386,3 +386,73 @@ def test_ddp_loss_is_not_doubled_two_cpu_processes(tmp_path):
     w2 = load_file(tmp_path / "two" / "final" / "model.safetensors")
     worst = max((w1[k] - w2[k]).abs().max().item() for k in w1 if not k.endswith("k_proj.bias"))
     assert worst < 2e-5, worst  # k_proj.bias: exactly-zero true gradient, Adam amplifies rounding noise
+
+
+# --- the chunked LM loss (issue 14, item 5) ---
+def _saved_shapes(model, x, labels):
+    """Shapes of every tensor autograd saves for backward during one training forward."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=x, labels=labels).loss
+    return loss, shapes
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
+def test_chunked_lm_loss_equals_the_plain_head(dtype):
+    """Same loss, gradients and AdamW trajectory as the plain head (fresh random tokens, ignored labels included),
+    in fp32 and under CPU autocast; no (tokens, vocab) tensor is saved for backward and no logits are returned.
+    Tolerances: fp32 1e-6 on the loss, 1e-5 on gradients and weights; autocast: the GEMMs round to 8 (bf16) or 11
+    (fp16) mantissa bits, and the plain and chunked paths round the scaled logit gradient at different points (one
+    ulp), so 1e-2 relative on the loss and 2e-2 of the largest gradient entry."""
+    plain = tiny_model(seed=7).train()
+    chunked = copy.deepcopy(plain)
+    chunked.config.loss_chunk_tokens = 7  # uneven: the last chunk is short
+    x = torch.randint(2, 97, (3, 11))
+    labels = x.clone()
+    labels[0, 4:6] = -100
+    # eps 1e-4: gradient entries that are zero in exact arithmetic come out as +-1e-7 rounding noise on either path,
+    # and with the default eps Adam turns such noise into steps of size lr.
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (plain, chunked)]
+    ctx = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype else (lambda: torch.autocast("cpu", enabled=False))
+    for step in range(3 if dtype is None else 1):  # autocast: one step (Adam amplifies the rounding differences)
+        if step:
+            x = torch.randint(2, 97, (3, 11))
+            labels = x
+        losses = []
+        for model, opt in zip((plain, chunked), opts):
+            with ctx():
+                loss, shapes = _saved_shapes(model, x, labels)
+            loss.backward()
+            losses.append((loss, shapes))
+        (l_plain, s_plain), (l_chunk, s_chunk) = losses
+        l_plain, l_chunk = float(l_plain.detach()), float(l_chunk.detach())
+        assert l_chunk == pytest.approx(l_plain, rel=1e-6 if dtype is None else 1e-2)
+        assert any(s[-1] == 97 and math.prod(s) >= 3 * 10 * 97 for s in s_plain)  # the plain head keeps logits
+        assert not any(s and s[-1] == 97 and math.prod(s) > 7 * 97 for s in s_chunk)
+        # against the largest gradient entry of the model: some entries are zero in exact arithmetic (a key bias
+        # under softmax) and are rounding noise on both paths
+        scale = max(float(p.grad.abs().max()) for p in plain.parameters())
+        tol = 1e-5 * scale if dtype is None else 2e-2 * scale
+        for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
+            assert (p.grad - q.grad).abs().max() <= tol, (step, name)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    if dtype is None:
+        for p, q in zip(plain.parameters(), chunked.parameters()):
+            torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
+    out = chunked(input_ids=x, labels=x)
+    assert out.logits is None and out.loss is not None  # training with labels: no logits
+    chunked.eval()
+    assert chunked(input_ids=x, labels=x).logits.shape == (3, 11, 97)  # evaluation keeps them
+
+
+def test_chunked_lm_loss_ignores_everything_like_cross_entropy():
+    model = tiny_model(seed=8, loss_chunk_tokens=4).train()
+    x = torch.randint(2, 97, (2, 6))
+    assert torch.isnan(model(input_ids=x, labels=torch.full_like(x, -100)).loss)

@@ -9,7 +9,7 @@ import torch
 from moe_families import VOCAB, Unshrinkable, experts_families, tiny_model
 
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
-from hf_moe_offload.jobs import _finetune_routing
+from hf_moe_offload.jobs import _ready_for_training
 from hf_moe_offload.moe_path import find_experts_modules
 from hf_moe_offload.routing import freeze_routers, keep_load_balancing_loss, router_modules
 
@@ -61,7 +61,7 @@ def test_load_balancing_loss_counts_whenever_its_coefficient_is_set():
 
 def test_job_helper_applies_both():
     model = tiny_model("mixtral", router_aux_loss_coef=0.02)
-    _finetune_routing(model, argparse.Namespace(freeze_router=True))
+    _ready_for_training(model, argparse.Namespace(freeze_router=True))
     assert model.config.output_router_logits
     assert all(not p.requires_grad for _, r in router_modules(model) for p in r.parameters())
     assert model.training

@@ -50,3 +50,10 @@ def add_to_logs(state, logs: dict, values: dict) -> None:
     logs.update(values)
     if state.log_history and state.log_history[-1].get("step") == state.global_step:
         state.log_history[-1].update(values)
+
+
+def remove_from_logs(state, logs: dict, key: str) -> None:
+    """Remove `key` from a Trainer log from a callback's `on_log` (from `logs` and the `log_history` entry)."""
+    logs.pop(key, None)
+    if state.log_history and state.log_history[-1].get("step") == state.global_step:
+        state.log_history[-1].pop(key, None)

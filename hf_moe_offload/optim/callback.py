@@ -18,7 +18,8 @@ What it does, in Trainer order (clip -> on_pre_optimizer_step -> optimizer.step 
 - on_step_end / on_epoch_end (when the Trainer is about to save) and on_evaluate (`save_strategy="best"`, a new
   best): writes `expert_state.safetensors` into the coming checkpoint folder before the Trainer's own files, so a
   checkpoint is never complete without it; on_save writes it if that did not happen (a save requested later).
-- on_log: adds optimizer time, overlap and offload telemetry to the logs.
+- on_log: adds optimizer time, overlap and offload telemetry to the logs, and replaces the Trainer's `grad_norm`
+  (non-expert parameters only) by the norm over all parameters that the clipping computed.
 
 Offloaded experts are not `nn.Parameter`s, so the Trainer's optimizer never holds them (no double step) and DDP does
 not all-reduce them (each rank keeps single-process semantics for its experts).
@@ -34,7 +35,7 @@ from transformers import TrainerCallback
 
 from ..offload.api import get_offload_engine
 from ..offload.checkpoint import CheckpointError, load_expert_state, read_expert_state_header, save_expert_state
-from ..offload.telemetry import add_to_logs
+from ..offload.telemetry import add_to_logs, remove_from_logs
 from .checkpoints import (
     NOT_FOUND,
     checkpoint_problems,
@@ -195,8 +196,14 @@ class ExpertOptimizerCallback(TrainerCallback):
             "expert_optim/step_s": round(opt.step_seconds, 4),
             "expert_optim/overlap": round(opt.overlapped_seconds / opt.step_seconds, 3) if opt.step_seconds else 0.0,
         }
-        if opt.last_expert_grad_norm is not None:
-            values["grad_norm_with_experts"] = opt.last_expert_grad_norm
+        if opt.last_grad_norm is not None:
+            # The Trainer's own grad_norm covers the non-expert parameters only (offloaded experts are not
+            # parameters); the norm the clipping used covers all of them.
+            values["grad_norm"] = opt.last_grad_norm
+        elif "grad_norm" in logs:
+            # Without clipping no norm over the experts is taken: name what the Trainer's figure covers.
+            values["grad_norm_non_expert"] = logs["grad_norm"]
+            remove_from_logs(state, logs, "grad_norm")
         values.update({k: round(v, 4) for k, v in opt.engine.stats.as_log_dict().items()})
         add_to_logs(state, logs, values)
         opt.engine.stats.reset()

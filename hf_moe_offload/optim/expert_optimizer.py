@@ -101,7 +101,7 @@ class ExpertOptimizer:
         self._measuring: dict[ExpertKey, Future] = {}  # their squared norms
         self._window_lr: float | None = None
         self.skipped_steps = 0
-        self.last_expert_grad_norm: float | None = None
+        self.last_grad_norm: float | None = None  # over every parameter, experts included (when clipping)
         # Timing of the previous window (complete once the next one closes, because every forward waits for its
         # experts' updates): busy seconds of its expert steps, and the part of them that ran before step() was called,
         # i.e. hidden behind backward (ES-MoE §4.1 overlap).
@@ -292,7 +292,7 @@ class ExpertOptimizer:
                 sq = self.expert_grad_sq_norm() * scale * scale
                 sq += sum(float(p.grad.double().pow(2).sum()) for p in params)
                 total = math.sqrt(sq)
-                self.last_expert_grad_norm = total
+                self.last_grad_norm = total
                 clip_coef = min(1.0, self.max_grad_norm / (total + 1e-6))
                 for p in params:
                     p.grad.mul_(clip_coef)

@@ -54,6 +54,9 @@ class MoEGPTConfig(PretrainedConfig):
         final_layer_norm (`bool`): LayerNorm before the output projection.
         activation_function (`str`): `"gelu"` is the exact erf GELU.
         activation_dropout (`float`): dropout after the FFN activation.
+        loss_chunk_tokens (`int`): with labels, in training, compute the LM loss `loss_chunk_tokens` tokens at a
+            time so that no `(tokens, vocab_size)` logits tensor exists (its gradient is taken in the same pass); the
+            output's `logits` is then `None`. 0 (default) keeps the plain head, which returns logits.
 
     Example:
 
@@ -99,6 +102,7 @@ class MoEGPTConfig(PretrainedConfig):
         scale_embedding: bool = False,
         layernorm_embedding: bool = False,
         final_layer_norm: bool = True,
+        loss_chunk_tokens: int = 0,
         use_cache: bool = True,
         tie_word_embeddings: bool = True,
         pad_token_id: int | None = None,
@@ -133,6 +137,7 @@ class MoEGPTConfig(PretrainedConfig):
         self.scale_embedding = scale_embedding
         self.layernorm_embedding = layernorm_embedding
         self.final_layer_norm = final_layer_norm
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.use_cache = use_cache
         # The experts' plain path (fairseq parity) unless another implementation is asked for (modeling file).
         kwargs.setdefault("experts_implementation", "eager")
@@ -194,6 +199,9 @@ class MoEGPTConfig(PretrainedConfig):
             )
         if not isinstance(self.position_offset, int) or self.position_offset < 0:
             raise ValueError(f"MoEGPTConfig.position_offset must be an integer >= 0, got {self.position_offset!r}")
+        chunk = getattr(self, "loss_chunk_tokens", 0)
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+            raise ValueError(f"MoEGPTConfig.loss_chunk_tokens must be an integer >= 0, got {chunk!r}")
 
     @property
     def moe_layer_indices(self) -> list[int]:

@@ -457,6 +457,67 @@ class MoEGPTModel(MoEGPTPreTrainedModel):
         )
 
 
+class _ChunkedLMLoss(torch.autograd.Function):
+    """Mean cross-entropy of `hidden @ weight.T` (fp32 log-softmax; label -100 ignored) taken `chunk` rows at a time,
+    so that no (rows, vocab) logits tensor outlives its chunk.
+
+    When a gradient is needed, each chunk's logit gradient `(softmax - onehot) / n` becomes the hidden and weight
+    gradients in the same pass (one GEMM each, as in the plain head's backward): nothing is recomputed, and backward
+    only scales them by the incoming gradient. Equal to `F.cross_entropy(F.linear(hidden, weight).float(), labels)`
+    and its gradients up to floating-point summation order (the weight gradient is summed over chunks in fp32).
+    GEMMs run in `compute_dtype` (the autocast dtype, as `F.linear` under autocast).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk: int, compute_dtype: torch.dtype):
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n = (labels != -100).sum()
+        inv_n = 1.0 / n.clamp(min=1).float()
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            for start in range(0, hidden.shape[0], chunk):
+                h = hidden[start : start + chunk].to(compute_dtype)
+                lab = labels[start : start + chunk]
+                valid = lab != -100
+                target = lab.clamp(min=0)
+                logits = (h @ w.t()).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(1, target[:, None]).squeeze(1)
+                total += torch.where(valid, lse - picked, 0.0).sum()
+                if want_h or want_w:
+                    g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                    g[torch.arange(g.shape[0], device=g.device), target] -= 1.0
+                    g.mul_((valid.float() * inv_n)[:, None])
+                    g = g.to(compute_dtype)
+                    if want_h:
+                        grad_h[start : start + chunk] = (g @ w).to(hidden.dtype)
+                    if want_w:
+                        grad_w += (g.t() @ h).float()
+        ctx.grads, ctx.weight_dtype = (grad_h, grad_w), weight.dtype
+        return total / n  # NaN when every label is ignored, as F.cross_entropy
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        return (None if grad_h is None else grad_h * grad_out.to(grad_h.dtype),
+                None if grad_w is None else (grad_w * grad_out).to(ctx.weight_dtype), None, None, None)
+
+
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=-100)` without materialising the
+    logits of all rows at once (see `_ChunkedLMLoss`). `hidden` (N, d), `weight` (V, d), `labels` (N,)."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    return _ChunkedLMLoss.apply(hidden, weight, labels, chunk, compute_dtype)
+
+
 def _router_penalty(config: MoEGPTConfig, base: MoEGPTModelOutput) -> torch.Tensor:
     return config.router_aux_loss_coef * base.aux_loss + config.router_z_loss_coef * base.z_loss
 
@@ -504,6 +565,12 @@ class MoEGPTForCausalLM(MoEGPTPreTrainedModel, GenerationMixin):
         hidden = base.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
+        chunk = getattr(self.config, "loss_chunk_tokens", 0)
+        if labels is not None and chunk and self.training and type(self.lm_head) is nn.Linear:
+            # No (tokens, vocab) logits in training: the loss and its gradient are taken chunk by chunk.
+            loss = chunked_lm_loss(hidden[:, :-1].reshape(-1, hidden.shape[-1]), self.lm_head.weight,
+                                   labels[:, 1:].reshape(-1).to(hidden.device), chunk)
+            return self._output(loss + _router_penalty(self.config, base), None, base, return_dict)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
@@ -511,6 +578,10 @@ class MoEGPTForCausalLM(MoEGPTPreTrainedModel, GenerationMixin):
             shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
             shift_labels = labels[:, 1:].reshape(-1).to(logits.device)
             loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100) + _router_penalty(self.config, base)
+        return self._output(loss, logits, base, return_dict)
+
+    @staticmethod
+    def _output(loss, logits, base: MoEGPTModelOutput, return_dict: bool | None):
         out = MoeCausalLMOutputWithPast(
             loss=loss,
             aux_loss=base.aux_loss,
