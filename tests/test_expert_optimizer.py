@@ -460,3 +460,41 @@ def test_layer_called_several_times_per_micro_step_steps_each_expert_once(tmp_pa
     # near-zero gradients (up to ~1e-5); a step taken on a partial gradient is off by ~lr (5e-2 measured).
     assert_same_weights(model, reference, atol=5e-5)
     experts.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_batched_deferred_steps_change_no_bit(tier, tmp_path, monkeypatch):
+    """Issue 14: in the deferred mode (global clipping), experts are stepped several per fused multi-tensor call.
+    The kernel treats each tensor on its own, so weights, moments and step counts equal one call per expert bit for
+    bit (torch.equal), over 3 clipped windows with weight decay and fresh random batches."""
+    results = []
+    for batched in (True, False):
+        model = small_model(seed=21)
+        engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / f"e{batched}"),
+                                                            host_cache_experts=12, prefetch_depth=1))
+        experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, max_grad_norm=0.05, boundary_fn=lambda: True)
+        if not batched:
+            monkeypatch.setattr(experts, "_batch_size", lambda ready: 1)
+        sizes = []
+        original = experts._step_experts
+        monkeypatch.setattr(experts, "_step_experts", lambda keys, *a: (sizes.append(len(keys)), original(keys, *a)))
+        opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), experts)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            x = torch.randint(0, 101, (3, 10), generator=g)
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        engine.synchronize()
+        assert max(sizes) > 1 if batched else max(sizes) == 1, sizes
+        state = {}
+        for key in engine.store.keys():
+            record = engine.store.acquire(key)
+            state[key] = [t.clone() for t in (record.param, record.exp_avg, record.exp_avg_sq, record.grad)]
+            engine.store.release(key)
+        results.append((state, dict(engine.store.steps), model.state_dict()))
+        experts.close()
+    (a, steps_a, sd_a), (b, steps_b, sd_b) = results
+    assert steps_a == steps_b and set(steps_a.values()) == {3}
+    assert all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)

@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -94,6 +94,7 @@ class ExpertOptimizer:
         self.boundary_fn = boundary_fn or accelerate_sync_gradients
         self.grad_scaler = grad_scaler
         self.defer_steps = defer_steps
+        self.workers = workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="expert-adam")
         self._lock = threading.Lock()
         self._stepped: set[ExpertKey] = set()  # experts already stepped in this window
@@ -198,6 +199,83 @@ class ExpertOptimizer:
                                 self._window)
         self.engine.set_pending(key, job)
 
+    def _batch_size(self, ready: int) -> int:
+        """Experts per fused call in `step()`: the ready experts split evenly over the workers; on the disk tier at
+        most what the host cache can hold beside the reads in flight (a batch holds all its records at once)."""
+        workers = self.workers
+        size = max(1, -(-ready // workers))
+        cache = getattr(self.store, "cache_experts", None)
+        if cache is not None:
+            size = min(size, max(1, (cache - self.engine.depth - 1) // workers))
+        return size
+
+    def _start_batched_steps(self, keys: list[ExpertKey], clip_coef: float | None,
+                             grad_scale: float | None) -> None:
+        """Deferred mode: step `keys` (already marked stepped) in batches, one fused multi-tensor Adam call per
+        batch (the kernel treats every tensor independently, so the result equals one call per expert bit for bit;
+        only the per-call overhead is shared)."""
+        if not keys:
+            return
+        for key in keys:
+            self.engine.wait_for_update(key)  # the previous window's step of an expert no forward used since
+        if self._window_lr is None:
+            self._window_lr = self.current_lr()
+        size = self._batch_size(len(keys))
+        for i in range(0, len(keys), size):
+            batch = keys[i : i + size]
+            job = self._pool.submit(self._step_experts, batch, self._window_lr, clip_coef, grad_scale, self._window)
+            for key in batch:
+                self.engine.set_pending(key, job)
+
+    def _step_experts(self, keys: list[ExpertKey], lr: float, clip_coef: float | None, grad_scale: float | None,
+                      window: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            with ExitStack() as held:
+                records = [held.enter_context(self._landed(key, None, None, dirty=True)) for key in keys]
+                pairs = [(k, r) for k, r in zip(keys, records) if self.store.has_grad[k]]
+                if not pairs:
+                    return
+                grads = [r.grad for _, r in pairs]
+                if grad_scale is not None:  # the same two roundings as the per-expert path: unscale, then clip
+                    torch._foreach_mul_(grads, 1.0 / grad_scale)
+                if clip_coef is not None:
+                    torch._foreach_mul_(grads, clip_coef)
+                for _, r in pairs:
+                    self.store.note_host_write(r)  # no upload may still be reading these weights
+                self._adam_many(pairs, lr)
+                torch._foreach_zero_(grads)
+                for k, r in pairs:
+                    self.store.has_grad[k] = False
+                    r.refresh_compute()
+        finally:
+            end = time.perf_counter()
+            with self._lock:
+                self._jobs.append((window, t0, end))
+
+    def _adam_many(self, pairs: list[tuple[ExpertKey, ExpertRecord]], lr: float) -> None:
+        """`_adam` for several experts in two fused calls (the decayed slices, the others)."""
+        beta1, beta2 = self.betas
+        for decayed in (True, False):
+            slices, steps = [], []
+            for key, record in pairs:
+                layout = self.engine.layers[key[0]].layout
+                lo, hi = (0, layout.decay_numel) if decayed else (layout.decay_numel, layout.numel)
+                if hi > lo:
+                    slices.append((record, lo, hi))
+                    steps.append(torch.tensor(float(self.store.steps[key])))
+            if not slices:
+                continue
+            adam(
+                [r.param[lo:hi] for r, lo, hi in slices], [r.grad[lo:hi] for r, lo, hi in slices],
+                [r.exp_avg[lo:hi] for r, lo, hi in slices], [r.exp_avg_sq[lo:hi] for r, lo, hi in slices],
+                [], steps, fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+                weight_decay=self.weight_decay if decayed else 0.0, eps=self.eps, maximize=False,
+                decoupled_weight_decay=self.decoupled,
+            )
+        for key, _ in pairs:
+            self.store.steps[key] += 1
+
     def _step_expert(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None, lr: float,
                      clip_coef: float | None, grad_scale: float | None, window: int) -> None:
         t0 = time.perf_counter()
@@ -297,10 +375,10 @@ class ExpertOptimizer:
                 for p in params:
                     p.grad.mul_(clip_coef)
         self._measured_sq_norms()  # the measuring jobs landed their gradients: wait for them before stepping
-        for key in self.store.keys():
-            if self._owns(key) and key not in self._stepped and self.store.has_grad[key]:
-                self._stepped.add(key)
-                self._start_step(key, None, None, clip_coef, grad_scale)
+        ready = [key for key in self.store.keys()
+                 if self._owns(key) and key not in self._stepped and self.store.has_grad[key]]
+        self._stepped.update(ready)
+        self._start_batched_steps(ready, clip_coef, grad_scale)
         self._end_window()
         return clip_coef
 
