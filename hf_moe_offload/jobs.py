@@ -126,6 +126,9 @@ def add_training_arguments(p: argparse.ArgumentParser, output_dir: str, steps: i
     g.add_argument("--steps", type=int, default=steps, help="optimizer steps")
     g.add_argument("--batch-size", type=int, default=batch_size, help="sequences per device per micro-step")
     g.add_argument("--grad-accum", type=int, default=grad_accum, help="micro-steps per optimizer step")
+    g.add_argument("--eval-batch-size", type=int, default=None,
+                   help="sequences per device per evaluation step (default: a quarter of --batch-size, at least 1: "
+                        "evaluation holds the logits of a whole batch, tokens x vocabulary floats)")
     g.add_argument("--lr", type=float, default=lr, help="peak learning rate (linear warmup, cosine decay)")
     g.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -197,15 +200,15 @@ def training_arguments(args: argparse.Namespace, **overrides: Any) -> TrainingAr
         if not list_checkpoints(args.output_dir):
             raise UserError(f"--resume: no checkpoint in {args.output_dir}; checkpoints are written with "
                             "--save-steps N, or give --resume PATH")
-    for flag in ("steps", "batch_size", "grad_accum"):
-        if getattr(args, flag) < 1:
+    for flag in ("steps", "batch_size", "grad_accum", "eval_batch_size"):
+        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     eval_steps = args.eval_steps or max(1, args.steps // 4)
     kwargs: dict[str, Any] = dict(
         output_dir=args.output_dir,
         max_steps=args.steps,
         per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size,
+        per_device_eval_batch_size=getattr(args, "eval_batch_size", None) or max(1, args.batch_size // 4),
         gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.lr,
         weight_decay=args.weight_decay,
@@ -426,12 +429,11 @@ def lm_nll_per_sequence(logits, labels: torch.Tensor) -> torch.Tensor:
     """`preprocess_logits_for_metrics`: (B, 2) = [summed next-token NLL, predicted tokens] per sequence."""
     if isinstance(logits, (tuple, list)):
         logits = next(t for t in logits if isinstance(t, torch.Tensor) and t.dim() == 3)
-    shift_logits = logits[:, :-1].float()  # (B, T-1, V)
     shift_labels = labels[:, 1:]
-    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
-                          ignore_index=-100, reduction="none").view(shift_labels.shape)
-    mask = shift_labels != -100
-    return torch.stack([(nll * mask).sum(dim=1), mask.sum(dim=1).float()], dim=1)
+    # One sequence at a time: the fp32 copy and log-softmax of a (T-1, V) slice, not of the whole (B, T-1, V) batch.
+    nll = torch.stack([F.cross_entropy(logits[b, :-1].float(), shift_labels[b], ignore_index=-100, reduction="sum")
+                       for b in range(logits.shape[0])])
+    return torch.stack([nll, (shift_labels != -100).sum(dim=1).float()], dim=1)
 
 
 def perplexity_metrics(pred) -> dict[str, float]:

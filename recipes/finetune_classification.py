@@ -118,6 +118,17 @@ def tokenize(ds, tokenizer, text_columns: tuple[str, ...], max_length: int):
     return ds.map(encode, batched=True, remove_columns=list(text_columns), desc="tokenizing")
 
 
+def max_length(args: argparse.Namespace) -> int:
+    """Truncation length: --block-size, and no more than the checkpoint's positions (a converted fairseq model may
+    have fewer than the default, and some tweets are longer)."""
+    if not args.model_path:
+        return args.block_size
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(args.model_path), "max_position_embeddings", None)
+    return min(args.block_size, limit) if limit else args.block_size
+
+
 def predictions(logits, labels):
     """`preprocess_logits_for_metrics`: keep only the predicted class (B,)."""
     if isinstance(logits, (tuple, list)):
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
             raw["train"] = raw["train"].shuffle(seed=args.seed).select(range(min(args.max_train_samples, len(raw["train"]))))
         if args.max_eval_samples:
             raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))
-        data = {k: tokenize(v, tokenizer, text_columns, args.block_size) for k, v in raw.items()}
+        data = {k: tokenize(v, tokenizer, text_columns, max_length(args)) for k, v in raw.items()}
 
     args.train_experts = args.method == "full"  # LoRA: offloaded experts frozen, stored as weights only
     overrides = {"num_labels": num_labels}

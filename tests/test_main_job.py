@@ -131,3 +131,27 @@ def test_push_to_hub_flag_of_the_cli(tmp_path, capsys):
     assert "pushed" in capsys.readouterr().out
     assert "me/tiny-moe" in (out / "README.md").read_text()
     assert json.loads((out / "metrics.json").read_text())["hub_model_id"] == "me/tiny-moe"
+
+
+def test_lm_nll_per_sequence_equals_the_batched_cross_entropy():
+    """The evaluation's per-sequence NLL (taken one sequence at a time, to bound memory) equals the batched
+    cross-entropy with ignored labels, and the perplexity follows from it (fp32, rtol 1e-6)."""
+    import math
+
+    import numpy as np
+    import torch.nn.functional as F
+
+    from hf_moe_offload.jobs import lm_nll_per_sequence, perplexity_metrics
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 9, 50, generator=g)
+    labels = torch.randint(0, 50, (3, 9), generator=g)
+    labels[1, 3:6] = -100
+    out = lm_nll_per_sequence(logits, labels)
+    nll = F.cross_entropy(logits[:, :-1].reshape(-1, 50), labels[:, 1:].reshape(-1), ignore_index=-100,
+                          reduction="none").view(3, 8)
+    mask = labels[:, 1:] != -100
+    torch.testing.assert_close(out[:, 0], (nll * mask).sum(dim=1), rtol=1e-6, atol=1e-5)
+    assert out[:, 1].tolist() == [8.0, 5.0, 8.0]
+    metrics = perplexity_metrics(type("P", (), {"predictions": np.asarray(out)})())
+    assert metrics["perplexity"] == pytest.approx(math.exp(float(nll[mask].mean())), rel=1e-6)
