@@ -227,7 +227,6 @@ class OffloadTotalsCallback(TrainerCallback):
             "stall_fraction": round(t.stall_seconds / t.compute_seconds, 4) if t.compute_seconds else None,
         }
 
-
     def hit_rate(self) -> float | None:
         """The disk tier's cache hit rate over the run so far (None for the other tiers, or before training)."""
         if self.mode != "disk" or self._stats is None:
