@@ -494,7 +494,7 @@ def offload_summary(engine, args: argparse.Namespace) -> dict[str, Any] | None:
         return summary
     store = engine.store
     keys = store.keys()
-    record_bytes = 4 * store.numel * 4  # fp32 [param | grad | exp_avg | exp_avg_sq]
+    record_bytes = store.record_bytes()  # fp32 [param | grad | exp_avg | exp_avg_sq], or [param] when frozen
     cache = getattr(store, "cache_experts", None)
     summary.update(
         experts_total=len(keys),
