@@ -134,6 +134,9 @@ def train_tokenizer(base: PreTrainedTokenizerBase, texts: Dataset | Iterable[str
 
     from transformers import AutoTokenizer
 
+    if vocab_size < 300:
+        raise UserError(f"--train-tokenizer {vocab_size}: a byte-level BPE needs at least 300 entries (256 bytes + "
+                        "special tokens + merges)")
     rows = texts["text"] if isinstance(texts, Dataset) else list(texts)
     folder = None
     if cache_dir:
@@ -143,10 +146,8 @@ def train_tokenizer(base: PreTrainedTokenizerBase, texts: Dataset | Iterable[str
         folder = os.path.join(cache_dir, f"tokenizer-{vocab_size}-{digest.hexdigest()[:16]}")
         if os.path.isfile(os.path.join(folder, "tokenizer.json")):
             return AutoTokenizer.from_pretrained(folder)
-    if vocab_size < 300:
-        raise UserError(f"--train-tokenizer {vocab_size}: a byte-level BPE needs at least 300 entries (256 bytes + "
-                        "special tokens + merges)")
-    tok = base.train_new_from_iterator((rows[i : i + 1000] for i in range(0, len(rows), 1000)), vocab_size=vocab_size)
+    batches = (rows[i : i + 1000] for i in range(0, len(rows), 1000))
+    tok = base.train_new_from_iterator(batches, vocab_size=vocab_size)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if folder:

@@ -236,7 +236,8 @@ def card_values(record: dict) -> dict[str, str]:
                        ("tokens_per_second", "training tokens / s"), ("train_runtime_s", "training time (s)")):
         value = metrics.get(key)
         if value is not None:
-            rows.append((label, " – ".join(_fmt(v) for v in value) if isinstance(value, (list, tuple)) else _fmt(value)))
+            shown = " – ".join(_fmt(v) for v in value) if isinstance(value, (list, tuple)) else _fmt(value)
+            rows.append((label, shown))
     metrics_md = _table(rows) if rows else "No metrics recorded."
     curves = f"![Training curves]({plots['training_curves']})" if plots.get("training_curves") else ""
 

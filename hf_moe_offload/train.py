@@ -83,7 +83,8 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
         raw = load_text_dataset(args.dataset, args.dataset_config, args.train_file, args.validation_file,
                                 text_column=args.text_column, seed=args.seed)
         if args.train_tokenizer and not (args.model_path or args.tokenizer):
-            tokenizer = train_tokenizer(tokenizer, raw["train"], args.train_tokenizer, cache_dir=os.path.join(args.output_dir, ".cache"))
+            tokenizer = train_tokenizer(tokenizer, raw["train"], args.train_tokenizer,
+                                        cache_dir=os.path.join(args.output_dir, ".cache"))
         train_ds = lm_blocks(tokenizer, raw["train"], args.block_size, max_blocks=args.max_train_blocks)
         eval_ds = lm_blocks(tokenizer, raw["validation"], args.block_size, max_blocks=args.max_eval_blocks)
     rank, world_size = jobs.world()
