@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
     label_column = args.label_column or label_column
     num_labels = args.num_labels or num_labels
 
+    # A classifier's evaluation holds (batch, labels) logits only: evaluate in batches as large as training's.
+    args.eval_batch_size = args.eval_batch_size or args.batch_size
     targs = jobs.training_arguments(args)  # first: creates the process group under accelerate launch
     tokenizer = jobs.load_tokenizer(args.tokenizer, args.model_path)
     with targs.main_process_first(desc="loading and tokenizing the data"):
