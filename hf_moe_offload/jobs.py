@@ -284,13 +284,15 @@ def prepare_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, 
     overrides = dict(config_overrides or {})
     rank, world_size = world()
     cfg = offload_config(args, subdir=f"rank{rank}" if world_size > 1 else None)
+    # Seeded before any weight is created: a preset's weights, and the new head (e.g. a classifier's `score`) that a
+    # checkpoint does not hold, are the same on every process and in every run.
+    torch.manual_seed(args.seed)
     if args.model_path:  # already checked by load_tokenizer
         if args.offload in ("host", "disk"):
             model = load_offloaded_pretrained(args.model_path, cfg, model_class=model_class, **overrides)
             return _ready_for_training(model, args), get_offload_engine(model)
         model = _load_pretrained(model_class, args.model_path, **overrides)
     else:
-        torch.manual_seed(args.seed)  # the same initial weights on every process
         model = model_class.from_config(preset_config(args, tokenizer, **overrides))
     engine = enable_expert_offload(model, cfg, tokens_per_batch=tokens_per_batch)
     return _ready_for_training(model, args), engine
