@@ -240,10 +240,11 @@ def run_mode(spec: str) -> dict:
         opt = ExpertAwareOptimizer(opt, expert_opt)
         adam = expert_opt._adam
 
-        def counted_adam(key, record, lr):
+        def counted_adam(pairs, lr):
             with lock:
-                updates[key] += 1
-            return adam(key, record, lr)
+                for key, _ in pairs:
+                    updates[key] += 1
+            return adam(pairs, lr)
 
         expert_opt._adam = counted_adam
     per_step = []
