@@ -110,6 +110,8 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
                    # the same held-out blocks under an add-one unigram model of the training blocks
                    unigram_perplexity=unigram_perplexity(
                        unigram_counts(train_ds["input_ids"], model.config.vocab_size), eval_ds["input_ids"]))
+    metrics["versus_baseline"] = ("below baseline" if metrics["eval_perplexity"] < metrics["unigram_perplexity"]
+                                  else "not below baseline")
     dataset_name = args.dataset or (None if args.train_file else OFFLINE_WIKIPEDIA)
     record = {
         "job": job,
@@ -136,8 +138,7 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
         "hardware": jobs.hardware(),
         "note": f"Eval perplexity {metrics['eval_perplexity']:.1f} on {len(eval_ds)} held-out sequences; an add-one "
                 f"smoothed unigram model of the training tokens scores {metrics['unigram_perplexity']:.1f} on the same "
-                f"tokens: {'below' if metrics['eval_perplexity'] < metrics['unigram_perplexity'] else 'not below'} "
-                "that baseline.",
+                f"tokens: {metrics['versus_baseline']}.",
         "limitations": _limitations(args, metrics),
     }
     record = jobs.finish_run(trainer, model, tokenizer, record, args, load, totals, started)
@@ -199,8 +200,7 @@ def print_figures(record: dict) -> None:
         lines.append(f"train loss   {m['train_loss_first']:.3f} -> {m['train_loss_last']:.3f} "
                      f"({m['train_steps']} steps{rate}, {m['train_runtime_s']:.0f} s)")
     if m.get("eval_perplexity") is not None:
-        base = (f"; unigram baseline {m['unigram_perplexity']:.1f}: "
-                f"{'below' if m['eval_perplexity'] < m['unigram_perplexity'] else 'not below'} baseline"
+        base = (f"; unigram baseline {m['unigram_perplexity']:.1f}: {m['versus_baseline']}"
                 if m.get("unigram_perplexity") is not None else "")
         lines.append(f"eval         perplexity {m['eval_perplexity']:.1f} (LM loss {m['eval_loss']:.3f}){base}")
     if m.get("eval_accuracy") is not None:
