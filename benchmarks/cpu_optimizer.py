@@ -95,7 +95,7 @@ def throughput(num_experts: int, numel: int, reps: int) -> dict:
         engine = _Engine(store, numel)
         opt = ExpertOptimizer(engine, lr=1e-3, weight_decay=0.01, workers=workers)
         for k in keys:  # warm-up
-            opt._adam([(k, store.acquire(k))], 1e-3)
+            opt._adam(k, store.acquire(k), 1e-3)
         elapsed = 0.0
         for _ in range(reps):
             t0 = time.perf_counter()

@@ -303,10 +303,9 @@ def test_per_expert_clipping_stays_eager_and_bounds_each_expert(tmp_path):
     seen = {}
     adam = experts._adam
 
-    def recording_adam(pairs, lr):
-        for key, record in pairs:
-            seen[key] = record.grad.clone()  # what Adam is handed, after clipping
-        return adam(pairs, lr)
+    def recording_adam(key, record, lr):
+        seen[key] = record.grad.clone()  # what Adam is handed, after clipping
+        return adam(key, record, lr)
 
     experts._adam = recording_adam
     model(x, labels=x).loss.backward()

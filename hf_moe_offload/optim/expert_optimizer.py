@@ -229,51 +229,32 @@ class ExpertOptimizer:
 
     def _step_experts(self, keys: list[ExpertKey], lr: float, clip_coef: float | None, grad_scale: float | None,
                       window: int) -> None:
-        with self._timed(window), ExitStack() as held:
-            records = [held.enter_context(self._landed(key, None, None, dirty=True)) for key in keys]
-            self._update(list(zip(keys, records)), lr, clip_coef, grad_scale)
-
-    def _step_expert(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None, lr: float,
-                     clip_coef: float | None, grad_scale: float | None, window: int) -> None:
-        with self._timed(window), self._landed(key, record, arrival, dirty=True) as record:
-            self._update([(key, record)], lr, clip_coef, grad_scale)
-
-    @contextmanager
-    def _timed(self, window: int):
-        """Record the busy interval of a step job (for `step_seconds` / `overlapped_seconds`)."""
         t0 = time.perf_counter()
         try:
-            yield
+            with ExitStack() as held:
+                records = [held.enter_context(self._landed(key, None, None, dirty=True)) for key in keys]
+                pairs = [(k, r) for k, r in zip(keys, records) if self.store.has_grad[k]]
+                if not pairs:
+                    return
+                grads = [r.grad for _, r in pairs]
+                if grad_scale is not None:  # the same two roundings as the per-expert path: unscale, then clip
+                    torch._foreach_mul_(grads, 1.0 / grad_scale)
+                if clip_coef is not None:
+                    torch._foreach_mul_(grads, clip_coef)
+                for _, r in pairs:
+                    self.store.note_host_write(r)  # no upload may still be reading these weights
+                self._adam_many(pairs, lr)
+                torch._foreach_zero_(grads)
+                for k, r in pairs:
+                    self.store.has_grad[k] = False
+                    r.refresh_compute()
         finally:
             end = time.perf_counter()
             with self._lock:
                 self._jobs.append((window, t0, end))
 
-    def _update(self, pairs: list[tuple[ExpertKey, ExpertRecord]], lr: float, clip_coef: float | None,
-                grad_scale: float | None) -> None:
-        """Unscale, clip, Adam, clear: the step of each held (key, record) whose gradient is final."""
-        pairs = [(k, r) for k, r in pairs if self.store.has_grad[k]]  # like torch: no .grad, no step
-        if not pairs:
-            return
-        grads = [r.grad for _, r in pairs]
-        if grad_scale is not None:
-            torch._foreach_mul_(grads, 1.0 / grad_scale)
-        if self.max_grad_norm is not None and self.clip_mode == "per_expert":
-            for grad in grads:  # each expert by its own norm
-                grad.mul_(min(1.0, self.max_grad_norm / (float(torch.linalg.vector_norm(grad)) + 1e-6)))
-        elif clip_coef is not None:
-            torch._foreach_mul_(grads, clip_coef)
-        for _, r in pairs:
-            self.store.note_host_write(r)  # no upload may still be reading these weights
-        self._adam(pairs, lr)
-        torch._foreach_zero_(grads)
-        for k, r in pairs:
-            self.store.has_grad[k] = False
-            r.refresh_compute()
-
-    def _adam(self, pairs: list[tuple[ExpertKey, ExpertRecord]], lr: float) -> None:
-        """Adam(W) on the experts in `pairs`: two fused multi-tensor calls, over the decayed slices and the others.
-        The kernel treats each tensor on its own, so one call per expert gives the same bits."""
+    def _adam_many(self, pairs: list[tuple[ExpertKey, ExpertRecord]], lr: float) -> None:
+        """`_adam` for several experts in two fused calls (the decayed slices, the others)."""
         beta1, beta2 = self.betas
         for decayed in (True, False):
             slices, steps = [], []
@@ -294,6 +275,46 @@ class ExpertOptimizer:
             )
         for key, _ in pairs:
             self.store.steps[key] += 1
+
+    def _step_expert(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None, lr: float,
+                     clip_coef: float | None, grad_scale: float | None, window: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            with self._landed(key, record, arrival, dirty=True) as record:
+                if not self.store.has_grad[key]:
+                    return  # like torch: a parameter without .grad is not stepped
+                grad = record.grad
+                if grad_scale is not None:
+                    grad.mul_(1.0 / grad_scale)
+                if self.max_grad_norm is not None and self.clip_mode == "per_expert":
+                    norm = float(torch.linalg.vector_norm(grad))
+                    clip_coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+                if clip_coef is not None:
+                    grad.mul_(clip_coef)
+                self.store.note_host_write(record)  # no upload may still be reading these weights
+                self._adam(key, record, lr)
+                record.grad.zero_()
+                self.store.has_grad[key] = False
+                record.refresh_compute()
+        finally:
+            end = time.perf_counter()
+            with self._lock:
+                self._jobs.append((window, t0, end))
+
+    def _adam(self, key: ExpertKey, record: ExpertRecord, lr: float) -> None:
+        layout = self.engine.layers[key[0]].layout
+        d = layout.decay_numel
+        step = self.store.steps[key]
+        beta1, beta2 = self.betas
+        for lo, hi, wd in ((0, d, self.weight_decay), (d, layout.numel, 0.0)):
+            if hi <= lo:
+                continue
+            adam(
+                [record.param[lo:hi]], [record.grad[lo:hi]], [record.exp_avg[lo:hi]], [record.exp_avg_sq[lo:hi]],
+                [], [torch.tensor(float(step))], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+                weight_decay=wd, eps=self.eps, maximize=False, decoupled_weight_decay=self.decoupled,
+            )
+        self.store.steps[key] = step + 1
 
     def _measured_sq_norms(self) -> dict[ExpertKey, float]:
         """Deferred mode: the squared norms measured during backward (waits for the measuring jobs)."""

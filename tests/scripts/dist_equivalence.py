@@ -240,11 +240,10 @@ def run_mode(spec: str) -> dict:
         opt = ExpertAwareOptimizer(opt, expert_opt)
         adam = expert_opt._adam
 
-        def counted_adam(pairs, lr):
+        def counted_adam(key, record, lr):
             with lock:
-                for key, _ in pairs:
-                    updates[key] += 1
-            return adam(pairs, lr)
+                updates[key] += 1
+            return adam(key, record, lr)
 
         expert_opt._adam = counted_adam
     per_step = []
