@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -44,13 +45,26 @@ def make_model(num_experts: int, hidden: int = 128, inter: int = 512, layers: in
         attention_dropout=0.0))
 
 
-def train_steps(model, opt, batches) -> float:
-    t0 = time.perf_counter()
+def train_steps(model, opt, batches) -> tuple[float, float, int]:
+    """-> (wall seconds, system CPU seconds, minor page faults) of the process over these steps."""
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     for x in batches:
         model(x, labels=x).loss.backward()
         opt.step()
         opt.zero_grad()
-    return time.perf_counter() - t0
+    wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    return wall, r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt
+
+
+def minimum_bytes(engine, cache_experts: int) -> tuple[float, float]:
+    """The fewest bytes a disk tier with this cache must read and write per step (issue 14): of the N experts a step
+    uses, at most `cache_experts` stay in host memory, and each of the other N - C is read twice (weights for the
+    forward, again for the reverse-order backward: a cache of C serves C of each sweep) and its Adam moments once,
+    and written once (weights and moments)."""
+    used = sum(1 for counts in engine.stats.tokens_per_expert.values() for n in counts if n)
+    row = engine.store.numel * 4
+    uncached = max(0, used - cache_experts)
+    return uncached * 4 * row, uncached * 3 * row
 
 
 def step_time_table(expert_counts, steps: int, batch: int, seq: int) -> list[dict]:
@@ -59,6 +73,7 @@ def step_time_table(expert_counts, steps: int, batch: int, seq: int) -> list[dic
         base = make_model(E)
         batches = [torch.randint(0, 512, (batch, seq)) for _ in range(steps)]
         runs = {}
+        cache = max(4, (E * 2) // 4)  # a quarter of the 2 MoE layers' experts
         for tier in ("resident", "host", "disk"):
             model = copy.deepcopy(base)
             engine = None
@@ -67,28 +82,37 @@ def step_time_table(expert_counts, steps: int, batch: int, seq: int) -> list[dic
             else:
                 tmp = tempfile.mkdtemp(prefix="bench-offload-")
                 engine = enable_expert_offload(model, OffloadConfig(
-                    mode=tier, offload_dir=tmp, host_cache_experts=max(4, (E * 2) // 4), prefetch_depth=2))
+                    mode=tier, offload_dir=tmp, host_cache_experts=cache, prefetch_depth=2))
                 opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
                                            ExpertOptimizer(engine, lr=1e-3))
             train_steps(model, opt, batches[:1])  # warm-up
             if engine is not None:
                 engine.synchronize()
                 engine.stats.reset()
-            runs[tier] = (train_steps(model, opt, batches[1:]) / (steps - 1), engine)
+            wall, system, faults = train_steps(model, opt, batches[1:])
+            runs[tier] = (wall / (steps - 1), system / (steps - 1), faults / (steps - 1), engine)
             if engine is not None:
                 engine.synchronize()
         res_t = runs["resident"][0]
-        for tier in ("host", "disk"):
-            t, engine = runs[tier]
-            st = engine.stats
-            rows.append({
-                "experts_per_layer": E, "tier": tier, "step_s": t, "resident_step_s": res_t,
-                "ratio_vs_resident": t / res_t,
-                "disk_read_MB_per_step": st.disk_read_bytes / 2**20 / (steps - 1),
-                "disk_write_MB_per_step": st.disk_write_bytes / 2**20 / (steps - 1),
-                "stall_fraction": st.stall_seconds / st.compute_seconds if st.compute_seconds else 0.0,
-                "cache_hit_rate": st.cache_hits / max(1, st.cache_hits + st.cache_misses),
-            })
+        for tier in ("resident", "host", "disk"):
+            t, system, faults, engine = runs[tier]
+            row = {"experts_per_layer": E, "tier": tier, "step_s": t, "resident_step_s": res_t,
+                   "ratio_vs_resident": t / res_t, "system_s_per_step": system, "minor_faults_per_step": faults}
+            if engine is not None:
+                st = engine.stats
+                read, written = st.disk_read_bytes / (steps - 1), st.disk_write_bytes / (steps - 1)
+                row.update({
+                    "disk_read_MB_per_step": read / 2**20,
+                    "disk_write_MB_per_step": written / 2**20,
+                    "stall_fraction": st.stall_seconds / st.compute_seconds if st.compute_seconds else 0.0,
+                    "cache_hit_rate": st.cache_hits / max(1, st.cache_hits + st.cache_misses),
+                })
+                if tier == "disk":
+                    min_read, min_write = minimum_bytes(engine, cache)
+                    row.update({"read_vs_minimum": read / min_read if min_read else None,
+                                "write_vs_minimum": written / min_write if min_write else None,
+                                "min_read_MB_per_step": min_read / 2**20, "min_write_MB_per_step": min_write / 2**20})
+            rows.append(row)
     return rows
 
 
@@ -145,6 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget-mb", type=int, default=400)
+    ap.add_argument("--step-time-only", action="store_true", help="only the step-time table (no JSON written)")
     ap.add_argument("--capacity-only", action="store_true", help="only the RSS-capacity table (keeps the JSON's "
                     "step-time rows from the last full run)")
     args = ap.parse_args()
@@ -157,12 +182,20 @@ def main() -> None:
     else:
         rows = step_time_table(counts, steps=steps, batch=8, seq=64)
     print(f"\nStep time, MoE-GPT 4 layers (2 MoE), d=128, ffn=512, batch 8x64, {platform.processor() or 'cpu'}")
-    print(f"{'E':>4} {'tier':>5} {'step s':>8} {'x resident':>10} {'read MB/step':>12} {'write MB/step':>13} "
-          f"{'stall':>6} {'hit':>5}")
+    print(f"{'E':>4} {'tier':>8} {'step s':>7} {'x resident':>10} {'read MB/step':>12} {'x min':>5} "
+          f"{'write MB/step':>13} {'x min':>5} {'stall':>5} {'hit':>4} {'sys s/step':>10} {'faults/step':>11}")
+
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
     for r in rows:
-        print(f"{r['experts_per_layer']:>4} {r['tier']:>5} {r['step_s']:>8.3f} {r['ratio_vs_resident']:>10.2f} "
-              f"{r['disk_read_MB_per_step']:>12.1f} {r['disk_write_MB_per_step']:>13.1f} {r['stall_fraction']:>6.2f} "
-              f"{r['cache_hit_rate']:>5.2f}")
+        print(f"{r['experts_per_layer']:>4} {r['tier']:>8} {r['step_s']:>7.3f} {r['ratio_vs_resident']:>10.2f} "
+              f"{fmt(r.get('disk_read_MB_per_step'), '.1f'):>12} {fmt(r.get('read_vs_minimum'), '.2f'):>5} "
+              f"{fmt(r.get('disk_write_MB_per_step'), '.1f'):>13} {fmt(r.get('write_vs_minimum'), '.2f'):>5} "
+              f"{fmt(r.get('stall_fraction'), '.2f'):>5} {fmt(r.get('cache_hit_rate'), '.2f'):>4} "
+              f"{r['system_s_per_step']:>10.3f} {r['minor_faults_per_step']:>11.0f}")
+    if args.step_time_only:
+        return
     res_counts = [32, 64, 128] if args.quick else [32, 64, 128, 256]
     off_counts = [64, 256] if args.quick else [64, 256, 512]
     cap = capacity_table(args.budget_mb, res_counts, off_counts)

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from hf_moe_offload.offload.store import DiskExpertStore
+from hf_moe_offload.offload.store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, DiskExpertStore
 from hf_moe_offload.offload.telemetry import OffloadStats
 
 NUMEL = 257  # odd, so records are not page multiples
@@ -45,15 +45,22 @@ class SlowDiskStore(DiskExpertStore):
             delay = self._rng.random() * self._max_delay * scale * (5 if self._rng.random() < 0.1 else 1)
         time.sleep(delay)
 
-    def _write_file(self, key, buffer):
-        fd = os.open(self.path(key), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # a write in progress
-        os.close(fd)
+    def _write_file(self, key, buffer, rows):
+        # A write in progress: the rows being written are torn (scribbled over) while the writer pauses. A file
+        # written whole is truncated instead, as an interrupted rewrite leaves it.
+        if key in self._crcs:
+            with open(self.path(key), "r+b") as f:
+                for r in rows:
+                    f.seek(r * NUMEL * 4)
+                    f.write(b"\xff" * (NUMEL * 4))
+        else:
+            os.close(os.open(self.path(key), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
         self._pause()
-        super()._write_file(key, buffer)
+        super()._write_file(key, buffer, rows)
 
-    def _read_file(self, key, buffer):
+    def _read_file(self, key, buffer, rows):
         self._pause(0.25)
-        super()._read_file(key, buffer)
+        super()._read_file(key, buffer, rows)
 
 
 def _expected_value(updates: int, key) -> float:
@@ -71,17 +78,24 @@ def _run_training_like(store: DiskExpertStore, keys: list, seed: int, windows: i
         got = record.param
         assert bool((got == want).all()), f"expert {key}: read {got[:3].tolist()}..., expected {want} (stale/torn)"
 
-    def step(key, record) -> None:  # an optimizer worker: update in place, release dirty
+    grads = {k: 0.0 for k in keys}  # each expert's gradient: 1 after a backward used it, 0 after its step
+
+    def step(key, record) -> None:  # an optimizer worker: update in place, release dirty with the gradient zeroed
         try:
             if record is None:
                 record = store.acquire(key)
+            else:
+                store.require(key)  # handed over with weights and gradient: the moments are read now
             check(key, record)
+            assert bool((record.grad == grads[key]).all()), f"expert {key}: gradient lost or stale"
+            assert bool((record.exp_avg == updates[key]).all()), f"expert {key}: moments lost or stale"
             record.param.add_(1.0)
             record.exp_avg.fill_(updates[key] + 1)
             record.grad.zero_()
+            grads[key] = 0.0
             updates[key] += 1
         finally:
-            store.release(key, dirty=True)
+            store.release(key, dirty=True, grad_zeroed=True)
 
     layers = sorted({k[0] for k in keys})
     with ThreadPoolExecutor(max_workers=2) as workers:
@@ -89,15 +103,17 @@ def _run_training_like(store: DiskExpertStore, keys: list, seed: int, windows: i
         for window in range(windows):
             # forward: layer by layer, a random subset of experts in order, prefetching ahead
             used = {layer: sorted(rng.sample([k for k in keys if k[0] == layer], rng.randint(2, 5))) for layer in layers}
+            backward = [k for layer in reversed(layers) for k in reversed(used[layer])]
             for layer in layers:
                 order = used[layer]
-                store.prefetch(order[:3])
+                store.set_schedule(order + backward)  # as the engine does (Belady eviction)
+                store.prefetch(order[:3], WEIGHTS)
                 for i, key in enumerate(order):
                     fut = pending.pop(key, None)
                     if fut is not None:
                         fut.result()  # the engine waits for this expert's own update only
-                    record = store.acquire(key)
-                    store.prefetch(order[i + 1 : i + 4])
+                    record = store.acquire(key, WEIGHTS)
+                    store.prefetch(order[i + 1 : i + 4], WEIGHTS)
                     check(key, record)
                     store.release(key)
             # backward: reverse order. Eager windows hand each finished expert, still held, to a worker (as
@@ -107,15 +123,17 @@ def _run_training_like(store: DiskExpertStore, keys: list, seed: int, windows: i
             eager = window % 2 == 0
             for layer in reversed(layers):
                 order = list(reversed(used[layer]))
-                store.prefetch(order[:3])
+                store.prefetch(order[:3], WEIGHTS_AND_GRAD)
                 for i, key in enumerate(order):
-                    record = store.acquire(key)
-                    store.prefetch(order[i + 1 : i + 4])
+                    record = store.acquire(key, WEIGHTS_AND_GRAD)
+                    store.prefetch(order[i + 1 : i + 4], WEIGHTS_AND_GRAD)
+                    assert bool((record.grad == 0).all()), f"expert {key}: a zero gradient read back non-zero"
                     record.grad.add_(1.0)
+                    grads[key] = 1.0
                     if eager:
                         pending[key] = workers.submit(step, key, record)
                     else:
-                        store.release(key, dirty=True)
+                        store.release(key, dirty=(GRAD,))
                 if eager:
                     for key in (k for k in keys if k[0] == layer and k not in used[layer]):
                         if key in pending:  # the previous window's step of an expert no forward used since

@@ -138,13 +138,13 @@ def test_upload_order_forward_then_reverse_backward_with_lookahead(tmp_path):
     store = engine.store
     orig_acquire, orig_release = store.acquire, store.release
 
-    def acquire(key):
+    def acquire(key, rows=None):
         events.append(("acquire", key))
-        return orig_acquire(key)
+        return orig_acquire(key, rows)
 
-    def release(key, dirty=False):
+    def release(key, dirty=False, grad_zeroed=False):
         events.append(("release", key))
-        return orig_release(key, dirty)
+        return orig_release(key, dirty, grad_zeroed)
 
     store.acquire, store.release = acquire, release
     x = torch.randint(0, 101, (4, 16))
@@ -178,18 +178,18 @@ def test_disk_prefetch_order_forward_then_reverse_across_layers(tmp_path):
     store, events = engine.store, []
     orig = store.acquire, store.release, store.prefetch
 
-    def acquire(key):
+    def acquire(key, rows=None):
         events.append(("acquire", key))
-        return orig[0](key)
+        return orig[0](key, rows)
 
-    def release(key, dirty=False):
+    def release(key, dirty=False, grad_zeroed=False):
         events.append(("release", key))
-        return orig[1](key, dirty)
+        return orig[1](key, dirty, grad_zeroed)
 
-    def prefetch(keys):
+    def prefetch(keys, rows=None):
         keys = list(keys)
         events.extend(("prefetch", k) for k in keys)
-        return orig[2](keys)
+        return orig[2](keys, rows)
 
     store.acquire, store.release, store.prefetch = acquire, release, prefetch
 
@@ -234,11 +234,15 @@ def test_pinning_keeps_hot_experts_in_the_disk_cache(tmp_path):
     assert set(hot) <= resident
 
 
-def test_dropout_inside_experts_is_replayed_in_backward(tmp_path):
-    """activation_dropout > 0: backward recomputes each expert with the forward's RNG state."""
+@pytest.mark.parametrize("keep", [False, True])
+def test_dropout_inside_experts_is_replayed_in_backward(keep, tmp_path):
+    """activation_dropout > 0: backward recomputes each expert with the forward's RNG state (keep=False), or
+    differentiates the forward's kept graph, masks included (keep=True)."""
     reference = small_model(activation_dropout=0.3)
     model = copy.deepcopy(reference)
-    engine = enable_expert_offload(model, offload_cfg("host", tmp_path))
+    cfg = offload_cfg("host", tmp_path)
+    cfg.keep_activations = keep
+    engine = enable_expert_offload(model, cfg)
     reference.train()
     model.train()
     x = torch.randint(0, 101, (2, 9))
@@ -250,6 +254,7 @@ def test_dropout_inside_experts_is_replayed_in_backward(tmp_path):
     out.loss.backward()
     torch.testing.assert_close(out.loss, ref_out.loss, atol=ATOL, rtol=0)
     assert store_grads_vs_reference(engine, reference) <= ATOL
+    assert engine.keep_activations is keep
 
 
 def test_auto_mode_picks_tier_from_budgets(tmp_path, caplog):
@@ -318,7 +323,8 @@ def test_disk_full_during_write_back_keeps_last_checkpoint(tmp_path, monkeypatch
     real_open = open
 
     def full_disk_open(path, mode="r", *args, **kwargs):
-        if "w" in mode and (str(path).endswith(".bin") or ".tmp" in str(path)):
+        writing = "w" in mode or "+" in mode  # expert files are rewritten in place ("r+b"), row by row
+        if writing and (str(path).endswith(".bin") or ".tmp" in str(path)):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_open(path, mode, *args, **kwargs)
 
@@ -475,3 +481,165 @@ def test_frozen_experts_are_stored_as_weights_only(tier, tmp_path):
     engine.zero_grad()  # nothing to clear, and no gradient row to touch
     with pytest.raises(ValueError, match="offloaded frozen"):
         ExpertOptimizer(engine)
+
+
+# --- issue 14: the disk tier moves only what each phase needs, and evicts by the known schedule ---
+def _row_store(tmp_path, keys, cache: int) -> DiskExpertStore:
+    from hf_moe_offload.offload import OffloadStats
+
+    store = DiskExpertStore(keys, 10, torch.float32, OffloadStats(), str(tmp_path / "rows"), cache_experts=cache)
+    for i, k in enumerate(keys):
+        store.write_param(k, torch.full((10,), float(i)))
+    store.flush()
+    store.stats.reset()
+    return store
+
+
+def test_disk_tier_reads_and_writes_only_the_rows_each_phase_needs(tmp_path):
+    """Forward reads the weights (one row), backward adds to a gradient known to be zero without reading it, the
+    step reads the moments, and a write-back writes the changed rows only (never a zeroed gradient); every value
+    survives the evictions."""
+    from hf_moe_offload.offload.store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD
+
+    a, b = (0, 0), (0, 1)
+    store = _row_store(tmp_path, [a, b], cache=1)
+    row = 10 * 4
+    record = store.acquire(a, WEIGHTS)  # forward: a miss reads the weights only
+    assert torch.equal(record.param, torch.zeros(10)) and store.stats.disk_read_bytes == row
+    store.release(a)
+    record = store.acquire(a, WEIGHTS_AND_GRAD)  # backward: the zero gradient is filled, not read
+    assert torch.equal(record.grad, torch.zeros(10)) and store.stats.disk_read_bytes == row
+    record.grad.fill_(2.0)
+    store.release(a, dirty=(GRAD,))
+    store.acquire(b, WEIGHTS)  # evicts a: only its gradient row is written
+    store.release(b)
+    assert store.stats.disk_write_bytes == row and store.stats.disk_read_bytes == 2 * row
+    record = store.acquire(a)  # the step: weights, the (live) gradient and the moments
+    assert store.stats.disk_read_bytes == 2 * row + 4 * row
+    assert torch.equal(record.grad, torch.full((10,), 2.0)) and torch.equal(record.exp_avg, torch.zeros(10))
+    record.param.add_(1.0)
+    record.exp_avg.fill_(3.0)
+    record.exp_avg_sq.fill_(4.0)
+    record.grad.zero_()
+    store.release(a, dirty=True, grad_zeroed=True)
+    store.acquire(b, WEIGHTS)  # evicts a: weights and moments written, not the gradient
+    store.release(b)
+    assert store.stats.disk_write_bytes == row + 3 * row
+    record = store.acquire(a, WEIGHTS_AND_GRAD)  # next backward: the weights are read, the gradient is zero
+    assert store.stats.disk_read_bytes == 7 * row + row
+    assert torch.equal(record.param, torch.ones(10)) and torch.equal(record.grad, torch.zeros(10))
+    store.require(a)  # the step of a handed-over record reads its moments
+    assert torch.equal(record.exp_avg, torch.full((10,), 3.0)) and torch.equal(record.exp_avg_sq, torch.full((10,), 4.0))
+    store.release(a)
+    store.close()
+
+
+def test_disk_tier_evicts_the_expert_needed_furthest_in_the_schedule(tmp_path):
+    """Belady's MIN over the engine's schedule: with a, b cached and c needed, b (never needed again) goes, not a
+    (least recently used, but needed next); without a schedule the least recently used goes."""
+    a, b, c = (0, 0), (0, 1), (0, 2)
+    for schedule, kept in (([a, b, c, a], a), (None, b)):
+        store = _row_store(tmp_path / str(kept), [a, b, c], cache=2)
+        if schedule is not None:
+            store.set_schedule(schedule)
+        for key in (a, b, c):
+            store.acquire(key)
+            store.release(key)
+        assert set(store.resident_keys()) == {kept, c}
+        store.close()
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_disk_tier_row_io_and_schedule_change_no_bit(clip, tmp_path):
+    """The disk tier with a cache of 3 of 12 experts (row-level I/O, zero gradients never read, Belady eviction,
+    every expert evicted and re-read each step) trains to exactly the host tier's weights, moments and step counts
+    (torch.equal), over 3 windows of 2 accumulated micro-steps, eager (no clipping) and deferred (global clipping)."""
+    from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer
+
+    results = []
+    for tier in ("host", "disk"):
+        model = small_model(seed=4)
+        engine = enable_expert_offload(model, offload_cfg(tier, tmp_path / tier, depth=1, pin=0.25, cache=3))
+        micro = {"n": 0}
+        experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, max_grad_norm=clip,
+                                  boundary_fn=lambda: micro["n"] % 2 == 0)
+        opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), experts)
+        g = torch.Generator().manual_seed(9)
+        for _ in range(6):
+            x = torch.randint(0, 101, (3, 12), generator=g)
+            micro["n"] += 1
+            model(x, labels=x).loss.backward()
+            if micro["n"] % 2 == 0:
+                opt.step()
+                opt.zero_grad()
+        engine.synchronize()
+        if tier == "disk":
+            assert engine.stats.evictions > 0
+        state = {}
+        for key in engine.store.keys():
+            record = engine.store.acquire(key)
+            state[key] = [t.clone() for t in (record.param, record.exp_avg, record.exp_avg_sq)]
+            engine.store.release(key)
+        results.append((state, dict(engine.store.steps)))
+        experts.close()
+    (host, steps_host), (disk, steps_disk) = results
+    assert steps_host == steps_disk and set(steps_host.values()) == {3}
+    assert all(torch.equal(x, y) for k in host for x, y in zip(host[k], disk[k]))
+
+
+# --- issue 14: the host tier keeps each expert's forward graph instead of recomputing it ---
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_kept_activations_give_the_recomputed_gradients_bit_for_bit(autocast, tmp_path):
+    """The host tier on the CPU keeps each expert's forward graph (auto) and backward runs no expert forward; the
+    gradients (experts in the store, every other parameter) and the input gradient equal the recompute path's
+    bit for bit (torch.equal), in fp32 and under bf16 autocast, over 2 accumulated micro-steps."""
+    from hf_moe_offload.offload.layout import ExpertLayout
+
+    calls = {"n": 0}
+    original = ExpertLayout.forward
+
+    def counting(self, *args, **kwargs):
+        calls["n"] += 1
+        return original(self, *args, **kwargs)
+
+    results = []
+    for keep in (None, False):
+        model = small_model(seed=3)
+        cfg = offload_cfg("host", tmp_path / str(keep))
+        cfg.keep_activations = keep
+        engine = enable_expert_offload(model, cfg)
+        g = torch.Generator().manual_seed(2)
+        counts = []
+        for _ in range(2):
+            x = torch.randint(0, 101, (3, 10), generator=g)
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                calls["n"] = 0
+                ExpertLayout.forward = counting
+                try:
+                    loss = model(x, labels=x).loss
+                    forward_calls = calls["n"]
+                    loss.backward()
+                finally:
+                    ExpertLayout.forward = original
+            counts.append((forward_calls, calls["n"] - forward_calls))
+        assert engine.keep_activations is (keep is None)
+        backward_forwards = sum(c[1] for c in counts)
+        assert backward_forwards == 0 if keep is None else backward_forwards == sum(c[0] for c in counts)
+        grads = {k: engine.expert_grad(k) for k in engine.store.keys()}
+        others = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((grads, others))
+    (kept, kept_others), (recomputed, recomputed_others) = results
+    assert all(torch.equal(kept[k], recomputed[k]) for k in kept)
+    assert kept_others.keys() == recomputed_others.keys()
+    assert all(torch.equal(kept_others[n], recomputed_others[n]) for n in kept_others)
+
+
+def test_keep_activations_is_refused_where_weights_move(tmp_path):
+    """The disk tier reuses its cache slots before backward: keep_activations=True there is a clear error."""
+    model = small_model()
+    cfg = offload_cfg("disk", tmp_path)
+    cfg.keep_activations = True
+    enable_expert_offload(model, cfg)
+    x = torch.randint(0, 101, (2, 8))
+    with pytest.raises(ValueError, match="keep_activations=True needs the host tier"):
+        model(x, labels=x)

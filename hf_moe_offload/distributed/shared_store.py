@@ -217,8 +217,8 @@ class SharedHostExpertStore(HostExpertStore):
         return SharedExpertRecord(key, buffer, self.compute_dtype, self._control.versions, self._control.index[key],
                                   compute)
 
-    def acquire(self, key):
-        record = super().acquire(key)
+    def acquire(self, key, rows=None):
+        record = super().acquire(key, rows)
         record.sync()
         return record
 
@@ -231,6 +231,7 @@ class SharedDiskExpertStore(DiskExpertStore):
     node-wide version numbers (see the module docstring). Build it with `create_node_shared_store`."""
 
     tier = "disk"
+    row_io = False  # which gradients are zero is known per rank only: whole records move (see DiskExpertStore)
 
     def __init__(self, keys, numel, compute_dtype, stats, offload_dir: str, cache_experts: int, io_threads: int,
                  region: SharedRegion, owner: bool = True):
@@ -246,8 +247,8 @@ class SharedDiskExpertStore(DiskExpertStore):
         return SharedExpertRecord(key, buffer, self.compute_dtype, self._control.versions, self._control.index[key],
                                   compute)
 
-    def _write_file(self, key, buffer):
-        super()._write_file(key, buffer)
+    def _write_file(self, key, buffer, rows):
+        super()._write_file(key, buffer, rows)
         # The file changed: any other rank's cached copy of this expert is now behind. (This thread owns the
         # expert's WRITING state, so its entry cannot change meanwhile.)
         i = self._control.index[key]
@@ -272,17 +273,17 @@ class SharedDiskExpertStore(DiskExpertStore):
         del self._entries[key]
         self._free.append(entry.slot)
 
-    def acquire(self, key):
+    def acquire(self, key, rows=None):
         with self._lock:
             self._drop_if_stale(key)
-        return super().acquire(key)
+        return super().acquire(key, rows)
 
-    def prefetch(self, keys):
+    def prefetch(self, keys, rows=None):
         keys = list(keys)
         with self._lock:
             for key in keys:
                 self._drop_if_stale(key)
-        super().prefetch(keys)
+        super().prefetch(keys, rows)
 
     def publish(self, keys: Iterable[ExpertKey] | None = None) -> None:
         """Write back the records this rank modified (among `keys`; all when None) and are not in use, so that the

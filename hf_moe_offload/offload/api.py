@@ -139,6 +139,7 @@ def enable_expert_offload(
     engine.config = config
     engine.model_dtype = model_dtype
     engine.train_experts = config.train_experts
+    engine.keep_activations_setting = config.keep_activations
     for streamed, route in zip(engine.layers, path.layers):
         module, layout = route.module, route.layout
         if _initialize:

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from .api import enable_expert_offload, find_expert_modules, get_offload_engine
 from .hub_layout import plan_checkpoint
 from .config import OffloadConfig
-from .store import ExpertStoreError, tensor_bytes
+from .store import EXP_AVG, EXP_AVG_SQ, PARAM, WEIGHTS, ExpertStoreError, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ def save_expert_state(engine, folder: str, optimizer_state: dict | None = None, 
     def chunks(name: str) -> Iterator[torch.Tensor]:
         _, l, e = name.split(".")
         key = (int(l), int(e))
-        record = store.acquire(key)
+        record = store.acquire(key, (PARAM, EXP_AVG, EXP_AVG_SQ))
         try:
             yield record.param
             yield record.exp_avg
@@ -288,7 +288,7 @@ def load_expert_state(engine, folder: str) -> dict:
             record.grad.zero_()
             record.refresh_compute()
         finally:
-            store.release(key, dirty=True)
+            store.release(key, dirty=True, grad_zeroed=True)
         store.has_grad[key] = False
     for name, v in json.loads(meta["steps"]).items():
         l, e = (int(x) for x in name.split("."))
@@ -394,7 +394,7 @@ def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serial
                 spec, off = layer.layout.tensors[i], layer.layout.offsets[i]
                 for e in range(layer.layout.num_experts):
                     key = (layer.layer, e)
-                    record = engine.store.acquire(key)
+                    record = engine.store.acquire(key, WEIGHTS)
                     try:
                         yield record.param[off : off + spec.numel].clone()
                     finally:

@@ -39,6 +39,11 @@ class OffloadConfig:
         "help": "False: the experts are frozen (e.g. LoRA on the other parts): the store keeps their weights only, "
                 "no gradient and no Adam moments (a quarter of the memory), and backward computes no expert "
                 "weight gradient"})
+    keep_activations: bool | None = field(default=None, metadata={
+        "help": "keep each expert's middle activation for backward instead of recomputing it (issue 14). None "
+                "(default): keep where the compute weights are the host tier's own tensors (host tier on the CPU), "
+                "where it costs what the resident model saves; recompute elsewhere (disk tier, GPU: ES-MoE keeps "
+                "only the expert inputs on the device). False forces the recompute"})
     device: str | torch.device | None = None
 
     def __post_init__(self) -> None:

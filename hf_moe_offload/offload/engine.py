@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -29,7 +30,7 @@ from torch import nn
 from ..precision import autocast_state, restore_autocast
 from ..runtime import HOST, DeviceRuntime, Event, runtime_for
 from .layout import ExpertLayout
-from .store import ExpertKey, ExpertRecord, ExpertStore
+from .store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore
 from .telemetry import OffloadStats
 
 logger = logging.getLogger(__name__)
@@ -196,6 +197,20 @@ class OffloadedExpertsLayer:
         self.shared_parameters = [p for n, p in module.named_parameters() if n not in expert_names]
         self.meta: dict[str, tuple[torch.Size, torch.dtype]] = {}  # expert tensor -> (shape, dtype) on the module
         self.handles: list = []  # the module's state-dict hooks (offload/api.py)
+        self._recompute_forced = 0  # > 0 inside `recomputing()`
+
+    @contextmanager
+    def recomputing(self):
+        """Calls inside recompute T_M in backward whatever the engine's `keep_activations` (MPMoE partitions: their
+        restore strategies handle what the layer saves and assume the expert inputs are all of it)."""
+        self._recompute_forced += 1
+        try:
+            yield
+        finally:
+            self._recompute_forced -= 1
+
+    def keeps_activations(self) -> bool:
+        return self.engine.keep_activations and not self._recompute_forced
 
     def keys(self, expert_ids: list[int]) -> list[ExpertKey]:
         return [(self.layer, e) for e in expert_ids]
@@ -203,7 +218,7 @@ class OffloadedExpertsLayer:
     def prefetch(self, counts: list[int]) -> None:
         """Called with the dispatch plan before the token permutation, so the first reads overlap it."""
         ids = [e for e, n in enumerate(counts) if n]
-        self.engine.store.prefetch(self.keys(ids[: self.engine.depth + 1]))
+        self.engine.store.prefetch(self.keys(ids[: self.engine.depth + 1]), WEIGHTS)
 
     @property
     def training(self) -> bool:
@@ -247,34 +262,57 @@ class OffloadedExpertsLayer:
             w = w.to(x.dtype)
         return self.layout.views(w)
 
-    def run_forward(self, x, counts, ids, rng_states: list | None) -> torch.Tensor:
+    def run_forward(self, x, counts, ids, rng_states: list | None, graphs: list | None = None) -> torch.Tensor:
+        """`rng_states`: a list to record each expert's RNG state in (for the recompute; None: no backward follows).
+        `graphs`: a list to keep each expert's forward graph in, (input leaf, weight leaves, output), instead."""
         segments = self._segments(counts, ids)
         y = None  # in the experts' output dtype (autocast: bf16), like the resident experts' torch.cat
-        save_rng = rng_states is not None and self._has_dropout()
-        for w, (e, start, n) in zip(self.engine.stream(self.layer, [s[0] for s in segments]), segments):
+        save_rng = rng_states is not None and graphs is None and self._has_dropout()
+        phase = "inference" if rng_states is None else "forward"  # rng_states: a backward will follow
+        for w, (e, start, n) in zip(self.engine.stream(self.layer, [s[0] for s in segments], phase=phase), segments):
             if save_rng:
                 rng_states.append(_get_rng(x.device))
-            out = self.layout.forward(x[start : start + n], self._weights(w, x))
+            if graphs is not None:
+                out = self._forward_kept(x[start : start + n], w, graphs)
+            else:
+                out = self.layout.forward(x[start : start + n], self._weights(w, x))
             if y is None:
                 y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out.dtype)
             y[start : start + n] = out
         return y if y is not None else x[:0].clone()
 
-    def run_backward(self, x, gy, counts, ids, rng_states: list, shared: tuple = ()) -> tuple:
-        """-> (input gradient, gradients of the `shared` parameters); expert gradients go to the store."""
+    def _forward_kept(self, xs: torch.Tensor, w: torch.Tensor, graphs: list) -> torch.Tensor:
+        """One expert's forward with its graph kept for backward (`keep_activations`). The weight leaves are views
+        of the store's own host tensors, which stay put until this expert's backward: nothing updates an expert
+        between its forward and its backward in a micro-step."""
+        leaves = [v.detach().requires_grad_(True) for v in self._weights(w, xs)]
+        xs = xs.detach().requires_grad_(True)
+        with torch.enable_grad():
+            ys = self.layout.forward(xs, leaves)
+        graphs.append((xs, leaves, ys))
+        return ys.detach()
+
+    def run_backward(self, x, gy, counts, ids, rng_states: list, shared: tuple = (), graphs: list | None = None) -> tuple:
+        """-> (input gradient, gradients of the `shared` parameters); expert gradients go to the store. With
+        `graphs` (kept by the forward) the experts are differentiated without recomputing their forward."""
         segments = self._segments(counts, ids)
         gx = torch.zeros_like(x)
         g_shared = [None] * len(shared)
         order = list(reversed(range(len(segments))))
-        stream = self.engine.stream(self.layer, [segments[i][0] for i in order], keep=True)
+        stream = self.engine.stream(self.layer, [segments[i][0] for i in order], keep=True, phase="backward")
         for (w, record), i in zip(stream, order):
             e, start, n = segments[i]
-            leaves = [v.detach().requires_grad_(True) for v in self._weights(w, x)]
-            xs = x[start : start + n].detach().requires_grad_(True)
-            with torch.enable_grad(), torch.random.fork_rng(devices=_rng_devices(x.device), enabled=bool(rng_states)):
-                if rng_states:
-                    _set_rng(x.device, rng_states[i])
-                ys = self.layout.forward(xs, leaves)
+            if graphs is not None:
+                xs, leaves, ys = graphs[i]
+                graphs[i] = None  # freed as soon as it is used, as autograd frees a resident model's saved tensors
+            else:
+                leaves = [v.detach().requires_grad_(True) for v in self._weights(w, x)]
+                xs = x[start : start + n].detach().requires_grad_(True)
+                with torch.enable_grad(), torch.random.fork_rng(devices=_rng_devices(x.device),
+                                                                enabled=bool(rng_states)):
+                    if rng_states:
+                        _set_rng(x.device, rng_states[i])
+                    ys = self.layout.forward(xs, leaves)
             train = self.engine.train_experts
             grads = torch.autograd.grad(ys, [xs, *(leaves if train else []), *shared],
                                         gy[start : start + n].to(ys.dtype), allow_unused=bool(shared))
@@ -310,23 +348,27 @@ def _set_rng(device: torch.device, state) -> None:
 
 
 class _StreamedExperts(torch.autograd.Function):
-    """Saves only the expert inputs (T_DI); weights are re-streamed and T_M recomputed in backward, under the autocast
-    state of the forward (backward itself runs outside the user's autocast block)."""
+    """Saves the expert inputs (T_DI). By default weights are re-streamed and T_M recomputed in backward, under the
+    autocast state of the forward (backward itself runs outside the user's autocast block). With the engine's
+    `keep_activations` each expert's forward graph is kept instead (T_M saved, as a resident model does), and
+    backward differentiates it without a second forward."""
 
     @staticmethod
     def forward(ctx, x_sorted, anchor, layer: OffloadedExpertsLayer, counts, ids, *shared):
         ctx.layer, ctx.counts, ctx.ids, ctx.shared = layer, counts, ids, shared
         ctx.rng_states = []
+        ctx.graphs = [] if layer.keeps_activations() else None
         ctx.autocast = autocast_state(x_sorted.device.type)
         ctx.save_for_backward(x_sorted)
-        return layer.run_forward(x_sorted, counts, ids, ctx.rng_states)
+        return layer.run_forward(x_sorted, counts, ids, ctx.rng_states, ctx.graphs)
 
     @staticmethod
     def backward(ctx, gy):
         (x_sorted,) = ctx.saved_tensors
         with restore_autocast(x_sorted.device.type, ctx.autocast):
             gx, g_shared = ctx.layer.run_backward(x_sorted, gy.contiguous(), ctx.counts, ctx.ids, ctx.rng_states,
-                                                  ctx.shared)
+                                                  ctx.shared, ctx.graphs)
+        ctx.graphs = None
         return gx, None, None, None, None, *g_shared
 
 
@@ -371,6 +413,9 @@ class OffloadEngine:
         self.pin_fraction = pin_fraction
         self.trainable = True  # False: no backward through the experts at all
         self.train_experts = True  # False (frozen experts, e.g. LoRA): backward gives input gradients only
+        # OffloadConfig.keep_activations: None = decide at bind(); `keep_activations` is the decision.
+        self.keep_activations_setting: bool | None = None
+        self.keep_activations = False
         self._state_dict_experts = True
         self.layers = [OffloadedExpertsLayer(self, i, m, layout) for i, (m, layout) in enumerate(layers_modules)]
         self.pinned: list[ExpertKey] = []
@@ -404,6 +449,17 @@ class OffloadEngine:
             )
         self.device = device
         self.runtime = runtime_for(device)
+        # Kept forward graphs hold the weights they were computed with: only the store's own host tensors stay put
+        # until backward (a disk-tier slot or a device upload slot is reused meanwhile). Keeping costs what a
+        # resident model saves (T_M per expert); on CPU that memory is the host's either way.
+        safe = self.store.tier == "host" and not self.runtime.asynchronous
+        if self.keep_activations_setting and not safe:
+            raise ValueError(
+                f"OffloadConfig.keep_activations=True needs the host tier computing on the CPU (here: {self.store.tier} "
+                f"tier on {device}): the kept graphs would hold weights whose buffers are reused before backward. "
+                "Leave it unset (the engine then recomputes each expert's middle activation in backward)"
+            )
+        self.keep_activations = safe if self.keep_activations_setting is None else self.keep_activations_setting
         self.store.bind_runtime(self.runtime)
         self.stager = DeviceStager(self.runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1),
                                    self.stats)
@@ -444,11 +500,16 @@ class OffloadEngine:
         self._submit_host(release)
 
     # --- streaming ---
-    def stream(self, layer: int, expert_ids: list[int], keep: bool = False) -> Iterator:
+    def stream(self, layer: int, expert_ids: list[int], keep: bool = False, phase: str = "inference") -> Iterator:
         """Yields each expert's compute weights in order, `depth` experts ahead; with keep=True also the record,
-        which the caller must hand back through `accumulate_grad` (backward)."""
+        which the caller must hand back through `accumulate_grad` (backward). `phase` ("forward" of training,
+        "backward", "inference") tells the store what comes next (`_schedule`)."""
         keys = [(layer, e) for e in expert_ids]
-        self.store.prefetch(keys[: self.depth + 1])
+        # Only the rows this phase uses (issue 14): weights, and in a training backward the gradient slot too.
+        rows = WEIGHTS_AND_GRAD if keep and self.train_experts else WEIGHTS
+        if self.store.wants_schedule:
+            self.store.set_schedule(self._schedule(layer, keys, phase))
+        self.store.prefetch(keys[: self.depth + 1], rows)
         inflight: deque = deque()
         nxt = 0
         t_start = time.perf_counter()
@@ -461,11 +522,11 @@ class OffloadEngine:
             nxt += 1
             t0 = time.perf_counter()  # host-side waits: the expert's update, a disk read
             self.wait_for_update(key)
-            record = self.store.acquire(key)
+            record = self.store.acquire(key, rows)
             self.stats.stall_seconds += time.perf_counter() - t0
             inflight.append((key, record, *stager.upload(key, record)))
             if nxt + self.depth < len(keys):
-                self.store.prefetch(keys[nxt : nxt + self.depth + 1])
+                self.store.prefetch(keys[nxt : nxt + self.depth + 1], rows)
 
         try:
             while nxt < len(keys) or inflight:
@@ -488,6 +549,24 @@ class OffloadEngine:
             for key, _record, _weights, ready, _slot in inflight:  # interrupted: hand back what was acquired
                 self._release_after(key, ready)
             self.stats.compute_seconds += time.perf_counter() - t_start
+
+    def _schedule(self, layer: int, current: list[ExpertKey], phase: str) -> list[ExpertKey]:
+        """The acquisitions to come (ES-MoE's known order), for the disk tier's eviction: this call's experts, the
+        rest of this pass, the backward in reverse (training), and the next step's passes up to this layer again.
+        The experts of the other layers are predicted from their last routing."""
+        def fwd(l: int) -> list[ExpertKey]:
+            return [(l, e) for e, n in enumerate(self.layers[l].last_counts) if n]
+
+        n = len(self.layers)
+        if phase == "forward":
+            passes = [fwd(l) for l in range(layer + 1, n)] + [fwd(l)[::-1] for l in reversed(range(n))]
+            passes += [fwd(l) for l in range(layer + 1)]
+        elif phase == "backward":
+            passes = [fwd(l)[::-1] for l in reversed(range(layer))] + [fwd(l) for l in range(n)]
+            passes += [fwd(l)[::-1] for l in reversed(range(layer, n))]
+        else:
+            passes = [fwd(l) for l in range(layer + 1, n)] + [fwd(l) for l in range(layer + 1)]
+        return list(current) + [key for keys in passes for key in keys]
 
     # --- gradients and updates ---
     def accumulate_grad(self, key: ExpertKey, record: ExpertRecord, grads: tuple[torch.Tensor, ...]) -> None:
@@ -521,12 +600,12 @@ class OffloadEngine:
                     return
         if not rt.asynchronous:
             arrival.land(record)
-            self.store.release(key, dirty=True)
+            self.store.release(key, dirty=(GRAD,))
             return
 
         def land():
             arrival.land(record)
-            self.store.release(key, dirty=True)
+            self.store.release(key, dirty=(GRAD,))
 
         self._grad_jobs[key] = self._submit_host(land)
 
@@ -556,7 +635,8 @@ class OffloadEngine:
         if prev >= 0:
             counts = self.layers[prev].last_counts
             ids = [e for e in reversed(range(len(counts))) if counts[e]]
-            self.store.prefetch([(prev, e) for e in ids[: self.depth + 1]])
+            self.store.prefetch([(prev, e) for e in ids[: self.depth + 1]],
+                                WEIGHTS_AND_GRAD if self.train_experts else WEIGHTS)
 
     def add_grad_hook(self, hook: Callable[[ExpertKey, ExpertRecord, GradArrival], bool]) -> None:
         """`hook(key, record, arrival)` on the micro-step where an expert's gradient is final; returning True takes
@@ -596,9 +676,7 @@ class OffloadEngine:
             if self.coordinator is not None and not self.coordinator.owns_update(key):
                 continue  # a shared store: the process that owns this expert clears it
             if self.store.has_grad[key]:
-                record = self.store.acquire(key)
-                record.grad.zero_()
-                self.store.release(key, dirty=True)
+                self.store.clear_grad(key)
                 self.store.has_grad[key] = False
         publish = getattr(self.store, "publish", None)
         if self.coordinator is not None and publish is not None:
@@ -611,7 +689,7 @@ class OffloadEngine:
         self.synchronize()
         if not self.store.has_grad[key]:
             return None
-        record = self.store.acquire(key)
+        record = self.store.acquire(key, WEIGHTS_AND_GRAD)
         try:
             return record.grad.clone()
         finally:

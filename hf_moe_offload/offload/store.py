@@ -4,10 +4,15 @@ ES-MoE §4.1: expert state lives in host memory (the `host` tier) or in files wi
 tier, "Offloading experts to SSD"); only experts in flight (and pinned ones, §4.3) are on the device.
 
 Every expert is one `ExpertRecord`: a (4, P) fp32 buffer whose rows are [param | grad | exp_avg | exp_avg_sq], so one
-expert is one contiguous block in memory and one file on disk, read and written with single calls. Callers see a
-small interface: `acquire(key)` (blocks until the record is in host memory and keeps it there), `release(key, dirty)`,
-`prefetch(keys)` (the engine knows the forward and reverse-backward order, so reads are issued ahead, never
-page-fault driven), `flush()`, and the `Mapping`-like `keys()` / `read_param(key)` / `write_param(key, ...)`.
+expert is one contiguous block in memory and one file on disk. Callers see a small interface: `acquire(key, rows)`
+(blocks until those rows of the record are in host memory and keeps it there), `release(key, dirty, grad_zeroed)`,
+`prefetch(keys, rows)` (the engine knows the forward and reverse-backward order, so reads are issued ahead, never
+page-fault driven), `set_schedule(keys)` (that order, for the disk tier's eviction), `flush()`, and the
+`Mapping`-like `keys()` / `read_param(key)` / `write_param(key, ...)`.
+
+Each phase asks only for the rows it uses (issue 14): forward the weights, backward the weights and the gradient, the
+expert's optimizer step all four. The disk tier reads and writes just those rows, never reads a gradient that is
+known to be zero (`release(..., grad_zeroed=True)` / `clear_grad`) and never writes one back.
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import math
 import os
 import re
 import struct
 import threading
 import weakref
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,6 +43,9 @@ SLOTS = ("param", "grad", "exp_avg", "exp_avg_sq")
 
 
 STATE_ROWS = 4  # rows of a trainable expert's record: param, grad, exp_avg, exp_avg_sq
+PARAM, GRAD, EXP_AVG, EXP_AVG_SQ = range(STATE_ROWS)
+WEIGHTS = (PARAM,)  # what a forward reads
+WEIGHTS_AND_GRAD = (PARAM, GRAD)  # what a backward reads (and adds its gradient to)
 
 
 class ExpertStoreError(RuntimeError):
@@ -98,6 +107,7 @@ class ExpertStore:
     """Interface shared by the tiers; see the module docstring."""
 
     tier = "?"
+    wants_schedule = False  # whether `set_schedule` is used (the engine builds the schedule only then)
 
     def __init__(self, keys: Iterable[ExpertKey], numel: int, compute_dtype: torch.dtype, stats: OffloadStats,
                  state_rows: int = STATE_ROWS):
@@ -135,14 +145,14 @@ class ExpertStore:
 
     def read_param(self, key: ExpertKey) -> torch.Tensor:
         """A copy of the fp32 master weights of `key`."""
-        record = self.acquire(key)
+        record = self.acquire(key, WEIGHTS)
         try:
             return record.param.clone()
         finally:
             self.release(key)
 
     def write_param(self, key: ExpertKey, flat: torch.Tensor, reset_state: bool = True) -> None:
-        record = self.acquire(key)
+        record = self.acquire(key, None if reset_state else WEIGHTS)
         try:
             self.note_host_write(record)
             record.param.copy_(flat)
@@ -152,7 +162,16 @@ class ExpertStore:
                 self.has_grad[key] = False
             record.refresh_compute()
         finally:
-            self.release(key, dirty=True)
+            self.release(key, dirty=True, grad_zeroed=reset_state)
+
+    def clear_grad(self, key: ExpertKey) -> None:
+        """Zero `key`'s accumulated gradient (the disk tier does it without I/O)."""
+        record = self.acquire(key, WEIGHTS_AND_GRAD)
+        try:
+            if record.grad is not None:
+                record.grad.zero_()
+        finally:
+            self.release(key, dirty=True, grad_zeroed=True)
 
     def _new_record(self, key: ExpertKey, buffer: torch.Tensor, compute: torch.Tensor | None = None) -> ExpertRecord:
         """The record object over `buffer` (a subclass may return its own record type, e.g. a node-shared one)."""
@@ -174,14 +193,28 @@ class ExpertStore:
         self.runtime.access(record.compute_param(), write=True, stream=HOST)
 
     # To implement per tier
-    def acquire(self, key: ExpertKey) -> ExpertRecord:
+    def acquire(self, key: ExpertKey, rows: Iterable[int] | None = None) -> ExpertRecord:
+        """`key`'s record, held until `release`, with at least `rows` (row indices, PARAM always; None: all) current.
+        Other rows of a disk-tier record may hold anything: read only what you asked for."""
         raise NotImplementedError
 
-    def release(self, key: ExpertKey, dirty: bool = False) -> None:
+    def require(self, key: ExpertKey, rows: Iterable[int] | None = None) -> None:
+        """The caller holds `key`: make `rows` (None: all) current in its record too (e.g. the moments, for a step
+        of an expert the backward acquired with its weights and gradient)."""
+
+    def release(self, key: ExpertKey, dirty: bool | Iterable[int] = False, grad_zeroed: bool = False) -> None:
+        """Hand `key` back. `dirty`: True (every row held may have changed) or the rows the caller changed;
+        `grad_zeroed`: the caller zeroed the gradient (the disk tier then neither writes nor reads it again until a
+        new gradient is added)."""
         raise NotImplementedError
 
-    def prefetch(self, keys: Iterable[ExpertKey]) -> None:
-        """Start bringing `keys` into host memory in this order (no-op where they already are)."""
+    def prefetch(self, keys: Iterable[ExpertKey], rows: Iterable[int] | None = None) -> None:
+        """Start bringing `rows` (None: all) of `keys` into host memory in this order (no-op where they already
+        are)."""
+
+    def set_schedule(self, keys: list[ExpertKey]) -> None:
+        """The order in which the engine will acquire experts from now on (its next forward and backward passes);
+        the disk tier evicts the cached expert needed furthest in the future (Belady's MIN)."""
 
     def set_pinned(self, keys: Iterable[ExpertKey]) -> None:
         """ES-MoE §4.3: keep these resident in host memory (disk tier's cache)."""
@@ -209,11 +242,11 @@ class HostExpertStore(ExpertStore):
     def _dma_sources(self):
         return [r.compute_param() for r in self._records.values()]
 
-    def acquire(self, key):
+    def acquire(self, key, rows=None):
         self.stats.cache_hits += 1
         return self._records[key]
 
-    def release(self, key, dirty=False):
+    def release(self, key, dirty=False, grad_zeroed=False):
         pass
 
 
@@ -221,33 +254,52 @@ class _Entry:
     """An expert of the disk tier that is not only on disk: its state, the cache slot it owns and its record.
 
     States (every transition under the store's lock; the I/O itself runs without it):
-    - LOADING: one thread (the one that created the entry) claims a slot and reads the file into it;
-    - CACHED: the record is in its slot; `refs` > 0 while in use, `dirty` when newer than its file;
-    - WRITING: one thread (the one that set it, from CACHED with refs == 0) writes the record back to its file.
+    - LOADING: one thread (the one that set it) reads rows of the file into the slot: a new entry (claiming a slot
+      first), or rows an existing record lacks (its holders keep using the rows they have);
+    - CACHED: the record is in its slot; `refs` > 0 while in use; `valid`: the rows that are current in the slot;
+      `dirty_rows`: those newer than the file;
+    - WRITING: one thread (the one that set it, from CACHED with refs == 0) writes the dirty rows back to the file.
     An expert without an entry is on disk only and nobody is touching its file. Every other thread that needs an
     expert in LOADING or WRITING waits until it is CACHED or gone, so a file is never read while it is written, a
     record is never written back while it is in use, and a slot is never reused while its record is read, written
     or held.
     """
 
-    __slots__ = ("state", "slot", "record", "refs", "dirty")
+    __slots__ = ("state", "slot", "record", "refs", "valid", "dirty_rows")
 
     def __init__(self):
         self.state = LOADING
         self.slot: int | None = None
         self.record: ExpertRecord | None = None
         self.refs = 0
-        self.dirty = False
+        self.valid: set[int] = set()
+        self.dirty_rows: set[int] = set()
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.dirty_rows)
 
 
 LOADING, CACHED, WRITING = "loading", "cached", "writing"
 
-# Expert files: the (4, P) fp32 record, then this trailer. The checksum makes a flipped or torn byte an error
-# instead of a weight (issue 11); the key and size catch a file of another expert or another model.
-_TRAILER = struct.Struct("<8sIIQI4x")
-_MAGIC = b"HFMOEXP1"
+# Expert files: the (rows, P) fp32 record, then this trailer: magic, layer, expert, P, rows, one CRC32 per row. The
+# checksums make a flipped or torn byte an error instead of a weight (issue 11); the key and size catch a file of
+# another expert or another model. Rows are read and written on their own (a row's CRC covers that row only).
+_TRAILER = struct.Struct("<8sIIQI4I4x")
+_MAGIC = b"HFMOEXP2"
 _FILE_PATTERN = re.compile(r"^layer\d+_expert\d+\.bin$")
 _CLOSED = b"closed"
+
+
+def _runs(rows: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted row indices as [start, stop) runs of consecutive rows (one read or write call each)."""
+    out: list[list[int]] = []
+    for r in sorted(rows):
+        if out and out[-1][1] == r:
+            out[-1][1] = r + 1
+        else:
+            out.append([r, r + 1])
+    return [(a, b) for a, b in out]
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -295,19 +347,27 @@ class _DirectoryLock:
 
 
 class DiskExpertStore(ExpertStore):
-    """Expert files in `offload_dir` behind an LRU host cache of `cache_experts` records.
+    """Expert files in `offload_dir` behind a host cache of `cache_experts` records.
 
     Reads go to preallocated (pinned) cache slots with explicit `readinto`, ahead of use via `prefetch` (on the I/O
-    threads, which also do the write-backs that make room); dirty records are written back when evicted and on
-    `flush()`. Records in use (acquired) are never evicted; pinned ones only when nothing else can be. Each expert's
-    state is owned by one thread at a time (see `_Entry`). Every file carries a CRC32 of its record, checked on every
-    read. The directory is locked while the store is open (`_DirectoryLock`); expert files left by a run that did not
-    close its store are discarded with a warning (`owner=False`: a node-shared store's other ranks, which neither
-    lock nor clean).
+    threads, which also do the write-backs that make room); dirty rows are written back when evicted and on
+    `flush()`. Only the rows a caller asks for are read and only changed rows are written (issue 14): a forward reads
+    an expert's weights, its backward adds the gradient (zero-filled, not read, when the gradient is known to be
+    zero), its optimizer step reads the moments. Eviction follows the engine's schedule (`set_schedule`: forward in
+    order, backward in reverse, then the next forward): the idle record needed furthest in the future goes (Belady's
+    MIN), least recently used first among equals and without a schedule. Records in use (acquired) are never
+    evicted; pinned ones only when nothing else can be. Each expert's state is owned by one thread at a time (see
+    `_Entry`). Every file carries a CRC32 per row, checked on every read. The directory is locked while the store is
+    open (`_DirectoryLock`); expert files left by a run that did not close its store are discarded with a warning
+    (`owner=False`: a node-shared store's other ranks, which neither lock nor clean).
     """
 
     tier = "disk"
+    wants_schedule = True
     stall_timeout = 60.0  # seconds a thread waits for a cache slot before the cache is declared too small
+    # Row-level I/O and gradients known to be zero. A node-shared store (several processes, one set of files) turns
+    # it off: which gradients are zero is known per process only, so it moves whole records.
+    row_io = True
 
     def __init__(self, keys, numel, compute_dtype, stats, offload_dir: str, cache_experts: int, io_threads: int = 2,
                  owner: bool = True, state_rows: int = 4):
@@ -338,8 +398,14 @@ class DiskExpertStore(ExpertStore):
         self._compute_slots = ([torch.empty(numel, dtype=compute_dtype) for _ in range(cache_experts)]
                                if compute_dtype != torch.float32 else [None] * cache_experts)
         self._free = list(range(cache_experts))
-        self._entries: OrderedDict[ExpertKey, _Entry] = OrderedDict()  # LRU first
+        self._entries: OrderedDict[ExpertKey, _Entry] = OrderedDict()  # least recently used first
         self._pinned: set[ExpertKey] = set()
+        # False: the gradient is zero and its row, in a slot not `valid` or in the file, means nothing.
+        self._grad_live: dict[ExpertKey, bool] = {k: False for k in self._keys}
+        self._crcs: dict[ExpertKey, list[int]] = {}  # the CRC32 of each row of each file this process wrote
+        self._uses: dict[ExpertKey, deque[int]] = {}  # set_schedule: each expert's positions in the schedule
+        self._schedule: list[ExpertKey] = []
+        self._cursor = 0
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="expert-io")
 
@@ -365,13 +431,32 @@ class DiskExpertStore(ExpertStore):
         for name in stale:
             os.remove(os.path.join(self.dir, name))
 
+    def _rows(self, rows: Iterable[int] | None) -> set[int]:
+        """The rows to have current: PARAM always (a record's compute copy mirrors it); every row without row I/O."""
+        if rows is None or not self.row_io:
+            return set(range(self.state_rows))
+        return {r for r in rows if r < self.state_rows} | {PARAM}
+
+    def _live(self, key: ExpertKey) -> bool:
+        return self._grad_live[key] or not self.row_io
+
     # --- file I/O (called without the lock, by the thread that owns the expert's LOADING/WRITING state) ---
-    def _write_file(self, key: ExpertKey, buffer: torch.Tensor) -> None:
+    def _write_file(self, key: ExpertKey, buffer: torch.Tensor, rows: list[int]) -> None:
+        """Write `rows` of `buffer` and the trailer. A file this process wrote before keeps its other rows; a new
+        one (or any file of a store without row I/O) is written whole from `rows`."""
         path = self.path(key)
-        trailer = _TRAILER.pack(_MAGIC, key[0], key[1], buffer.numel(), _crc32(buffer))
+        row_bytes = self.numel * 4
+        previous = self._crcs.get(key) if self.row_io else None
+        crcs = list(previous) if previous is not None else [0] * STATE_ROWS
+        for r in rows:
+            crcs[r] = _crc32(buffer[r])
+        trailer = _TRAILER.pack(_MAGIC, key[0], key[1], self.numel, self.state_rows, *crcs)
         try:
-            with open(path, "wb") as f:
-                f.write(tensor_bytes(buffer))
+            with open(path, "r+b" if previous is not None else "wb") as f:
+                for start, stop in _runs(rows):
+                    f.seek(start * row_bytes)
+                    f.write(tensor_bytes(buffer[start:stop]))
+                f.seek(self.state_rows * row_bytes)
                 f.write(trailer)
         except OSError as err:
             if err.errno == errno.ENOSPC:
@@ -381,58 +466,104 @@ class DiskExpertStore(ExpertStore):
                     "still in the host cache and saved checkpoints are not affected."
                 ) from err
             raise ExpertStoreError(f"could not write expert file {path}: {err}") from err
-        self.stats.disk_write_bytes += buffer.numel() * 4
+        self._crcs[key] = crcs
+        self.stats.disk_write_bytes += len(rows) * row_bytes
 
-    def _read_file(self, key: ExpertKey, buffer: torch.Tensor) -> None:
+    def _read_file(self, key: ExpertKey, buffer: torch.Tensor, rows: list[int]) -> None:
         path = self.path(key)
-        want = buffer.numel() * 4
+        row_bytes = self.numel * 4
+        size = self.state_rows * row_bytes + _TRAILER.size
         try:
             with open(path, "rb", buffering=0) as f:
-                got = f.readinto(tensor_bytes(buffer))
-                trailer = f.read(_TRAILER.size + 1)
+                actual = os.fstat(f.fileno()).st_size
+                if actual != size:
+                    raise CorruptExpertFileError(
+                        f"expert file {path} is truncated or padded ({actual} bytes, expected {size}); the offload "
+                        "directory is corrupt: resume from your last checkpoint"
+                    )
+                for start, stop in _runs(rows):
+                    f.seek(start * row_bytes)
+                    got = f.readinto(tensor_bytes(buffer[start:stop]))
+                    if got != (stop - start) * row_bytes:
+                        raise CorruptExpertFileError(
+                            f"expert file {path} is truncated (changed while read); resume from your last checkpoint")
+                f.seek(self.state_rows * row_bytes)
+                trailer = f.read(_TRAILER.size)
         except FileNotFoundError as err:
             raise CorruptExpertFileError(
                 f"expert file {path} is missing: the offload directory was modified while in use; resume from your "
                 "last checkpoint"
             ) from err
-        if got != want or len(trailer) < _TRAILER.size:
-            raise CorruptExpertFileError(
-                f"expert file {path} is truncated ({got} of {want} bytes); the offload directory is corrupt: "
-                "resume from your last checkpoint"
-            )
-        magic, layer, expert, numel, crc = _TRAILER.unpack(trailer[: _TRAILER.size])
+        magic, layer, expert, numel, state_rows, *crcs = _TRAILER.unpack(trailer)
         problem = None
-        if magic != _MAGIC or len(trailer) != _TRAILER.size:
+        if magic != _MAGIC:
             problem = "it is not an expert file of this version"
-        elif (layer, expert) != tuple(key) or numel != buffer.numel():
-            problem = f"it holds expert {(layer, expert)} with {numel} values, not expert {key} with {buffer.numel()}"
-        elif _crc32(buffer) != crc:
+        elif (layer, expert) != tuple(key) or numel != self.numel or state_rows != self.state_rows:
+            problem = (f"it holds expert {(layer, expert)} with {state_rows} x {numel} values, not expert {key} with "
+                       f"{self.state_rows} x {self.numel}")
+        elif any(_crc32(buffer[r]) != crcs[r] for r in rows):
             problem = "its checksum does not match its contents (bytes changed on disk)"
         if problem is not None:
             raise CorruptExpertFileError(
                 f"expert file {path} is corrupt: {problem}. Nothing from it was used; check the disk under "
                 f"{self.dir!r} and resume from your last checkpoint"
             )
-        self.stats.disk_read_bytes += want
+        self.stats.disk_read_bytes += len(rows) * row_bytes
+
+    def _fill_rows(self, key: ExpertKey, record_buffer: torch.Tensor, rows: set[int], grad_live: bool) -> None:
+        """Make `rows` of the slot current: read them, except a zero gradient, which is zero-filled."""
+        read = sorted(rows if grad_live else rows - {GRAD})
+        if GRAD in rows and not grad_live:
+            record_buffer[GRAD].zero_()
+        if read:
+            self._read_file(key, record_buffer, read)
+
+    # --- the schedule (Belady's MIN over the engine's known order) ---
+    def set_schedule(self, keys):
+        uses: dict[ExpertKey, deque[int]] = {}
+        for i, key in enumerate(keys):
+            uses.setdefault(key, deque()).append(i)
+        with self._lock:
+            self._schedule, self._uses, self._cursor = list(keys), uses, 0
+
+    def _advance(self, key: ExpertKey) -> None:
+        """Lock held: an acquire of the schedule's next expert moves the schedule on."""
+        if self._cursor < len(self._schedule) and self._schedule[self._cursor] == key:
+            self._uses[key].popleft()
+            self._cursor += 1
+
+    def _next_use(self, key: ExpertKey) -> float:
+        uses = self._uses.get(key)
+        return uses[0] if uses else math.inf
 
     # --- state transitions (lock held; may release it around I/O, see each) ---
-    def _victim(self, evict_pinned: bool) -> ExpertKey | None:
-        """The least recently used idle record, not pinned if possible (pinned only when `evict_pinned`)."""
-        pinned = None
+    def _victim(self, evict_pinned: bool, for_key: ExpertKey | None = None) -> ExpertKey | None:
+        """The idle record needed furthest in the future (ties: least recently used), not pinned if possible
+        (pinned only when `evict_pinned`). With `for_key` (a speculative read), only one needed later than
+        `for_key`, or never (the cache is better used as it is)."""
+        best, best_use, pinned, pinned_use = None, -1.0, None, -1.0
         for key, entry in self._entries.items():
             if entry.state is CACHED and entry.refs == 0:
+                use = self._next_use(key)
                 if key not in self._pinned:
-                    return key
-                pinned = pinned or key
-        return pinned if evict_pinned else None
+                    if use > best_use:
+                        best, best_use = key, use
+                elif use > pinned_use:
+                    pinned, pinned_use = key, use
+        if best is None and evict_pinned:
+            best, best_use = pinned, pinned_use
+        if best is not None and for_key is not None and best_use != math.inf and best_use <= self._next_use(for_key):
+            return None
+        return best
 
-    def _claim_slot(self, block: bool = True) -> int | None:
+    def _claim_slot(self, block: bool = True, for_key: ExpertKey | None = None) -> int | None:
         """A free cache slot, evicting an idle record (written back first if dirty; the lock is released meanwhile).
-        Non-blocking (speculative reads): never evicts a pinned record and returns None when nothing is evictable."""
+        Non-blocking (speculative reads for `for_key`): never evicts a pinned record, nor one needed before
+        `for_key`, and returns None when nothing is evictable."""
         while True:
             if self._free:
                 return self._free.pop()
-            victim = self._victim(evict_pinned=block)
+            victim = self._victim(evict_pinned=block, for_key=None if block else for_key)
             if victim is None:
                 if not block:
                     return None
@@ -453,45 +584,72 @@ class DiskExpertStore(ExpertStore):
             return entry.slot
 
     def _write_back(self, key: ExpertKey, entry: _Entry) -> None:
-        """CACHED, idle and dirty -> WRITING -> CACHED and clean (or still dirty if the write failed: nothing lost)."""
+        """CACHED, idle and dirty -> WRITING -> CACHED and clean (or still dirty if the write failed: nothing lost).
+        A gradient known to be zero is not written (its row in the file is never read)."""
+        rows = entry.dirty_rows & entry.valid
+        if not self._live(key):
+            rows.discard(GRAD)
+        if not self.row_io:
+            rows = set(range(self.state_rows))
         entry.state = WRITING
         self._lock.release()
         written = False
         try:
-            self._write_file(key, entry.record.buffer)
+            if rows:
+                self._write_file(key, entry.record.buffer, sorted(rows))
             written = True
         finally:
             self._lock.acquire()
             entry.state = CACHED
-            entry.dirty = entry.dirty and not written
+            if written:
+                entry.dirty_rows.clear()
             self._lock.notify_all()
 
-    def _load(self, key: ExpertKey, entry: _Entry, block: bool) -> bool:
-        """Fill this thread's LOADING `entry`: claim a slot, read the file into it (lock released), -> CACHED.
-        On failure, or when a speculative load finds nothing to evict, the entry is removed (on disk only again)."""
+    def _load(self, key: ExpertKey, entry: _Entry, rows: set[int], block: bool) -> bool:
+        """Fill this thread's LOADING `entry`: claim a slot, read `rows` of the file into it (lock released),
+        -> CACHED. On failure, or when a speculative load finds nothing to evict, the entry is removed (on disk only
+        again)."""
         try:
-            slot = self._claim_slot(block=block)
+            slot = self._claim_slot(block=block, for_key=key)
         except BaseException:
             self._abandon(key, entry, None)
             raise
         if slot is None:
             self._abandon(key, entry, None)
             return False
+        live = self._live(key)
         self._lock.release()
         try:
             # The slot's last record may still be read by an upload: the engine releases it only after the copy.
             self.runtime.access(self._slots[slot][0], write=True, stream=HOST)
-            self._read_file(key, self._slots[slot])
+            self._fill_rows(key, self._slots[slot], rows, live)
             record = self._new_record(key, self._slots[slot], self._compute_slots[slot])
         except BaseException:
             self._lock.acquire()
             self._abandon(key, entry, slot)
             raise
         self._lock.acquire()
-        entry.slot, entry.record, entry.state = slot, record, CACHED
+        entry.slot, entry.record, entry.state, entry.valid = slot, record, CACHED, set(rows)
         self._entries.move_to_end(key)
         self._lock.notify_all()
         return True
+
+    def _add_rows(self, key: ExpertKey, entry: _Entry, rows: set[int]) -> None:
+        """Read `rows` into the CACHED `entry`'s record (CACHED -> LOADING -> CACHED, lock released around the
+        read). Its holders keep using the rows they have; nobody can evict it or write it back meanwhile."""
+        entry.state = LOADING
+        live = self._live(key)
+        self._lock.release()
+        done = False
+        try:
+            self._fill_rows(key, entry.record.buffer, rows, live)
+            done = True
+        finally:
+            self._lock.acquire()
+            entry.state = CACHED
+            if done:
+                entry.valid |= rows
+            self._lock.notify_all()
 
     def _abandon(self, key: ExpertKey, entry: _Entry, slot: int | None) -> None:
         del self._entries[key]
@@ -499,10 +657,13 @@ class DiskExpertStore(ExpertStore):
             self._free.append(slot)
         self._lock.notify_all()
 
-    def _background_load(self, key: ExpertKey, entry: _Entry) -> None:
+    def _background_load(self, key: ExpertKey, entry: _Entry, rows: set[int]) -> None:
         with self._lock:
             try:
-                self._load(key, entry, block=False)
+                if entry.state is LOADING and entry.record is None:
+                    self._load(key, entry, rows, block=False)
+                elif self._entries.get(key) is entry and entry.state is CACHED and rows - entry.valid:
+                    self._add_rows(key, entry, rows - entry.valid)
             except Exception as err:  # the acquire that needs it reads again and raises in the caller
                 logger.debug("prefetch of expert %s failed: %s", key, err)
 
@@ -548,6 +709,7 @@ class DiskExpertStore(ExpertStore):
                     break
                 self._lock.wait()
             entry.refs += 1
+            entry.valid = set(range(self.state_rows))
             self._entries.move_to_end(key)
             record = entry.record
         try:
@@ -558,10 +720,12 @@ class DiskExpertStore(ExpertStore):
             self.steps[key] = 0
             self.has_grad[key] = False
         finally:
-            self.release(key, dirty=True)
+            self.release(key, dirty=True, grad_zeroed=True)
 
-    def acquire(self, key):
+    def acquire(self, key, rows=None):
+        want = self._rows(rows)
         with self._lock:
+            self._advance(key)
             entry = self._entries.get(key)
             if entry is not None and entry.state is CACHED:
                 self.stats.cache_hits += 1
@@ -571,30 +735,79 @@ class DiskExpertStore(ExpertStore):
                 entry = self._entries.get(key)
                 if entry is None:
                     entry = self._entries[key] = _Entry()
-                    self._load(key, entry, block=True)
+                    self._load(key, entry, want, block=True)
                 elif entry.state is CACHED:
+                    missing = want - entry.valid
+                    if missing:
+                        self._add_rows(key, entry, missing)
+                        continue
                     entry.refs += 1
                     self._entries.move_to_end(key)
                     return entry.record
                 else:
                     self._lock.wait()  # another thread owns it (loading or writing back)
 
-    def release(self, key, dirty=False):
+    def require(self, key, rows=None):
+        want = self._rows(rows)
+        with self._lock:
+            while True:
+                entry = self._entries.get(key)
+                if entry is None or entry.refs <= 0:
+                    raise ExpertStoreError(f"require({key}): the caller must hold the expert (acquire it first)")
+                if entry.state is CACHED:
+                    missing = want - entry.valid
+                    if not missing:
+                        return
+                    self._add_rows(key, entry, missing)
+                else:
+                    self._lock.wait()
+
+    def release(self, key, dirty=False, grad_zeroed=False):
         with self._lock:
             entry = self._entries[key]
             if entry.refs <= 0:
                 raise ExpertStoreError(f"expert {key} released more often than acquired")
             entry.refs -= 1
-            if dirty:
-                entry.dirty = True
+            if dirty is not False:
+                rows = set(entry.valid) if dirty is True or not self.row_io else set(dirty)
+                if not rows <= entry.valid:
+                    raise ExpertStoreError(f"expert {key}: rows {sorted(rows - entry.valid)} released dirty but "
+                                           "never acquired")
+                entry.dirty_rows |= rows
+                if GRAD in rows:
+                    self._grad_live[key] = True
+            if grad_zeroed and self.row_io:
+                self._grad_live[key] = False
+                entry.dirty_rows.discard(GRAD)
             self._lock.notify_all()
 
-    def prefetch(self, keys):
+    def clear_grad(self, key):
+        if not self.row_io:
+            return super().clear_grad(key)
+        with self._lock:
+            while True:
+                entry = self._entries.get(key)
+                if entry is None or entry.state is CACHED:
+                    break
+                self._lock.wait()
+            self._grad_live[key] = False
+            if entry is not None:
+                entry.dirty_rows.discard(GRAD)
+                if entry.refs == 0:
+                    entry.valid.discard(GRAD)  # zero-filled when next needed
+                elif GRAD in entry.valid:
+                    entry.record.grad.zero_()
+
+    def prefetch(self, keys, rows=None):
+        want = self._rows(rows)
         with self._lock:
             for key in keys:
-                if key not in self._entries:
+                entry = self._entries.get(key)
+                if entry is None:
                     entry = self._entries[key] = _Entry()
-                    self._pool.submit(self._background_load, key, entry)
+                    self._pool.submit(self._background_load, key, entry, want)
+                elif entry.state is CACHED and want - entry.valid:
+                    self._pool.submit(self._background_load, key, entry, want)
 
     def set_pinned(self, keys):
         keys = list(keys)[: max(0, self.cache_experts - 2)]  # keep room for the experts in flight

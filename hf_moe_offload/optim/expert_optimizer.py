@@ -32,9 +32,20 @@ import torch
 from torch.optim.adam import adam
 
 from ..offload.engine import GradArrival, OffloadEngine
-from ..offload.store import ExpertKey, ExpertRecord
+from ..offload.store import GRAD, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord
 
 logger = logging.getLogger(__name__)
+
+
+class _Held:
+    """A record held by `ExpertOptimizer._landed`; `grad_zeroed` tells the store, on release, that the gradient
+    was zeroed (the disk tier then neither writes nor reads it)."""
+
+    __slots__ = ("record", "grad_zeroed")
+
+    def __init__(self, record: ExpertRecord):
+        self.record = record
+        self.grad_zeroed = False
 
 
 def accelerate_sync_gradients() -> bool:
@@ -163,23 +174,28 @@ class ExpertOptimizer:
     def _measure(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None) -> float:
         """Deferred mode, on a worker: land the gradient and return its squared L2 norm (fp32, like
         `clip_grad_norm_`; inf/nan when the gradient overflowed)."""
-        with self._landed(key, record, arrival, dirty=arrival is not None) as record:
-            return float(torch.linalg.vector_norm(record.grad)) ** 2
+        with self._landed(key, record, arrival, WEIGHTS_AND_GRAD, dirty=(GRAD,) if arrival is not None else False) \
+                as held:
+            return float(torch.linalg.vector_norm(held.record.grad)) ** 2
 
     @contextmanager
-    def _landed(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None, dirty: bool):
-        """`key`'s record with its final gradient in it (the in-flight download landed), released afterwards. A
+    def _landed(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None,
+                rows: tuple[int, ...] | None, dirty: bool | tuple[int, ...]):
+        """`key`'s record (`rows` of it current; None: all) with its final gradient in it (the in-flight download
+        landed), released afterwards (`dirty`; the body sets `held.grad_zeroed` once it zeroed the gradient). A
         `record` passed in was acquired by the gradient hook that handed it over; None: acquire it here, once the
         engine's host worker has added the gradient."""
         if record is None:
             self.engine.wait_for_grad(key)
-            record = self.store.acquire(key)
+            record = self.store.acquire(key, rows)
+        held = _Held(record)
         try:
+            self.store.require(key, rows)  # a handed-over record has the weights and gradient only
             if arrival is not None:
                 arrival.land(record)
-            yield record
+            yield held
         finally:
-            self.store.release(key, dirty=dirty)
+            self.store.release(key, dirty=dirty, grad_zeroed=held.grad_zeroed)
 
     # --- stepping ---
     def _owns(self, key: ExpertKey) -> bool:
@@ -232,8 +248,9 @@ class ExpertOptimizer:
         t0 = time.perf_counter()
         try:
             with ExitStack() as held:
-                records = [held.enter_context(self._landed(key, None, None, dirty=True)) for key in keys]
-                pairs = [(k, r) for k, r in zip(keys, records) if self.store.has_grad[k]]
+                helds = [held.enter_context(self._landed(key, None, None, None, dirty=True)) for key in keys]
+                ready = [(k, h) for k, h in zip(keys, helds) if self.store.has_grad[k]]
+                pairs = [(k, h.record) for k, h in ready]
                 if not pairs:
                     return
                 grads = [r.grad for _, r in pairs]
@@ -245,9 +262,10 @@ class ExpertOptimizer:
                     self.store.note_host_write(r)  # no upload may still be reading these weights
                 self._adam_many(pairs, lr)
                 torch._foreach_zero_(grads)
-                for k, r in pairs:
+                for k, h in ready:
+                    h.grad_zeroed = True
                     self.store.has_grad[k] = False
-                    r.refresh_compute()
+                    h.record.refresh_compute()
         finally:
             end = time.perf_counter()
             with self._lock:
@@ -280,7 +298,8 @@ class ExpertOptimizer:
                      clip_coef: float | None, grad_scale: float | None, window: int) -> None:
         t0 = time.perf_counter()
         try:
-            with self._landed(key, record, arrival, dirty=True) as record:
+            with self._landed(key, record, arrival, None, dirty=True) as held:
+                record = held.record
                 if not self.store.has_grad[key]:
                     return  # like torch: a parameter without .grad is not stepped
                 grad = record.grad
@@ -294,6 +313,7 @@ class ExpertOptimizer:
                 self.store.note_host_write(record)  # no upload may still be reading these weights
                 self._adam(key, record, lr)
                 record.grad.zero_()
+                held.grad_zeroed = True
                 self.store.has_grad[key] = False
                 record.refresh_compute()
         finally:
@@ -330,7 +350,7 @@ class ExpertOptimizer:
         self.engine.synchronize()
         for key in self.store.keys():
             if key not in measured and self.store.has_grad[key] and self._owns(key):
-                record = self.store.acquire(key)
+                record = self.store.acquire(key, WEIGHTS_AND_GRAD)
                 try:
                     total += float(torch.linalg.vector_norm(record.grad)) ** 2
                 finally:
@@ -411,7 +431,7 @@ class ExpertOptimizer:
             if found:
                 break
             if key not in measured and self.store.has_grad[key] and self._owns(key):
-                record = self.store.acquire(key)
+                record = self.store.acquire(key, WEIGHTS_AND_GRAD)
                 try:
                     if not torch.isfinite(record.grad).all():
                         found = True

@@ -280,7 +280,11 @@ class PartitionedExecutor:
             d = replace(d, x=None)
 
             def run(tdi: torch.Tensor, d=d, saver=None) -> torch.Tensor:
-                y = experts(tdi, d.counts, d.expert_ids)
+                if streamed:  # the strategies assume the engine saves T_DI only: no kept expert graphs
+                    with experts.recomputing():
+                        y = experts(tdi, d.counts, d.expert_ids)
+                else:
+                    y = experts(tdi, d.counts, d.expert_ids)
                 if saver is not None:
                     saver.phase = "tdo"
                 return weight_rows(y, d.weights)
