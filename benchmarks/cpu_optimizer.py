@@ -81,6 +81,7 @@ def throughput(num_experts: int, numel: int, reps: int) -> dict:
         r.param.normal_()
         r.grad.normal_()
         store.has_grad[k] = True
+    noise = torch.randn(numel)  # a landed gradient
     params = [torch.nn.Parameter(torch.randn(numel)) for _ in keys]
     for p in params:
         p.grad = torch.randn(numel)
@@ -106,8 +107,8 @@ def throughput(num_experts: int, numel: int, reps: int) -> dict:
             engine.synchronize()
             elapsed += time.perf_counter() - t0
             opt._stepped.clear()
-            for k in keys:  # the step zeroes the gradient; refill (untimed) so every rep does the same work
-                store.acquire(k).grad.normal_()
+            for k in keys:  # the step clears the gradient; land a new one (untimed) so every rep does the same work
+                store.acquire(k).add_grad(noise)
         out[f"expert_{workers}w_params_per_s"] = reps * num_experts * numel / elapsed
         opt._pool.shutdown()
     # Deferred mode (global clipping or loss scaling, the Trainer's default): `step()` steps every ready expert,
@@ -124,7 +125,7 @@ def throughput(num_experts: int, numel: int, reps: int) -> dict:
         if rep:  # the first is a warm-up
             elapsed += time.perf_counter() - t0
         for k in keys:
-            store.acquire(k).grad.normal_()
+            store.acquire(k).add_grad(noise)
     out["expert_batched_2w_params_per_s"] = reps * num_experts * numel / elapsed
     opt._pool.shutdown()
     out["ratio_1w_vs_torch_fused"] = out["expert_1w_params_per_s"] / out["torch_fused_params_per_s"]

@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,24 +58,32 @@ def train_steps(model, opt, batches) -> tuple[float, float, int]:
 
 
 def minimum_bytes(engine, cache_experts: int) -> tuple[float, float]:
-    """The fewest bytes a disk tier with this cache must read and write per step (issue 14): of the N experts a step
-    uses, at most `cache_experts` stay in host memory, and each of the other N - C is read twice (weights for the
-    forward, again for the reverse-order backward: a cache of C serves C of each sweep) and its Adam moments once,
-    and written once (weights and moments)."""
+    """The fewest bytes a disk tier with this cache must read and write per step (issue 14). AdamW steps every expert
+    each step (one without tokens has a zero gradient, as in the plain model: weight decay and moment decay), so of
+    the K experts at most C = `cache_experts` stay in host memory and the other K - C have their Adam moments read
+    and their weights and moments written once. Their weights are read twice if they had tokens (forward, and again
+    for the reverse-order backward: a cache of C serves C of each sweep) and once if not (for the step). The cache is
+    best spent on experts with tokens."""
     used = sum(1 for counts in engine.stats.tokens_per_expert.values() for n in counts if n)
-    row = engine.store.numel * 4
-    uncached = max(0, used - cache_experts)
-    return uncached * 4 * row, uncached * 3 * row
+    total, row = len(engine.store), engine.store.numel * 4
+    uncached_used = max(0, used - cache_experts)
+    uncached_idle = (total - used) - max(0, cache_experts - used)
+    reads = uncached_used * 4 + uncached_idle * 3  # rows: weights x2 + moments; weights + moments
+    return reads * row, max(0, total - cache_experts) * 3 * row
 
 
-def step_time_table(expert_counts, steps: int, batch: int, seq: int) -> list[dict]:
+def step_time_table(expert_counts, steps: int, batch: int, seq: int, rounds: int = 3) -> list[dict]:
+    """Per expert count: the resident model, the host tier and the disk tier (cache: a quarter of the experts) train
+    the same batches, interleaved (`rounds` x `steps` steps each, tier after tier), after one warm-up step each. The
+    step time is the median over rounds; the ratio is against the resident median of the same invocation."""
     rows = []
+    tiers = ("resident", "host", "disk")
     for E in expert_counts:
         base = make_model(E)
         batches = [torch.randint(0, 512, (batch, seq)) for _ in range(steps)]
-        runs = {}
         cache = max(4, (E * 2) // 4)  # a quarter of the 2 MoE layers' experts
-        for tier in ("resident", "host", "disk"):
+        runs = {}
+        for tier in tiers:
             model = copy.deepcopy(base)
             engine = None
             if tier == "resident":
@@ -89,18 +98,27 @@ def step_time_table(expert_counts, steps: int, batch: int, seq: int) -> list[dic
             if engine is not None:
                 engine.synchronize()
                 engine.stats.reset()
-            wall, system, faults = train_steps(model, opt, batches[1:])
-            runs[tier] = (wall / (steps - 1), system / (steps - 1), faults / (steps - 1), engine)
-            if engine is not None:
-                engine.synchronize()
-        res_t = runs["resident"][0]
-        for tier in ("resident", "host", "disk"):
-            t, system, faults, engine = runs[tier]
+            runs[tier] = {"model": model, "opt": opt, "engine": engine, "wall": [], "system": 0.0, "faults": 0}
+        for _ in range(rounds):
+            for tier in tiers:
+                run = runs[tier]
+                wall, system, faults = train_steps(run["model"], run["opt"], batches)
+                if run["engine"] is not None:
+                    run["engine"].synchronize()
+                run["wall"].append(wall / steps)
+                run["system"] += system
+                run["faults"] += faults
+        n = rounds * steps
+        res_t = statistics.median(runs["resident"]["wall"])
+        for tier in tiers:
+            run, engine = runs[tier], runs[tier]["engine"]
+            t = statistics.median(run["wall"])
             row = {"experts_per_layer": E, "tier": tier, "step_s": t, "resident_step_s": res_t,
-                   "ratio_vs_resident": t / res_t, "system_s_per_step": system, "minor_faults_per_step": faults}
+                   "ratio_vs_resident": t / res_t, "system_s_per_step": run["system"] / n,
+                   "minor_faults_per_step": run["faults"] / n}
             if engine is not None:
                 st = engine.stats
-                read, written = st.disk_read_bytes / (steps - 1), st.disk_write_bytes / (steps - 1)
+                read, written = st.disk_read_bytes / n, st.disk_write_bytes / n
                 row.update({
                     "disk_read_MB_per_step": read / 2**20,
                     "disk_write_MB_per_step": written / 2**20,
@@ -113,6 +131,8 @@ def step_time_table(expert_counts, steps: int, batch: int, seq: int) -> list[dic
                                 "write_vs_minimum": written / min_write if min_write else None,
                                 "min_read_MB_per_step": min_read / 2**20, "min_write_MB_per_step": min_write / 2**20})
             rows.append(row)
+            if engine is not None:
+                engine.store.close()
     return rows
 
 
@@ -175,12 +195,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     counts = [16, 32] if args.quick else [16, 32, 64]
-    steps = 4 if args.quick else 6
+    steps = 3 if args.quick else 5
     if args.capacity_only:
         with open(os.path.join(HERE, "offload.json")) as f:
             rows = json.load(f)["step_time"]
     else:
-        rows = step_time_table(counts, steps=steps, batch=8, seq=64)
+        rows = step_time_table(counts, steps=steps, batch=8, seq=64, rounds=2 if args.quick else 3)
     print(f"\nStep time, MoE-GPT 4 layers (2 MoE), d=128, ffn=512, batch 8x64, {platform.processor() or 'cpu'}")
     print(f"{'E':>4} {'tier':>8} {'step s':>7} {'x resident':>10} {'read MB/step':>12} {'x min':>5} "
           f"{'write MB/step':>13} {'x min':>5} {'stall':>5} {'hit':>4} {'sys s/step':>10} {'faults/step':>11}")

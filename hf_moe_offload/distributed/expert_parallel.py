@@ -392,6 +392,7 @@ def _share_existing_store(engine: OffloadEngine, config: OffloadConfig | None, g
         for key in old.keys():
             src = old.acquire(key)
             try:
+                src.current_grad()  # a stale gradient is zero: copied as such
                 store.write_param(key, src.param)
                 dst = store.acquire(key)
                 try:
@@ -500,6 +501,7 @@ def disable_expert_parallel(model: nn.Module, offload_dir: str | None = None) ->
         for key in shared.keys():
             src = shared.acquire(key)
             try:
+                src.current_grad()  # a stale gradient is zero: copied as such
                 private.write_param(key, src.param)
                 dst = private.acquire(key)
                 try:

@@ -194,6 +194,7 @@ class SharedHostExpertStore(HostExpertStore):
     """The host tier with one copy per node (see the module docstring). Build it with `create_node_shared_store`."""
 
     tier = "host"
+    lazy_grad_zero = False  # the gradient row is shared by the ranks; a stale flag would be one rank's only
 
     def __init__(self, keys: Iterable[ExpertKey], numel: int, compute_dtype: torch.dtype, stats: OffloadStats,
                  region: SharedRegion):
@@ -231,6 +232,7 @@ class SharedDiskExpertStore(DiskExpertStore):
     node-wide version numbers (see the module docstring). Build it with `create_node_shared_store`."""
 
     tier = "disk"
+    lazy_grad_zero = False  # the gradient row is shared by the ranks; a stale flag would be one rank's only
     row_io = False  # which gradients are zero is known per rank only: whole records move (see DiskExpertStore)
 
     def __init__(self, keys, numel, compute_dtype, stats, offload_dir: str, cache_experts: int, io_threads: int,

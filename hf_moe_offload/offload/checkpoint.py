@@ -285,7 +285,7 @@ def load_expert_state(engine, folder: str) -> dict:
             record.param.copy_(rows[0])
             record.exp_avg.copy_(rows[1])
             record.exp_avg_sq.copy_(rows[2])
-            record.grad.zero_()
+            record.clear_grad(lazy=False)
             record.refresh_compute()
         finally:
             store.release(key, dirty=True, grad_zeroed=True)

@@ -170,7 +170,7 @@ class GradArrival:
         if self.event is not None:
             self.event.synchronize()
             self.rt.access(self.buffer, stream=HOST)
-        record.grad.add_(self.buffer)
+        record.add_grad(self.buffer)
         self.buffer = None
         if self.release is not None:
             self.release()
@@ -284,8 +284,12 @@ class OffloadedExpertsLayer:
     def _forward_kept(self, xs: torch.Tensor, w: torch.Tensor, graphs: list) -> torch.Tensor:
         """One expert's forward with its graph kept for backward (`keep_activations`). The weight leaves are views
         of the store's own host tensors, which stay put until this expert's backward: nothing updates an expert
-        between its forward and its backward in a micro-step."""
-        leaves = [v.detach().requires_grad_(True) for v in self._weights(w, xs)]
+        between its forward and its backward in a micro-step (its step waits for the backward of the layer's last
+        call). They alias the weights through a tensor of their own: the record's rows are views of one buffer and
+        share its autograd version counter, so the gradient landed by another call of the layer (MPMoE partitions)
+        would otherwise count as a change of the saved weights."""
+        alias = w.new_empty(0).set_(w.untyped_storage(), w.storage_offset(), w.shape, w.stride())
+        leaves = [v.detach().requires_grad_(True) for v in self._weights(alias, xs)]
         xs = xs.detach().requires_grad_(True)
         with torch.enable_grad():
             ys = self.layout.forward(xs, leaves)
@@ -691,7 +695,7 @@ class OffloadEngine:
             return None
         record = self.store.acquire(key, WEIGHTS_AND_GRAD)
         try:
-            return record.grad.clone()
+            return record.current_grad().clone()
         finally:
             self.store.release(key)
 

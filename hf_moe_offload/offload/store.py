@@ -65,9 +65,13 @@ class ExpertRecord:
 
     `version` counts the updates of this expert (it lives in the store, so it survives an eviction from the disk
     tier's cache): a device copy made at version v is current while the version is still v.
+
+    `grad_stale`: the gradient row holds an old gradient that counts as zero (issue 14: the optimizer step does not
+    zero it in a separate pass; the next gradient is copied in instead of added). Read the gradient through
+    `current_grad()`, add to it through `add_grad()`.
     """
 
-    __slots__ = ("key", "buffer", "param", "grad", "exp_avg", "exp_avg_sq", "compute", "_versions")
+    __slots__ = ("key", "buffer", "param", "grad", "exp_avg", "exp_avg_sq", "compute", "grad_stale", "_versions")
 
     def __init__(self, key: ExpertKey, buffer: torch.Tensor, compute_dtype: torch.dtype,
                  versions: dict[ExpertKey, int] | None = None, compute: torch.Tensor | None = None):
@@ -78,6 +82,7 @@ class ExpertRecord:
         self.param = rows[0]
         # A weights-only record (frozen experts, `OffloadConfig(train_experts=False)`) has no training state.
         self.grad, self.exp_avg, self.exp_avg_sq = rows[1:] if len(rows) == STATE_ROWS else (None, None, None)
+        self.grad_stale = False
         self.compute = None
         if compute_dtype != torch.float32:
             # The disk tier passes its cache slot's compute buffer: nothing is allocated (or pinned) per read.
@@ -96,6 +101,29 @@ class ExpertRecord:
         """What is copied to the device: the low-precision copy, or the fp32 weights (the DMA source)."""
         return self.param if self.compute is None else self.compute
 
+    def add_grad(self, g: torch.Tensor) -> None:
+        """Accumulate `g` (flat) into the fp32 gradient."""
+        if self.grad_stale:
+            self.grad.copy_(g)
+            self.grad_stale = False
+        else:
+            self.grad.add_(g)
+
+    def current_grad(self) -> torch.Tensor:
+        """The accumulated gradient (a stale one is zeroed first)."""
+        if self.grad_stale:
+            self.grad.zero_()
+            self.grad_stale = False
+        return self.grad
+
+    def clear_grad(self, lazy: bool) -> None:
+        """The gradient is zero from now on: marked stale (`lazy`, no pass over it) or zeroed."""
+        if lazy:
+            self.grad_stale = True
+        else:
+            self.grad.zero_()
+            self.grad_stale = False
+
     def refresh_compute(self) -> None:
         """Keep the low-precision copy current after an update (ES-MoE mixed precision: fp32 master)."""
         if self.compute is not None:
@@ -108,6 +136,9 @@ class ExpertStore:
 
     tier = "?"
     wants_schedule = False  # whether `set_schedule` is used (the engine builds the schedule only then)
+    # Whether a cleared gradient may be left stale (`ExpertRecord.clear_grad(lazy=True)`). Node-shared stores say
+    # no: the flag is per process, the gradient row is shared with the other ranks.
+    lazy_grad_zero = True
 
     def __init__(self, keys: Iterable[ExpertKey], numel: int, compute_dtype: torch.dtype, stats: OffloadStats,
                  state_rows: int = STATE_ROWS):
@@ -158,6 +189,7 @@ class ExpertStore:
             record.param.copy_(flat)
             if reset_state:
                 record.buffer[1:].zero_()
+                record.grad_stale = False
                 self.steps[key] = 0
                 self.has_grad[key] = False
             record.refresh_compute()
@@ -169,7 +201,7 @@ class ExpertStore:
         record = self.acquire(key, WEIGHTS_AND_GRAD)
         try:
             if record.grad is not None:
-                record.grad.zero_()
+                record.clear_grad(self.lazy_grad_zero)
         finally:
             self.release(key, dirty=True, grad_zeroed=True)
 
@@ -715,6 +747,7 @@ class DiskExpertStore(ExpertStore):
         try:
             self.note_host_write(record)
             record.buffer.zero_()
+            record.grad_stale = False
             record.param.copy_(flat)
             record.refresh_compute()
             self.steps[key] = 0
@@ -796,7 +829,7 @@ class DiskExpertStore(ExpertStore):
                 if entry.refs == 0:
                     entry.valid.discard(GRAD)  # zero-filled when next needed
                 elif GRAD in entry.valid:
-                    entry.record.grad.zero_()
+                    entry.record.clear_grad(lazy=True)
 
     def prefetch(self, keys, rows=None):
         want = self._rows(rows)

@@ -176,7 +176,7 @@ class ExpertOptimizer:
         `clip_grad_norm_`; inf/nan when the gradient overflowed)."""
         with self._landed(key, record, arrival, WEIGHTS_AND_GRAD, dirty=(GRAD,) if arrival is not None else False) \
                 as held:
-            return float(torch.linalg.vector_norm(held.record.grad)) ** 2
+            return float(torch.linalg.vector_norm(held.record.current_grad())) ** 2
 
     @contextmanager
     def _landed(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None,
@@ -253,7 +253,7 @@ class ExpertOptimizer:
                 pairs = [(k, h.record) for k, h in ready]
                 if not pairs:
                     return
-                grads = [r.grad for _, r in pairs]
+                grads = [r.current_grad() for _, r in pairs]
                 if grad_scale is not None:  # the same two roundings as the per-expert path: unscale, then clip
                     torch._foreach_mul_(grads, 1.0 / grad_scale)
                 if clip_coef is not None:
@@ -261,8 +261,8 @@ class ExpertOptimizer:
                 for _, r in pairs:
                     self.store.note_host_write(r)  # no upload may still be reading these weights
                 self._adam_many(pairs, lr)
-                torch._foreach_zero_(grads)
-                for k, h in ready:
+                for k, h in ready:  # stale, not zeroed in a pass: the next gradient is copied in (issue 14)
+                    h.record.clear_grad(self.store.lazy_grad_zero)
                     h.grad_zeroed = True
                     self.store.has_grad[k] = False
                     h.record.refresh_compute()
@@ -302,7 +302,7 @@ class ExpertOptimizer:
                 record = held.record
                 if not self.store.has_grad[key]:
                     return  # like torch: a parameter without .grad is not stepped
-                grad = record.grad
+                grad = record.current_grad()
                 if grad_scale is not None:
                     grad.mul_(1.0 / grad_scale)
                 if self.max_grad_norm is not None and self.clip_mode == "per_expert":
@@ -312,7 +312,7 @@ class ExpertOptimizer:
                     grad.mul_(clip_coef)
                 self.store.note_host_write(record)  # no upload may still be reading these weights
                 self._adam(key, record, lr)
-                record.grad.zero_()
+                record.clear_grad(self.store.lazy_grad_zero)
                 held.grad_zeroed = True
                 self.store.has_grad[key] = False
                 record.refresh_compute()
@@ -352,7 +352,7 @@ class ExpertOptimizer:
             if key not in measured and self.store.has_grad[key] and self._owns(key):
                 record = self.store.acquire(key, WEIGHTS_AND_GRAD)
                 try:
-                    total += float(torch.linalg.vector_norm(record.grad)) ** 2
+                    total += float(torch.linalg.vector_norm(record.current_grad())) ** 2
                 finally:
                     self.store.release(key)
         coordinator = self.engine.coordinator
@@ -433,7 +433,7 @@ class ExpertOptimizer:
             if key not in measured and self.store.has_grad[key] and self._owns(key):
                 record = self.store.acquire(key, WEIGHTS_AND_GRAD)
                 try:
-                    if not torch.isfinite(record.grad).all():
+                    if not torch.isfinite(record.current_grad()).all():
                         found = True
                         break
                 finally:
