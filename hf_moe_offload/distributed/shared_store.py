@@ -8,7 +8,7 @@ add to its gradient. Rather than a copy per rank (k x host memory) the stores he
   tensor (own storage and autograd version counter, as in `HostExpertStore`) over its slice of the mapping. On CUDA
   the mapping is page-locked in place (`cudaHostRegister`) for asynchronous uploads.
 - `SharedDiskExpertStore` (disk tier): the expert files live in one offload directory per node; each rank keeps its
-  own bounded LRU host cache. Coherence comes from a version number per expert in shared memory: every write of an
+  own bounded host cache. Coherence comes from a version number per expert in shared memory: every write of an
   expert's file bumps it, and a rank drops a cached copy whose version is behind. `publish()` writes back what this
   rank changed so that the next rank to use the expert reads it.
 
@@ -228,7 +228,7 @@ class SharedHostExpertStore(HostExpertStore):
 
 
 class SharedDiskExpertStore(DiskExpertStore):
-    """The disk tier with one set of expert files per node and a private LRU cache per rank, kept coherent by
+    """The disk tier with one set of expert files per node and a private host cache per rank, kept coherent by
     node-wide version numbers (see the module docstring). Build it with `create_node_shared_store`."""
 
     tier = "disk"
