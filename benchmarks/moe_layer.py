@@ -5,7 +5,8 @@
 For each token count S and expert count E (top-2, d=256): forward+backward time and the bytes saved for backward
 (counted with saved-tensor hooks: what the layer holds between forward and backward) of
 (saved bytes: distinct storages that are not the parameters' own), for
-- ours: `MoEGPTSparseMoeBlock` (argsort dispatch, experts one after another on contiguous slices, index_add combine);
+- ours: `MoEGPTSparseMoeBlock` (argsort dispatch, each matmul of the experts one grouped GEMM over their contiguous
+  slices, `GroupedLinear`, index_add combine); ours_loop: the same with the experts one after another;
 - transformers' `Qwen3MoeSparseMoeBlock` with its `eager` experts and, where it runs on CPU, `grouped_mm`;
 - GShard-style dense dispatch: a (S, E, C) combine/dispatch mask with capacity C = ceil(1.25 * k * S / E), einsum
   dispatch, batched expert matmuls over (E, C) slots, einsum combine (its mask bytes are reported separately).
@@ -31,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from hf_moe_offload.models.moe_gpt import MoEGPTConfig, MoEGPTSparseMoeBlock  # noqa: E402
+from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import GroupedLinear  # noqa: E402
 
 H, I, K = 256, 1024, 2
 I_QWEN = (2 * I // 3) // 8 * 8  # equal FLOPs to 2/3; a multiple of 8 keeps grouped_mm's 16-byte stride rule
@@ -47,6 +49,21 @@ def ours(E: int) -> torch.nn.Module:
         return block(x.unsqueeze(0))[0].squeeze(0)
 
     return block, run
+
+
+def ours_loop(E: int):
+    """Ours with the per-expert loop (experts one after another), as before the grouped GEMM (issue 14, item 4)."""
+    block, run = ours(E)
+
+    def looped(x):
+        usable = GroupedLinear.usable
+        GroupedLinear.usable = staticmethod(lambda *a: False)
+        try:
+            return run(x)
+        finally:
+            GroupedLinear.usable = usable
+
+    return block, looped
 
 
 def qwen3(E: int, impl: str):
@@ -159,8 +176,10 @@ def main() -> None:
         for E in expert_counts:
             # fwd+bwd (x3) of the expert FFNs over the S*K routed assignments: 2 matmuls of H x I (ours, GShard),
             # 3 matmuls of H x I_QWEN (Qwen3 SwiGLU); GShard's padded capacity slots do not count as useful.
-            flops = {"ours": 3 * S * K * 4 * H * I, "gshard_mask": 3 * S * K * 4 * H * I}
-            variants = {"ours": ours(E), **{f"qwen3_{i}": qwen3(E, i) for i in impls}, "gshard_mask": gshard(E)}
+            flops = {"ours": 3 * S * K * 4 * H * I, "ours_loop": 3 * S * K * 4 * H * I,
+                     "gshard_mask": 3 * S * K * 4 * H * I}
+            variants = {"ours": ours(E), "ours_loop": ours_loop(E), **{f"qwen3_{i}": qwen3(E, i) for i in impls},
+                        "gshard_mask": gshard(E)}
             res = {}
             for name, (block, run) in variants.items():
                 res[name] = measure(run, block, S, reps)

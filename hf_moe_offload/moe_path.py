@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
-from .models.moe_gpt.modeling_moe_gpt import DispatchPlan, run_moe
+from .models.moe_gpt.modeling_moe_gpt import DispatchPlan, GroupedLinear, full_expert_counts, run_moe
 from .offload.layout import ExpertLayout, is_experts_interface_module, layout_for
 
 IMPLEMENTATION = "hf_moe_offload"
@@ -38,7 +38,8 @@ _LAYERS: "weakref.WeakKeyDictionary[nn.Module, MoELayer]" = weakref.WeakKeyDicti
 
 
 class ResidentExperts:
-    """`experts(x_sorted, counts, expert_ids)` over the module's own (E, ...) parameters, one expert after another."""
+    """`experts(x_sorted, counts, expert_ids)` over the module's own (E, ...) parameters: one grouped GEMM per matmul
+    where torch provides it (`GroupedLinear.usable`), else one expert after another."""
 
     def __init__(self, module: nn.Module, layout: ExpertLayout):
         self.module = module
@@ -58,7 +59,12 @@ class ResidentExperts:
         # (E, ...) gradient, O(E^2) memory traffic per layer; unbind's backward stacks the slices once.
         # getattr, not the parameters themselves: a parametrized tensor (peft's `target_parameters` LoRA on expert
         # tensors) reads as its effective value, weight + the adapter's delta.
-        per_expert = [getattr(self.module, t.name).unbind(0) for t in self.layout.tensors]
+        tensors = [getattr(self.module, t.name) for t in self.layout.tensors]
+        full = full_expert_counts(counts, expert_ids, self.layout.num_experts)
+        if (full is not None and not self._dropout_active()
+                and GroupedLinear.usable(x_sorted, self.layout.matrices(tensors), full)):
+            return self.layout.grouped_forward(x_sorted, full, tensors)
+        per_expert = [t.unbind(0) for t in tensors]
         outputs, start = [], 0
         for i, n in enumerate(counts):
             if n == 0:
@@ -69,6 +75,10 @@ class ResidentExperts:
         if not outputs:
             return x_sorted[:0].clone()
         return torch.cat(outputs)
+
+    def _dropout_active(self) -> bool:
+        """Dropout inside the experts draws one mask per expert in the loop: keep the loop then."""
+        return self.module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.module.modules())
 
 
 def sorted_experts(module: nn.Module) -> ResidentExperts:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.moe_gpt.modeling_moe_gpt import GroupedLinear
+
 
 @dataclass(frozen=True)
 class ExpertTensor:
@@ -64,13 +66,22 @@ class ExpertLayout:
     def forward(self, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         return self.expert_forward(x, *weights)
 
+    def grouped_forward(self, x: torch.Tensor, counts: list[int], tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Every expert at once from the module's (E, ...) tensors (layout order), each matmul one grouped GEMM over
+        the rows of each expert (`counts`, all E in expert order)."""
+        return self.expert_forward(x, *tensors, linear=GroupedLinear(counts, x))
+
+    def matrices(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The weight matrices among `tensors` (layout order): the decayed ones."""
+        return [t for t, spec in zip(tensors, self.tensors) if spec.decay]
+
 
 def moe_gpt_layout(experts: nn.Module) -> ExpertLayout:
     """Layout of `MoEGPTExperts` (fc1_weight (E,I,H), fc1_bias (E,I), fc2_weight (E,H,I), fc2_bias (E,H))."""
     E, I, H = experts.fc1_weight.shape
 
-    def forward(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias):
-        return experts.expert_forward(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+    def forward(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, linear=F.linear):
+        return experts.expert_forward(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, linear=linear)
 
     tensors = [
         ExpertTensor("fc1_weight", (I, H), True),
@@ -106,11 +117,11 @@ def experts_interface_layout(experts: nn.Module) -> ExpertLayout:
     gate = experts._apply_gate if experts.has_gate else experts.act_fn
     post_norm = experts.post_expert_norm if experts.has_post_expert_norm else None
 
-    def linear(x, w, b):
+    def expert_linear(x, w, b, transposed):
         return (x @ w + b if b is not None else x @ w) if transposed else F.linear(x, w, b)
 
-    def forward(x, w_up, w_down, b_up=None, b_down=None):
-        y = linear(gate(linear(x, w_up, b_up)), w_down, b_down)
+    def forward(x, w_up, w_down, b_up=None, b_down=None, linear=expert_linear):
+        y = linear(gate(linear(x, w_up, b_up, transposed)), w_down, b_down, transposed)
         return post_norm(y) if post_norm is not None else y
 
     down = getattr(experts, "down_proj")  # (E, H, I), or (E, I, H) transposed

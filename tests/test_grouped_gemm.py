@@ -1,0 +1,111 @@
+"""Resident experts through torch's grouped GEMM (issue 14, item 4): `GroupedLinear` runs each matmul of a layer's
+experts as one `torch.nn.functional.grouped_mm` over the rows of every expert, where torch provides it, and equals
+the per-expert loop it replaces (outputs, input gradients, expert weight gradients), for MoE-GPT's own experts and
+for transformers families through the package's path; elsewhere the loop runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import GroupedLinear, MoEGPTExperts
+from hf_moe_offload.moe_path import sorted_experts
+
+from moe_families import tiny_model
+from test_offload import small_model
+
+pytestmark = pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="this torch has no grouped GEMM")
+
+COUNTS = [5, 0, 7, 3, 0, 9]  # six experts, two without tokens
+
+
+def experts_module(family: str) -> torch.nn.Module:
+    model = small_model(num_experts=6) if family == "moe_gpt" else tiny_model(family, num_experts=6)
+    kind = MoEGPTExperts if family == "moe_gpt" else None
+    return next(m for m in model.modules() if (isinstance(m, kind) if kind else hasattr(m, "has_gate")))
+
+
+def forward_backward(run, module, x, g, autocast):
+    module.zero_grad()
+    x = x.detach().requires_grad_(True)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        y = run(x)
+    y.backward(g.to(y.dtype))
+    return y.detach().float(), x.grad.clone(), {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+@pytest.fixture
+def grouped_calls(monkeypatch):
+    calls = []
+    original = F.grouped_mm
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "grouped_mm", counting)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["moe_gpt", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_grouped_gemm_equals_the_per_expert_loop(family, autocast, grouped_calls, monkeypatch):
+    """Fresh random rows and output gradients; two experts get no row. fp32: equal within 1e-5 (the same GEMMs,
+    grouped; stated); bf16 autocast: within bf16 rounding of the largest value (2e-2 relative; stated)."""
+    module = experts_module(family)
+    # MoE-GPT's own sorted signature, and the package's path (every family): both take the grouped GEMM.
+    runs = [module.sorted_forward] if family == "moe_gpt" else []
+    runs.append(sorted_experts(module))
+    hidden = module.fc1_weight.shape[2] if family == "moe_gpt" else sorted_experts(module).layout.hidden_size
+    x = torch.randn(sum(COUNTS), hidden)
+    g = torch.randn(sum(COUNTS), hidden)
+    for run in runs:
+        grouped_calls.clear()
+        grouped = forward_backward(lambda x: run(x, COUNTS), module, x, g, autocast)
+        assert len(grouped_calls) == 2  # one grouped GEMM per matmul of the FFN
+        with monkeypatch.context() as m:
+            m.setattr(GroupedLinear, "usable", staticmethod(lambda *a: False))
+            grouped_calls.clear()
+            loop = forward_backward(lambda x: run(x, COUNTS), module, x, g, autocast)
+            assert not grouped_calls
+        tol = 1e-5 if autocast is None else 2e-2
+        for a, b in [(grouped[0], loop[0]), (grouped[1], loop[1]), *zip(grouped[2].values(), loop[2].values())]:
+            scale = max(1.0, b.abs().max().item())
+            assert (a - b).abs().max().item() <= tol * scale
+
+
+def test_experts_given_in_order_take_the_grouped_gemm_others_the_loop(grouped_calls):
+    """Rows of a subset of experts in ascending order (a partition, an expert-parallel rank) still form one grouped
+    GEMM (the others get empty groups); rows not in expert order run the loop, with the same result."""
+    module = experts_module("moe_gpt")
+    x = torch.randn(12, module.fc1_weight.shape[2])
+    ascending = module.sorted_forward(x, [4, 8], [1, 4])
+    assert len(grouped_calls) == 2
+    grouped_calls.clear()
+    swapped = module.sorted_forward(torch.cat([x[4:], x[:4]]), [8, 4], [4, 1])
+    assert not grouped_calls
+    torch.testing.assert_close(torch.cat([swapped[8:], swapped[:8]]), ascending, atol=1e-6, rtol=0)
+
+
+def test_grouped_gemm_takes_a_broadcast_gradient():
+    """grouped_mm's backward refuses a stride-0 gradient (that of `.sum()`); `GroupedLinear` hands it a contiguous
+    one."""
+    module = experts_module("moe_gpt")
+    x = torch.randn(sum(COUNTS), module.fc1_weight.shape[2], requires_grad=True)
+    module.sorted_forward(x, COUNTS).sum().backward()
+    assert x.grad is not None and module.fc1_weight.grad is not None
+
+
+def test_grouped_gemm_on_the_cpu_needs_16_byte_rows_and_few_rows_per_expert():
+    """torch's CPU grouped GEMM needs every row stride a multiple of 16 bytes: fp32 widths of 32 qualify, 30 do
+    not (the loop runs); bf16 needs multiples of 8 elements. Experts with many rows each run the loop (faster there:
+    one GEMM per expert)."""
+    w = torch.zeros(4, 48, 32)
+    assert GroupedLinear.usable(torch.zeros(8, 32), [w])
+    many = GroupedLinear.CPU_MAX_ROWS_PER_EXPERT + 1
+    assert GroupedLinear.usable(torch.zeros(2 * many, 32), [w], [many, 0, many - 2, 2])  # 3 experts with rows
+    assert not GroupedLinear.usable(torch.zeros(2 * many, 32), [w], [many, 0, many, 0])
+    assert not GroupedLinear.usable(torch.zeros(8, 30), [torch.zeros(4, 48, 30)])
+    assert not GroupedLinear.usable(torch.zeros(8, 36, dtype=torch.bfloat16), [torch.zeros(4, 48, 36)])
+    assert not GroupedLinear.usable(torch.zeros(8, 64)[:, :32], [w])  # not contiguous
