@@ -109,3 +109,4 @@ def test_grouped_gemm_on_the_cpu_needs_16_byte_rows_and_few_rows_per_expert():
     assert not GroupedLinear.usable(torch.zeros(8, 30), [torch.zeros(4, 48, 30)])
     assert not GroupedLinear.usable(torch.zeros(8, 36, dtype=torch.bfloat16), [torch.zeros(4, 48, 36)])
     assert not GroupedLinear.usable(torch.zeros(8, 64)[:, :32], [w])  # not contiguous
+    assert not GroupedLinear.usable(torch.zeros(0, 32), [w], [0, 0, 0, 0])  # no rows at all (a rank without tokens)

@@ -334,6 +334,7 @@ def test_disk_full_during_write_back_keeps_last_checkpoint(tmp_path, monkeypatch
 
     x = torch.randint(0, 101, (4, 16))
     model(x, labels=x).loss.backward()  # dirties every used expert's gradient
+    engine.synchronize()  # asynchronous runtimes land gradients on the host worker: wait until they are in
     monkeypatch.setattr("builtins.open", full_disk_open)
     with pytest.raises(ExpertStoreFullError, match="disk full"):
         engine.store.flush()

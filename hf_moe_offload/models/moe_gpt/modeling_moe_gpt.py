@@ -259,7 +259,7 @@ class GroupedLinear:
     dtype, as `F.linear` would (grouped_mm itself is not autocast-aware)."""
 
     def __init__(self, counts: list[int], x: torch.Tensor):
-        sizes = torch.tensor(counts, device=x.device)
+        sizes = torch.tensor(counts, dtype=torch.int64, device=x.device)
         self.offs = sizes.cumsum(0).to(torch.int32)
         self.rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device), sizes)
         self.dtype = _compute_dtype(x)
@@ -281,7 +281,7 @@ class GroupedLinear:
         """Whether to run these experts through torch's grouped GEMM here: on CUDA it takes bf16 on compute
         capability 8.0+; on the CPU its rows must be 16-byte multiples and the experts must have few rows each
         (`counts`, `CPU_MAX_ROWS_PER_EXPERT`). Otherwise the experts run one by one."""
-        if not hasattr(F, "grouped_mm") or not x.is_contiguous():
+        if not hasattr(F, "grouped_mm") or not x.is_contiguous() or x.shape[0] == 0:
             return False
         dtype = _compute_dtype(x)
         if x.device.type == "cuda":
