@@ -1,11 +1,13 @@
-"""Expert offload on CPU: step time of the host and disk tiers vs resident, bytes moved, stall fraction, and the
-largest expert count that trains within a fixed RSS budget with and without offload (ES-MoE Fig. 4 analogue).
+"""Expert offload on CPU: step time of the host and disk tiers vs resident, bytes moved per step against the minimum
+for the cache (`minimum_bytes`), stall fraction, system CPU time and minor page faults per step, and the largest
+expert count that trains within a fixed RSS budget with and without offload (ES-MoE Fig. 4 analogue).
 
-    python benchmarks/offload.py            # full table (~3-4 min on 2 cores)
-    python benchmarks/offload.py --quick    # smaller sweep
+    python benchmarks/offload.py                   # full table (~5 min on 2 cores)
+    python benchmarks/offload.py --quick           # smaller sweep
+    python benchmarks/offload.py --step-time-only  # the step-time table only (no JSON)
 
-Timings are ratios against the resident model measured in the same invocation (same process, interleaved).
-Writes benchmarks/offload.json.
+Timings are ratios against the resident model measured in the same invocation: the three tiers run the same batches
+interleaved, round after round, and each reports its median round. Writes benchmarks/offload.json.
 """
 
 from __future__ import annotations
