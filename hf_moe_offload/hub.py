@@ -194,8 +194,8 @@ def card_values(record: dict) -> dict[str, str]:
 
     if off.get("mode") in ("host", "disk"):
         rows = [("tier", f"`{off['mode']}`" + (f" (chosen by `mode=\"auto\"`)" if off.get("requested_mode") == "auto" else "")),
-                ("expert state (fp32 weights, grads, Adam)", f"{_fmt(off.get('expert_state_MB'))} MB in "
-                                                             f"{off.get('experts_total')} expert records")]
+                (f"expert state ({off.get('expert_state_rows', 'fp32 weights, gradients, Adam moments')})",
+                 f"{_fmt(off.get('expert_state_MB'))} MB in {off.get('experts_total')} expert records")]
         if off["mode"] == "disk":
             rows.append(("host cache", f"{off.get('host_cache_experts')} experts ({_fmt(off.get('host_cache_MB'))} MB, "
                                        f"{_fmt(off.get('host_cache_fraction'))} of the experts)"))

@@ -506,6 +506,7 @@ def offload_summary(engine, args: argparse.Namespace) -> dict[str, Any] | None:
         effective_prefetch_depth=engine.depth,
         pin_fraction=args.pin_fraction,
         compute_dtype=str(store.compute_dtype).replace("torch.", ""),
+        expert_state_rows="fp32 weights, gradients, Adam moments" if store.trainable else "fp32 weights (frozen)",
     )
     if cache is not None:
         summary.update(host_cache_experts=cache, host_cache_MB=round(cache * record_bytes / 2**20, 2),

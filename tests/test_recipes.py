@@ -53,6 +53,9 @@ def test_classification_recipe_full_and_lora(tmp_path, method):
     assert metrics["model"]["num_labels"] == 3  # negative / neutral / positive
     assert 0 < m["majority_accuracy"] < 1 and m["eval_accuracy_ci95"][0] <= m["eval_accuracy"] <= m["eval_accuracy_ci95"][1]
     assert m["versus_baseline"] in metrics["note"] and "majority-class" in (tmp_path / method / "README.md").read_text()
+    card = (tmp_path / method / "README.md").read_text()
+    if "expert state (" in card:  # offloaded: the card says what the store holds (LoRA: frozen weights only)
+        assert ("fp32 weights (frozen)" if method == "lora" else "gradients, Adam moments") in card
 
 
 @pytest.mark.slow

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..offload.store import (
     CACHED,
+    STATE_ROWS,
     DiskExpertStore,
     ExpertKey,
     ExpertRecord,
@@ -203,16 +204,16 @@ class SharedHostExpertStore(HostExpertStore):
         self._control = _SharedControl(region, 0, self._keys)
         self.steps = self._control.steps
         base = _SharedControl.nbytes(len(self._keys))
-        stride = _round_up(4 * numel * 4)
+        stride = _round_up(STATE_ROWS * numel * 4)  # fp32 rows
         self._records = {
-            k: self._new_record(k, region.tensor(base + i * stride, (4, numel), np.float32))
+            k: self._new_record(k, region.tensor(base + i * stride, (STATE_ROWS, numel), np.float32))
             for i, k in enumerate(self._keys)
         }
         region.register_with_cuda()
 
     @staticmethod
     def region_bytes(num_keys: int, numel: int) -> int:
-        return _SharedControl.nbytes(num_keys) + num_keys * _round_up(4 * numel * 4)
+        return _SharedControl.nbytes(num_keys) + num_keys * _round_up(STATE_ROWS * numel * 4)
 
     def _new_record(self, key, buffer, compute=None):
         return SharedExpertRecord(key, buffer, self.compute_dtype, self._control.versions, self._control.index[key],

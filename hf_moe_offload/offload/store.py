@@ -267,7 +267,7 @@ class HostExpertStore(ExpertStore):
 
     tier = "host"
 
-    def __init__(self, keys, numel, compute_dtype, stats, state_rows: int = 4):
+    def __init__(self, keys, numel, compute_dtype, stats, state_rows: int = STATE_ROWS):
         super().__init__(keys, numel, compute_dtype, stats, state_rows)
         self._records = {k: self._new_record(k, torch.zeros(state_rows, numel)) for k in self._keys}
 
@@ -402,7 +402,7 @@ class DiskExpertStore(ExpertStore):
     row_io = True
 
     def __init__(self, keys, numel, compute_dtype, stats, offload_dir: str, cache_experts: int, io_threads: int = 2,
-                 owner: bool = True, state_rows: int = 4):
+                 owner: bool = True, state_rows: int = STATE_ROWS):
         super().__init__(keys, numel, compute_dtype, stats, state_rows)
         if cache_experts < 1:
             raise ExpertStoreError(
