@@ -100,7 +100,7 @@ def test_grouped_gemm_takes_a_broadcast_gradient():
 def test_grouped_gemm_on_the_cpu_needs_16_byte_rows_and_few_rows_per_expert():
     """torch's CPU grouped GEMM needs every row stride a multiple of 16 bytes: fp32 widths of 32 qualify, 30 do
     not (the loop runs); bf16 needs multiples of 8 elements. Experts with many rows each run the loop (faster there:
-    one GEMM per expert)."""
+    one GEMM per expert), and so does inference (batch invariance)."""
     w = torch.zeros(4, 48, 32)
     assert GroupedLinear.usable(torch.zeros(8, 32), [w])
     many = GroupedLinear.CPU_MAX_ROWS_PER_EXPERT + 1
@@ -110,3 +110,5 @@ def test_grouped_gemm_on_the_cpu_needs_16_byte_rows_and_few_rows_per_expert():
     assert not GroupedLinear.usable(torch.zeros(8, 36, dtype=torch.bfloat16), [torch.zeros(4, 48, 36)])
     assert not GroupedLinear.usable(torch.zeros(8, 64)[:, :32], [w])  # not contiguous
     assert not GroupedLinear.usable(torch.zeros(0, 32), [w], [0, 0, 0, 0])  # no rows at all (a rank without tokens)
+    with torch.no_grad():  # inference keeps the loop: a token's output must not depend on its batch (KV cache)
+        assert not GroupedLinear.usable(torch.zeros(8, 32), [w])

@@ -273,20 +273,23 @@ class GroupedLinear:
 
     # On the CPU the grouped GEMM wins where experts have few rows each (the loop's per-expert overhead dominates) and
     # loses to one GEMM per expert where they have many (benchmarks/moe_layer.py, d=256: 1.15-1.5x faster at 64-128
-    # rows per expert, 0.75-0.87x at 256-1024).
+    # rows per expert, 0.75-0.87x at 256-1024). It is used in training only: its CPU kernel rounds a row differently
+    # with the number of rows in its group, so a token's output would depend on its batch, and greedy decoding with a
+    # KV cache (one row per expert) would drift from decoding without one; the loop keeps inference batch-invariant.
     CPU_MAX_ROWS_PER_EXPERT = 128
 
     @staticmethod
     def usable(x: torch.Tensor, weights: list[torch.Tensor], counts: list[int] | None = None) -> bool:
         """Whether to run these experts through torch's grouped GEMM here: on CUDA it takes bf16 on compute
-        capability 8.0+; on the CPU its rows must be 16-byte multiples and the experts must have few rows each
-        (`counts`, `CPU_MAX_ROWS_PER_EXPERT`). Otherwise the experts run one by one."""
+        capability 8.0+; on the CPU it runs in training (grad enabled), its rows must be 16-byte multiples and the
+        experts must have few rows each (`counts`, `CPU_MAX_ROWS_PER_EXPERT`). Otherwise the experts run one by
+        one."""
         if not hasattr(F, "grouped_mm") or not x.is_contiguous() or x.shape[0] == 0:
             return False
         dtype = _compute_dtype(x)
         if x.device.type == "cuda":
             return dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
-        if x.device.type != "cpu" or not dtype.is_floating_point:
+        if x.device.type != "cpu" or not dtype.is_floating_point or not torch.is_grad_enabled():
             return False
         active = sum(1 for n in counts if n) if counts is not None else 0
         if active and x.shape[0] / active > GroupedLinear.CPU_MAX_ROWS_PER_EXPERT:
