@@ -490,8 +490,11 @@ class MoEGPTModel(MoEGPTPreTrainedModel):
         output_hidden_states: bool | None = None,
         output_router_logits: bool | None = None,
         return_dict: bool | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> MoEGPTModelOutput:
+        # transformers >= 5.24 names the KV cache `cache` (generate passes it so); earlier versions `past_key_values`.
+        past_key_values = past_key_values if past_key_values is not None else cache
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
         use_cache = use_cache if use_cache is not None else self.config.use_cache
@@ -635,8 +638,10 @@ class MoEGPTForCausalLM(MoEGPTPreTrainedModel, GenerationMixin):
         output_router_logits: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
+        cache: Cache | None = None,
         **kwargs,
     ) -> MoeCausalLMOutputWithPast:
+        past_key_values = past_key_values if past_key_values is not None else cache  # see MoEGPTModel.forward
         base = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
