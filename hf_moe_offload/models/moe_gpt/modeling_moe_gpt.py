@@ -273,9 +273,9 @@ class GroupedLinear:
 
     # On the CPU the grouped GEMM wins where experts have few rows each (the loop's per-expert overhead dominates) and
     # loses to one GEMM per expert where they have many (benchmarks/moe_layer.py, d=256: 1.15-1.5x faster at 64-128
-    # rows per expert, 0.75-0.87x at 256-1024). It is used in training only: its CPU kernel rounds a row differently
-    # with the number of rows in its group, so a token's output would depend on its batch, and greedy decoding with a
-    # KV cache (one row per expert) would drift from decoding without one; the loop keeps inference batch-invariant.
+    # rows per expert, 0.75-0.87x at 256-1024). On the CPU it runs in training only for now: a decoding drift first
+    # put on it came from transformers 5.24's `cache` argument, and grouped_mm was since found equal to per-expert mm
+    # bit for bit, so this rule can be lifted (benchmarks/RESULTS.md, issue 14 item 4).
     CPU_MAX_ROWS_PER_EXPERT = 128
 
     @staticmethod
