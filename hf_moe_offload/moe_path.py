@@ -27,7 +27,13 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
-from .models.moe_gpt.modeling_moe_gpt import DispatchPlan, GroupedLinear, full_expert_counts, run_moe
+from .models.moe_gpt.modeling_moe_gpt import (
+    DispatchPlan,
+    GroupedLinear,
+    dropout_active,
+    full_expert_counts,
+    run_moe,
+)
 from .offload.layout import ExpertLayout, is_experts_interface_module, layout_for
 
 IMPLEMENTATION = "hf_moe_offload"
@@ -61,7 +67,7 @@ class ResidentExperts:
         # tensors) reads as its effective value, weight + the adapter's delta.
         tensors = [getattr(self.module, t.name) for t in self.layout.tensors]
         full = full_expert_counts(counts, expert_ids, self.layout.num_experts)
-        if (full is not None and not self._dropout_active()
+        if (full is not None and not dropout_active(self.module)
                 and GroupedLinear.usable(x_sorted, self.layout.matrices(tensors), full)):
             return self.layout.grouped_forward(x_sorted, full, tensors)
         per_expert = [t.unbind(0) for t in tensors]
@@ -75,10 +81,6 @@ class ResidentExperts:
         if not outputs:
             return x_sorted[:0].clone()
         return torch.cat(outputs)
-
-    def _dropout_active(self) -> bool:
-        """Dropout inside the experts draws one mask per expert in the loop: keep the loop then."""
-        return self.module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.module.modules())
 
 
 def sorted_experts(module: nn.Module) -> ResidentExperts:

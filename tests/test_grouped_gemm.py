@@ -110,5 +110,9 @@ def test_grouped_gemm_on_the_cpu_needs_16_byte_rows_and_few_rows_per_expert():
     assert not GroupedLinear.usable(torch.zeros(8, 36, dtype=torch.bfloat16), [torch.zeros(4, 48, 36)])
     assert not GroupedLinear.usable(torch.zeros(8, 64)[:, :32], [w])  # not contiguous
     assert not GroupedLinear.usable(torch.zeros(0, 32), [w], [0, 0, 0, 0])  # no rows at all (a rank without tokens)
+    # CUDA (no GPU here: the decision for given devices): bf16 on compute capability 8.0+ only.
+    assert GroupedLinear.cuda_supports(torch.bfloat16, (8, 0)) and GroupedLinear.cuda_supports(torch.bfloat16, (9, 0))
+    assert not GroupedLinear.cuda_supports(torch.bfloat16, (7, 5))
+    assert not GroupedLinear.cuda_supports(torch.float32, (9, 0))
     with torch.no_grad():  # inference keeps the loop: a token's output must not depend on its batch (KV cache)
         assert not GroupedLinear.usable(torch.zeros(8, 32), [w])

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from ..models.moe_gpt.modeling_moe_gpt import dropout_active
 from ..precision import autocast_state, restore_autocast
 from ..runtime import HOST, DeviceRuntime, Event, runtime_for
 from .layout import ExpertLayout
@@ -267,7 +268,7 @@ class OffloadedExpertsLayer:
         `graphs`: a list to keep each expert's forward graph in, (input leaf, weight leaves, output), instead."""
         segments = self._segments(counts, ids)
         y = None  # in the experts' output dtype (autocast: bf16), like the resident experts' torch.cat
-        save_rng = rng_states is not None and graphs is None and self._has_dropout()
+        save_rng = rng_states is not None and graphs is None and dropout_active(self.module)
         phase = "inference" if rng_states is None else "forward"  # rng_states: a backward will follow
         for w, (e, start, n) in zip(self.engine.stream(self.layer, [s[0] for s in segments], phase=phase), segments):
             if save_rng:
@@ -330,11 +331,6 @@ class OffloadedExpertsLayer:
                 self.engine.release_record((self.layer, e), record)
         self.engine.layer_backward_done(self.layer)
         return gx, g_shared
-
-    def _has_dropout(self) -> bool:
-        return self.module.training and any(
-            isinstance(m, nn.Dropout) and m.p > 0 for m in self.module.modules()
-        )
 
 
 def _rng_devices(device: torch.device) -> list:

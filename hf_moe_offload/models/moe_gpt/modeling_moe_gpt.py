@@ -208,8 +208,7 @@ class MoEGPTExperts(nn.Module):
     ) -> torch.Tensor:
         """x_sorted: (N, C) tokens grouped by expert; counts[i] tokens go to expert `expert_ids[i]` (default i)."""
         full = full_expert_counts(counts, expert_ids, self.num_experts)
-        dropout = self.training and self.activation_dropout.p > 0  # one mask per expert, as the loop draws them
-        if full is not None and not dropout and GroupedLinear.usable(x_sorted, [self.fc1_weight, self.fc2_weight], full):
+        if full is not None and not dropout_active(self) and GroupedLinear.usable(x_sorted, [self.fc1_weight, self.fc2_weight], full):
             return self.expert_forward(x_sorted, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias,
                                        linear=GroupedLinear(full, x_sorted))
         # NOTE: unbind once instead of indexing W[e] per expert: each indexing op's backward would materialise a
@@ -223,6 +222,12 @@ class MoEGPTExperts(nn.Module):
             outputs.append(self.expert_forward(x_sorted[start : start + n], fc1_w[e], fc1_b[e], fc2_w[e], fc2_b[e]))
             start += n
         return torch.cat(outputs) if outputs else x_sorted[:0].clone()
+
+
+def dropout_active(experts: nn.Module) -> bool:
+    """Dropout inside an experts module draws masks in training: the per-expert loop (one mask per expert) and the
+    offload engine's recompute (which replays them) need to know."""
+    return experts.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in experts.modules())
 
 
 def full_expert_counts(counts: list[int], expert_ids: list[int] | None, num_experts: int) -> list[int] | None:
@@ -262,12 +267,12 @@ class GroupedLinear:
         sizes = torch.tensor(counts, dtype=torch.int64, device=x.device)
         self.offs = sizes.cumsum(0).to(torch.int32)
         self.rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device), sizes)
-        self.dtype = _compute_dtype(x)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                  transposed: bool = False) -> torch.Tensor:
         w = w if transposed else w.transpose(-2, -1)
-        dtype = self.dtype if torch.is_autocast_enabled(x.device.type) else w.dtype
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w.dtype
         y = _ContiguousGrad.apply(F.grouped_mm(x.to(dtype), w.to(dtype), offs=self.offs))
         return y if b is None else y + b.to(y.dtype).index_select(0, self.rows)
 
@@ -288,7 +293,7 @@ class GroupedLinear:
             return False
         dtype = _compute_dtype(x)
         if x.device.type == "cuda":
-            return dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+            return GroupedLinear.cuda_supports(dtype, torch.cuda.get_device_capability(x.device))
         if x.device.type != "cpu" or not dtype.is_floating_point or not torch.is_grad_enabled():
             return False
         active = sum(1 for n in counts if n) if counts is not None else 0
@@ -297,6 +302,12 @@ class GroupedLinear:
         size = torch.finfo(dtype).bits // 8
         dims = [x.shape[-1]] + [d for w in weights for d in w.shape[1:]]
         return x.data_ptr() % 16 == 0 and all(d * size % 16 == 0 for d in dims)
+
+
+    @staticmethod
+    def cuda_supports(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+        """torch's CUDA grouped GEMM: bf16 on compute capability 8.0 (Ampere) and later."""
+        return dtype == torch.bfloat16 and capability >= (8, 0)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
