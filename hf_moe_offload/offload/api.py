@@ -20,6 +20,7 @@ from torch import nn
 
 from .config import OffloadConfig
 from .engine import OffloadEngine, ResidentEngine
+from .inference import PreGate, Router, find_router
 from ..moe_path import experts_layers, find_experts_modules, get_moe_path, moe_path
 from .planner import choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
 from .store import STATE_ROWS, DiskExpertStore, ExpertStore, ExpertStoreError, HostExpertStore
@@ -140,6 +141,12 @@ def enable_expert_offload(
     engine.model_dtype = model_dtype
     engine.train_experts = config.train_experts
     engine.keep_activations_setting = config.keep_activations
+    engine.inference_setting = config.inference
+    engine.compute_on_host_setting = config.compute_on_host
+    if engine.decode_cache is not None:
+        engine.decode_cache.decay = config.decode_cache_decay
+    if config.pregate and mode == "disk":  # the host tier has nothing to read early (its uploads: see the README)
+        engine.pregate = PreGate([_router(model, route) for route in path.layers], stats)
     for streamed, route in zip(engine.layers, path.layers):
         module, layout = route.module, route.layout
         if _initialize:
@@ -160,6 +167,18 @@ def enable_expert_offload(
         # Trainer checkpoints and push_to_hub call save_pretrained: make it stream experts from the store.
         model.save_pretrained = functools.partial(_streaming_save_pretrained, model)
     return engine
+
+
+def _router(model: nn.Module, route) -> Router | None:
+    """The router of one MoE layer, for pre-gating: found in the experts module's parent block."""
+    parent = route.name.rpartition(".")[0]
+    block = getattr(model, "module", model).get_submodule(parent) if parent else None
+    if block is None or not route.layout.hidden_size:
+        return None
+    found = find_router(block, route.module, route.layout.num_experts, route.layout.hidden_size)
+    if found is None:
+        logger.info("pre-gating: no single router found next to %s; its experts are not guessed", route.name)
+    return found
 
 
 def _streaming_save_pretrained(model: nn.Module, save_directory, state_dict=None, is_main_process: bool = True,

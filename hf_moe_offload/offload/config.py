@@ -44,6 +44,20 @@ class OffloadConfig:
                 "(default): keep where the compute weights are the host tier's own tensors (host tier on the CPU), "
                 "where it costs what the resident model saves; recompute elsewhere (disk tier, GPU: ES-MoE keeps "
                 "only the expert inputs on the device). False forces the recompute"})
+    # --- inference (generation, evaluation: offload/inference.py) ---
+    inference: bool | None = field(default=None, metadata={
+        "help": "None (default): a call runs in inference mode under torch.no_grad() or model.eval() (the disk "
+                "tier's cache scores experts by decayed use frequency with a per-layer budget; pre-gating reads the "
+                "next layer's likely experts early); True/False force it"})
+    pregate: bool = field(default=True, metadata={
+        "help": "inference: apply layer l+1's router to layer l's router input and start reading the experts it "
+                "guesses (Pre-gated MoE); the outputs never depend on the guess"})
+    decode_cache_decay: float = field(default=0.9, metadata={
+        "help": "inference: per-token decay of an expert's use count in the disk tier's cache scores"})
+    compute_on_host: bool | None = field(default=None, metadata={
+        "help": "inference on a GPU: run a missed expert with few tokens on the host instead of uploading it, when a "
+                "cost model measured at start says it is faster (Fiddler). None (default): on CUDA; True also on the "
+                "simulated device"})
     device: str | torch.device | None = None
 
     def __post_init__(self) -> None:
@@ -63,6 +77,8 @@ class OffloadConfig:
                 raise ValueError(f"OffloadConfig.{name} must be positive, got {value}")
         if self.mode == "disk" and not self.offload_dir:
             raise ValueError("OffloadConfig.offload_dir is required for mode='disk'")
+        if not 0.0 < self.decode_cache_decay <= 1.0:
+            raise ValueError(f"OffloadConfig.decode_cache_decay must be in (0, 1], got {self.decode_cache_decay}")
         if self.offload_dir is not None:
             self.offload_dir = os.fspath(self.offload_dir)
 

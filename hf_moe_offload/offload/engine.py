@@ -30,6 +30,7 @@ from torch import nn
 from ..models.moe_gpt.modeling_moe_gpt import dropout_active
 from ..precision import autocast_state, restore_autocast
 from ..runtime import HOST, DeviceRuntime, Event, runtime_for
+from .inference import DecodeCache, PlacementCostModel, PreGate
 from .layout import ExpertLayout
 from .store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore
 from .telemetry import OffloadStats
@@ -216,6 +217,23 @@ class OffloadedExpertsLayer:
     def keys(self, expert_ids: list[int]) -> list[ExpertKey]:
         return [(self.layer, e) for e in expert_ids]
 
+    def on_route(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        """Called by the MoE path with the layer's router input and choices, before anything is dispatched: picks
+        the engine's mode for this call (inference or training) and, in inference, scores this layer's pre-gating
+        guess and starts the reads of the next layer's guessed experts (offload/inference.py)."""
+        engine = self.engine
+        if not engine.enter_call(self.layer, engine.inference_for(self.module)) or engine.pregate is None:
+            return
+        routed = set(torch.unique(top_k_index).tolist())
+        engine.pregate.score(self.layer, {e for e in routed if 0 <= e < self.num_experts})
+        nxt = self.layer + 1
+        if nxt < len(engine.layers):
+            ids = engine.pregate.guess(nxt, hidden_states, top_k_index.shape[-1])
+            keys = [k for k in ((nxt, e) for e in ids) if k in engine.store]
+            if keys and engine.pregate.acting:
+                limit = engine.decode_cache.budget if engine.decode_cache is not None else len(keys)
+                engine.store.prefetch(keys[:limit], WEIGHTS)
+
     def prefetch(self, counts: list[int]) -> None:
         """Called with the dispatch plan before the token permutation, so the first reads overlap it."""
         ids = [e for e, n in enumerate(counts) if n]
@@ -270,6 +288,11 @@ class OffloadedExpertsLayer:
         y = None  # in the experts' output dtype (autocast: bf16), like the resident experts' torch.cat
         save_rng = rng_states is not None and graphs is None and dropout_active(self.module)
         phase = "inference" if rng_states is None else "forward"  # rng_states: a backward will follow
+        if phase == "inference" and self.engine.cost_model is not None and self.engine.inference:
+            on_host = [s for s in segments if self.engine.compute_on_host((self.layer, s[0]), s[2], x)]
+            if on_host:
+                y = self._run_on_host(x, on_host)
+                segments = [s for s in segments if s not in on_host]
         for w, (e, start, n) in zip(self.engine.stream(self.layer, [s[0] for s in segments], phase=phase), segments):
             if save_rng:
                 rng_states.append(_get_rng(x.device))
@@ -281,6 +304,31 @@ class OffloadedExpertsLayer:
                 y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out.dtype)
             y[start : start + n] = out
         return y if y is not None else x[:0].clone()
+
+    def _run_on_host(self, x: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Inference on an asynchronous device: run these experts on the host, from the store's host weights,
+        instead of uploading them (Fiddler; `OffloadEngine.compute_on_host` chose them). -> the output buffer with
+        their rows filled, in the dtype the device experts produce."""
+        rt = self.engine.runtime
+        rt.record().synchronize()  # the host reads the inputs the compute stream produced
+        device_type = x.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        y = None
+        store = self.engine.store
+        for e, start, n in segments:
+            key = (self.layer, e)
+            self.engine.wait_for_update(key)
+            record = store.acquire(key, WEIGHTS)
+            try:
+                xs = x[start : start + n].to("cpu")
+                out = self.layout.forward(xs, self._weights(record.compute_param(), xs))
+            finally:
+                store.release(key)
+            if y is None:
+                y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out_dtype)
+            y[start : start + n] = out.to(x.device, out_dtype)
+            self.engine.stats.host_computed_experts += 1
+        return y
 
     def _forward_kept(self, xs: torch.Tensor, w: torch.Tensor, graphs: list) -> torch.Tensor:
         """One expert's forward with its graph kept for backward (`keep_activations`). The weight leaves are views
@@ -430,6 +478,16 @@ class OffloadEngine:
         self._layer_done_hooks: list[Callable[[int], None]] = []
         self._warned_no_optimizer = False
         self.coordinator: UpdateCoordinator | None = None
+        # Inference (offload/inference.py). `inference_setting` (OffloadConfig.inference): None = a call is inference
+        # under torch.no_grad() or model.eval(). `inference`: the mode of the current call.
+        self.inference_setting: bool | None = None
+        self.inference = False
+        self.decode_cache = DecodeCache(len(self.layers), cache) if cache is not None else None
+        self.pregate: PreGate | None = None  # set by enable_expert_offload (OffloadConfig.pregate)
+        # Fiddler's compute-on-host choice (asynchronous runtimes): the cost model, measured at bind() when
+        # OffloadConfig.compute_on_host allows, or given.
+        self.compute_on_host_setting: bool | None = None
+        self.cost_model: PlacementCostModel | None = None
 
     # --- device binding ---
     def bind(self, device: torch.device) -> None:
@@ -463,7 +521,42 @@ class OffloadEngine:
         self.store.bind_runtime(self.runtime)
         self.stager = DeviceStager(self.runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1),
                                    self.stats)
+        # Compute-on-host pays off where weights cross a link (a GPU); `True` also turns it on for the simulated
+        # device (tests). On the inline CPU runtime the host is the device.
+        wanted = (self.runtime.name == "cuda" if self.compute_on_host_setting is None
+                  else self.compute_on_host_setting)
+        if wanted and self.runtime.asynchronous and self.cost_model is None:
+            self.cost_model = PlacementCostModel.measure(self.runtime, self.store.numel, self.store.compute_dtype)
         logger.info("expert offload: computing on %s (runtime %s)", device, self.runtime.name)
+
+    # --- inference (offload/inference.py) ---
+    def inference_for(self, module: nn.Module) -> bool:
+        """Whether a call of `module` runs in inference mode (decode cache, pre-gating, compute on host)."""
+        if self.inference_setting is not None:
+            return self.inference_setting
+        return not torch.is_grad_enabled() or not module.training
+
+    def enter_call(self, layer: int, inference: bool) -> bool:
+        """A layer's call begins in this mode: the store switches its eviction policy when the mode changes, and
+        the decode cache counts a token at layer 0. Returns `inference`."""
+        if inference != self.inference:
+            self.inference = inference
+            set_policy = getattr(self.store, "set_decode_cache", None)
+            if set_policy is not None:
+                set_policy(self.decode_cache if inference else None)
+        if inference and layer == 0 and self.decode_cache is not None:
+            self.decode_cache.next_token()
+        return inference
+
+    def compute_on_host(self, key: ExpertKey, tokens: int, x: torch.Tensor) -> bool:
+        """The cost model's choice for one expert of an inference call: host compute, unless a current device copy
+        (a pinned expert) makes its upload free."""
+        if key in self.stager.pinned_keys:
+            return False
+        layout = self.layers[key[0]].layout
+        weight_bytes = self.store.numel * self.store.compute_dtype.itemsize
+        return self.cost_model.compute_on_host(tokens, 2.0 * layout.decay_numel, weight_bytes,
+                                               x.shape[-1] * x.element_size())
 
     def replace_store(self, store: ExpertStore) -> None:
         """Swap the expert store (node-shared <-> private, hf_moe_offload.distributed): device copies made from the
@@ -507,7 +600,7 @@ class OffloadEngine:
         keys = [(layer, e) for e in expert_ids]
         # Only the rows this phase uses (issue 14): weights, and in a training backward the gradient slot too.
         rows = WEIGHTS_AND_GRAD if keep and self.train_experts else WEIGHTS
-        if self.store.wants_schedule:
+        if self.store.wants_schedule and not self.inference:  # decoding: the decode cache's scores instead
             self.store.set_schedule(self._schedule(layer, keys, phase))
         self.store.prefetch(keys[: self.depth + 1], rows)
         inflight: deque = deque()

@@ -27,7 +27,7 @@ import struct
 import threading
 import weakref
 import zlib
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -438,6 +438,10 @@ class DiskExpertStore(ExpertStore):
         self._uses: dict[ExpertKey, deque[int]] = {}  # set_schedule: each expert's positions in the schedule
         self._schedule: list[ExpertKey] = []
         self._cursor = 0
+        self._decode = None  # a DecodeCache (offload/inference.py) while the engine runs inference
+        # Rows whose checksum a read has matched since this process last wrote them. While decoding they are not
+        # checked again (the files do not change then; the first read of every row still is).
+        self._checked: dict[ExpertKey, set[int]] = {}
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="expert-io")
 
@@ -499,6 +503,7 @@ class DiskExpertStore(ExpertStore):
                 ) from err
             raise ExpertStoreError(f"could not write expert file {path}: {err}") from err
         self._crcs[key] = crcs
+        self._checked.get(key, set()).difference_update(rows)
         self.stats.disk_write_bytes += len(rows) * row_bytes
 
     def _read_file(self, key: ExpertKey, buffer: torch.Tensor, rows: list[int]) -> None:
@@ -533,8 +538,13 @@ class DiskExpertStore(ExpertStore):
         elif (layer, expert) != tuple(key) or numel != self.numel or state_rows != self.state_rows:
             problem = (f"it holds expert {(layer, expert)} with {state_rows} x {numel} values, not expert {key} with "
                        f"{self.state_rows} x {self.numel}")
-        elif any(_crc32(buffer[r]) != crcs[r] for r in rows):
-            problem = "its checksum does not match its contents (bytes changed on disk)"
+        else:
+            checked = self._checked.setdefault(key, set())
+            trusted = checked if self._decode is not None and self.row_io else set()
+            if any(_crc32(buffer[r]) != crcs[r] for r in rows if r not in trusted):
+                problem = "its checksum does not match its contents (bytes changed on disk)"
+            else:
+                checked.update(rows)
         if problem is not None:
             raise CorruptExpertFileError(
                 f"expert file {path} is corrupt: {problem}. Nothing from it was used; check the disk under "
@@ -568,11 +578,25 @@ class DiskExpertStore(ExpertStore):
         uses = self._uses.get(key)
         return uses[0] if uses else math.inf
 
+    def set_decode_cache(self, policy) -> None:
+        """Evict by `policy` (a `DecodeCache`: decoding's frequency scores and per-layer budgets) instead of the
+        schedule; None goes back to the schedule."""
+        with self._lock:
+            self._decode = policy
+
     # --- state transitions (lock held; may release it around I/O, see each) ---
-    def _victim(self, evict_pinned: bool, for_key: ExpertKey | None = None) -> ExpertKey | None:
+    def _victim(self, evict_pinned: bool, for_key: ExpertKey | None = None,
+                speculative: bool = False) -> ExpertKey | None:
         """The idle record needed furthest in the future (ties: least recently used), not pinned if possible
-        (pinned only when `evict_pinned`). With `for_key` (a speculative read), only one needed later than
-        `for_key`, or never (the cache is better used as it is)."""
+        (pinned only when `evict_pinned`). A `speculative` read for `for_key` evicts only one needed later than
+        `for_key`, or nothing (the cache is better used as it is). While decoding, the decode cache chooses."""
+        if self._decode is not None:
+            idle = [k for k, e in self._entries.items() if e.state is CACHED and e.refs == 0]
+            held = Counter(k[0] for k in self._entries)
+            victim = self._decode.victim([k for k in idle if k not in self._pinned], held, for_key, speculative)
+            if victim is None and evict_pinned:
+                victim = self._decode.victim([k for k in idle if k in self._pinned], held, for_key, speculative)
+            return victim
         best, best_use, pinned, pinned_use = None, -1.0, None, -1.0
         for key, entry in self._entries.items():
             if entry.state is CACHED and entry.refs == 0:
@@ -584,7 +608,7 @@ class DiskExpertStore(ExpertStore):
                     pinned, pinned_use = key, use
         if best is None and evict_pinned:
             best, best_use = pinned, pinned_use
-        if best is not None and for_key is not None and best_use != math.inf and best_use <= self._next_use(for_key):
+        if best is not None and speculative and best_use != math.inf and best_use <= self._next_use(for_key):
             return None
         return best
 
@@ -595,7 +619,7 @@ class DiskExpertStore(ExpertStore):
         while True:
             if self._free:
                 return self._free.pop()
-            victim = self._victim(evict_pinned=block, for_key=None if block else for_key)
+            victim = self._victim(evict_pinned=block, for_key=for_key, speculative=not block)
             if victim is None:
                 if not block:
                     return None
@@ -759,6 +783,8 @@ class DiskExpertStore(ExpertStore):
         want = self._rows(rows)
         with self._lock:
             self._advance(key)
+            if self._decode is not None:
+                self._decode.touch(key)
             entry = self._entries.get(key)
             if entry is not None and entry.state is CACHED:
                 self.stats.cache_hits += 1
@@ -835,6 +861,8 @@ class DiskExpertStore(ExpertStore):
         want = self._rows(rows)
         with self._lock:
             for key in keys:
+                if self._decode is not None:
+                    self._decode.expect(key)
                 entry = self._entries.get(key)
                 if entry is None:
                     entry = self._entries[key] = _Entry()

@@ -16,6 +16,11 @@ class OffloadStats:
     cache_hits: int = 0
     cache_misses: int = 0
     evictions: int = 0
+    # Inference (offload/inference.py): routed experts of calls that had a pre-gating guess, and how many it had;
+    # experts run on the host instead of uploaded.
+    pregate_routed: int = 0
+    pregate_hits: int = 0
+    host_computed_experts: int = 0
     tokens_per_expert: dict[str, list[int]] = field(default_factory=dict)  # "layer" -> counts (last forward)
 
     def reset(self) -> None:
@@ -35,6 +40,8 @@ class OffloadStats:
             f"{prefix}stall_fraction": self.stall_seconds / self.compute_seconds if self.compute_seconds else 0.0,
             f"{prefix}cache_hit_rate": self.cache_hits / lookups if lookups else 1.0,
         }
+        if self.pregate_routed:
+            out[f"{prefix}pregate_hit_rate"] = self.pregate_hits / self.pregate_routed
         imbalance = [max(c) / (sum(c) / len(c)) for c in self.tokens_per_expert.values() if sum(c)]
         if imbalance:
             out[f"{prefix}expert_load_max_over_mean"] = sum(imbalance) / len(imbalance)

@@ -1,0 +1,200 @@
+"""Offloaded generation on CPU: decode tokens/s and time to first token of our disk tier (inference mode: decode
+cache, pre-gating) against accelerate's `device_map` disk offload of the same experts and against the resident
+model, all in one invocation; pre-gating hit rate, cache hit rate and bytes read per token.
+
+    python benchmarks/generate.py            # Qwen3-MoE, 4 layers, 16 experts/layer, d=256; cache 8 of 64 experts
+    python benchmarks/generate.py --quick    # fewer tokens and rounds
+
+The model is random (seeded) and saved once as safetensors; every variant loads that checkpoint the way a user would
+(`from_pretrained`, `from_pretrained(device_map=..., offload_folder=...)`, `load_offloaded_pretrained`), then
+generates greedily from the same prompt. Variants run interleaved, round after round; each reports its median
+round. Timings are ratios against the resident model of the same invocation. Writes benchmarks/generate.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import hf_moe_offload  # noqa: E402,F401
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
+
+from hf_moe_offload import OffloadConfig  # noqa: E402
+from hf_moe_offload.moe_path import experts_layers, find_experts_modules  # noqa: E402
+from hf_moe_offload.offload.api import get_offload_engine  # noqa: E402
+from hf_moe_offload.offload.checkpoint import load_offloaded_pretrained  # noqa: E402
+
+
+class Clock(BaseStreamer):
+    """Timestamps of what `generate` emits: the prompt first, then each new token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def make_checkpoint(path: str, layers: int, experts: int, hidden: int, inter: int) -> Qwen3MoeConfig:
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=2048, hidden_size=hidden, intermediate_size=2 * inter, moe_intermediate_size=inter,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, head_dim=hidden // 4,
+        num_experts=experts, num_experts_per_tok=2, max_position_embeddings=512, decoder_sparse_step=1,
+        mlp_only_layers=[], tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    return config
+
+
+def accelerate_device_map(config) -> dict[str, str]:
+    """Every module with weights of its own on the CPU, the experts modules on disk."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    experts = {name for name, _ in find_experts_modules(model)}
+    out = {}
+    for name, module in model.named_modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            out[name] = "disk" if name in experts else "cpu"
+    return out
+
+
+PARAGRAPH = ("The history of the city begins in the early middle ages, when a small settlement grew up around a river "
+             "crossing. In the following centuries it became a centre of trade and learning, and by the nineteenth "
+             "century it was one of the largest cities in the country, known for its universities and its railway.")
+
+
+def make_prompt(model_path: str | None, vocab: int, n: int) -> torch.Tensor:
+    """n tokens of an English paragraph with the model's tokenizer, else n seeded random ids."""
+    if model_path is not None and os.path.exists(os.path.join(model_path, "tokenizer.json")):
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(model_path)(PARAGRAPH, return_tensors="pt").input_ids[:, :n]
+        if ids.shape[1] == n:
+            return ids
+    return torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(1))
+
+
+def load(variant: str, ckpt: str, work: str, config, cache: int):
+    if variant == "resident":
+        return AutoModelForCausalLM.from_pretrained(ckpt)
+    if variant == "accelerate disk":
+        folder = tempfile.mkdtemp(dir=work)
+        return AutoModelForCausalLM.from_pretrained(ckpt, device_map=accelerate_device_map(config),
+                                                    offload_folder=folder)
+    # Inference only: the store holds the weights (no gradient, no Adam moments), so the cache's bytes are
+    # `cache` experts' weights, what accelerate would need to hold `cache` experts.
+    pregate = variant == "ours disk"
+    return load_offloaded_pretrained(ckpt, OffloadConfig(mode="disk", offload_dir=tempfile.mkdtemp(dir=work),
+                                                         host_cache_experts=cache, pregate=pregate,
+                                                         train_experts=False))
+
+
+def run_once(model, prompt: torch.Tensor, new_tokens: int) -> dict:
+    engine = get_offload_engine(model)
+    if engine is not None:
+        engine.stats.reset()
+    clock = Clock()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             streamer=clock, pad_token_id=0, use_cache=True)
+    new = clock.times[1:]
+    row = {"ttft_s": new[0] - t0, "decode_tok_s": (len(new) - 1) / (new[-1] - new[0]),
+           "tokens": out[0, prompt.shape[1]:].tolist()}
+    if engine is not None:
+        s = engine.stats
+        lookups = s.cache_hits + s.cache_misses
+        row.update(read_MB_per_token=s.disk_read_bytes / 2**20 / len(new),
+                   cache_hit_rate=s.cache_hits / lookups if lookups else None,
+                   pregate_hit_rate=s.pregate_hits / s.pregate_routed if s.pregate_routed else None)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model-path", default=None, help="a saved model to benchmark instead of the random Qwen3-MoE "
+                    "(e.g. the main job's outputs/moe-gpt-small: trained routers)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--inter", type=int, default=512)
+    ap.add_argument("--cache", type=int, default=8, help="our disk tier's host cache, in experts")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    new_tokens, rounds = (24, 2) if args.quick else (64, 3)
+    variants = ["resident", "accelerate disk", "ours disk", "ours disk, no pre-gating"]
+    with tempfile.TemporaryDirectory() as work:
+        if args.model_path:
+            ckpt = args.model_path
+            config = AutoConfig.from_pretrained(ckpt)
+        else:
+            ckpt = os.path.join(work, "ckpt")
+            config = make_checkpoint(ckpt, args.layers, args.experts, args.hidden, args.inter)
+        models = {v: load(v, ckpt, work, config, args.cache).eval() for v in variants}
+        prompt = make_prompt(args.model_path, config.vocab_size, args.prompt_tokens)
+        total_experts = sum(layout.num_experts for _, _, layout in experts_layers(models["resident"]))
+        for v in variants:  # warm-up: thread pools, first reads, allocator
+            run_once(models[v], prompt, 4)
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
+        for _ in range(rounds):
+            for v in variants:
+                runs[v].append(run_once(models[v], prompt, new_tokens))
+    rows = []
+    resident = statistics.median(r["decode_tok_s"] for r in runs["resident"])
+    resident_ttft = statistics.median(r["ttft_s"] for r in runs["resident"])
+    accel = statistics.median(r["decode_tok_s"] for r in runs["accelerate disk"])
+    reference = runs["resident"][0]["tokens"]
+    for v in variants:
+        rs = runs[v]
+        tok_s = statistics.median(r["decode_tok_s"] for r in rs)
+        ttft = statistics.median(r["ttft_s"] for r in rs)
+        row = {"variant": v, "decode_tok_s": tok_s, "x_resident": tok_s / resident, "x_accelerate": tok_s / accel,
+               "ttft_s": ttft, "ttft_x_resident": ttft / resident_ttft,
+               "same_tokens_as_resident": all(r["tokens"] == reference for r in rs)}
+        for k in ("read_MB_per_token", "cache_hit_rate", "pregate_hit_rate"):
+            values = [r[k] for r in rs if r.get(k) is not None]
+            row[k] = statistics.median(values) if values else None
+        rows.append(row)
+    what = (args.model_path if args.model_path else f"random Qwen3-MoE {args.layers} layers x {args.experts} experts "
+            f"(top-2), d={args.hidden}, expert ffn {args.inter}")
+    print(f"\nGreedy decoding, {what}; our cache {args.cache} of {total_experts} experts; prompt "
+          f"{args.prompt_tokens}, {new_tokens} new tokens, median of {rounds} rounds; {platform.processor() or 'cpu'}")
+    print(f"{'variant':>26} {'tok/s':>7} {'x resident':>10} {'x accel':>7} {'TTFT s':>7} {'x res':>5} "
+          f"{'MB read/tok':>11} {'cache hit':>9} {'pregate hit':>11} {'same':>5}")
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    for r in rows:
+        print(f"{r['variant']:>26} {r['decode_tok_s']:>7.1f} {r['x_resident']:>10.2f} {r['x_accelerate']:>7.2f} "
+              f"{r['ttft_s']:>7.3f} {r['ttft_x_resident']:>5.2f} {fmt(r['read_MB_per_token'], '.2f'):>11} "
+              f"{fmt(r['cache_hit_rate'], '.2f'):>9} {fmt(r['pregate_hit_rate'], '.2f'):>11} "
+              f"{str(r['same_tokens_as_resident']):>5}")
+    name = "generate.json" if not args.model_path else f"generate-{os.path.basename(os.path.normpath(args.model_path))}.json"
+    with open(os.path.join(HERE, name), "w") as f:
+        json.dump({"args": vars(args), "total_experts": total_experts, "new_tokens": new_tokens, "rounds": rounds,
+                   "machine": platform.platform(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""`hf-moe-offload generate`: text generation from a model whose experts stay on disk (or in host memory).
+
+The model is loaded with its experts streamed straight into the offload store (`load_offloaded_pretrained`, weights
+only: no gradient or Adam state), so host memory holds the non-expert weights and the store's cache. Decoding runs
+the engine's inference mode (hf_moe_offload/offload/inference.py): the disk tier's cache keeps the experts decoding
+uses most (decayed frequency, a budget per layer) and pre-gating starts reading the next layer's likely experts while
+this layer computes. One prompt streams its tokens as they come; several prompts are generated as one left-padded
+batch.
+
+    hf-moe-offload train && hf-moe-offload generate                  # the main job's model, its default output
+    hf-moe-offload generate --model-path DIR --prompt "The history of" --offload disk --host-cache-experts 8
+    hf-moe-offload generate --model-path DIR --prompt "One" --prompt "Two words" --offload host
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, TextStreamer
+from transformers.generation.streamers import BaseStreamer
+
+from . import jobs
+from .errors import UserError
+from .offload.api import get_offload_engine
+from .offload.checkpoint import load_offloaded_pretrained
+from .offload.config import OffloadConfig
+from .train import DEFAULT_OUTPUT_DIR
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROMPT = "The history of"
+
+
+class _Timer(BaseStreamer):
+    """Times what `generate` emits (the prompt first, then each new token), passing it on to `inner`."""
+
+    def __init__(self, inner: BaseStreamer | None):
+        self.inner = inner
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self):
+        if self.inner is not None:
+            self.inner.end()
+
+
+def load_for_inference(model_path: str, offload: str, offload_dir: str | None, host_cache_experts: int | None,
+                       pregate: bool = True, dtype: torch.dtype | None = None):
+    """The model at `model_path` with its experts in the `offload` tier ("disk", "host") or resident ("none")."""
+    if offload == "none":
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    config = OffloadConfig(mode=offload, offload_dir=offload_dir if offload == "disk" else None,
+                           host_cache_experts=host_cache_experts if offload == "disk" else None,
+                           train_experts=False, pregate=pregate, compute_dtype=dtype)
+    model = load_offloaded_pretrained(model_path, config)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+def run(args: argparse.Namespace) -> dict:
+    if not os.path.isdir(args.model_path) and os.path.exists(args.model_path):
+        raise UserError(f"--model-path {args.model_path!r} is a file; give the folder of a saved model")
+    if args.model_path == DEFAULT_OUTPUT_DIR and not os.path.isdir(args.model_path):
+        raise UserError(f"no model at {DEFAULT_OUTPUT_DIR!r} (the main job's output): run `hf-moe-offload train` first "
+                        "or pass --model-path")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompts = args.prompt or [DEFAULT_PROMPT]
+    tokenizer = jobs.load_tokenizer(args.tokenizer, model_path=args.model_path)
+    tokenizer.padding_side = "left"  # decoder-only batches pad on the left
+    dtype = {"fp32": None, "bf16": torch.bfloat16}[args.precision]
+    offload_dir = args.offload_dir
+    scratch = None
+    if args.offload == "disk" and offload_dir is None:
+        offload_dir = scratch = tempfile.mkdtemp(prefix="hf-moe-offload-generate-")
+    try:
+        model = load_for_inference(args.model_path, args.offload, offload_dir, args.host_cache_experts,
+                                   pregate=not args.no_pregate, dtype=dtype)
+        torch.manual_seed(args.seed)
+        batch = tokenizer(prompts, return_tensors="pt", padding=True)
+        streamer = TextStreamer(tokenizer, skip_prompt=False) if len(prompts) == 1 and not args.quiet else None
+        timer = _Timer(streamer)
+        engine = get_offload_engine(model)
+        if engine is not None and engine.store is not None:
+            engine.stats.reset()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                                 temperature=args.temperature if args.do_sample else None,
+                                 top_p=args.top_p if args.do_sample else None,
+                                 pad_token_id=tokenizer.pad_token_id, streamer=timer, use_cache=True)
+        texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        if streamer is None and not args.quiet:
+            for prompt, text in zip(prompts, texts):
+                print(f"{prompt}{text}\n")
+        new = timer.times[1:]
+        figures = {"prompts": len(prompts), "new_tokens": len(new), "time_to_first_token_s": new[0] - t0 if new else None,
+                   "decode_tokens_per_s": (len(new) - 1) * len(prompts) / (new[-1] - new[0]) if len(new) > 1 else None,
+                   "texts": texts}
+        if engine is not None and engine.store is not None:
+            s = engine.stats
+            lookups = s.cache_hits + s.cache_misses
+            figures.update(offload=args.offload, cache_hit_rate=s.cache_hits / lookups if lookups else None,
+                           pregate_hit_rate=s.pregate_hits / s.pregate_routed if s.pregate_routed else None,
+                           disk_read_MB_per_token=s.disk_read_bytes / 2**20 / max(1, len(new)))
+            engine.store.close()
+        _print_figures(figures)
+        return figures
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _print_figures(f: dict) -> None:
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    line = (f"[generate] {f['new_tokens']} new tokens x {f['prompts']} prompt(s); time to first token "
+            f"{fmt(f['time_to_first_token_s'], '.3f')} s; decoding {fmt(f['decode_tokens_per_s'], '.1f')} tokens/s")
+    if "offload" in f:
+        line += (f"; {f['offload']} tier: cache hit rate {fmt(f['cache_hit_rate'], '.2f')}, pre-gating hit rate "
+                 f"{fmt(f['pregate_hit_rate'], '.2f')}, {fmt(f['disk_read_MB_per_token'], '.2f')} MB read per token")
+    print(line)
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with the experts offloaded to disk or host memory",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=DEFAULT_OUTPUT_DIR,
+                   help=f"a saved model folder (default: the main job's output, {DEFAULT_OUTPUT_DIR})")
+    p.add_argument("--tokenizer", default=None, help="tokenizer name or folder (default: the model folder's)")
+    p.add_argument("--prompt", action="append", help=f"a prompt; repeat for a batch (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--offload", choices=("disk", "host", "none"), default="disk",
+                   help="where the experts live while generating (none: an ordinary resident model)")
+    p.add_argument("--offload-dir", default=None, help="disk tier directory (default: a temporary one, removed after)")
+    p.add_argument("--host-cache-experts", type=int, default=None,
+                   help="disk tier: experts' weights held in host memory (default: a quarter of the experts)")
+    p.add_argument("--no-pregate", action="store_true", help="do not read the next layer's guessed experts early")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="print only the figures")
+    p.set_defaults(func=run)
+
+
+__all__ = ["add_cli", "load_for_inference", "run"]

@@ -1,0 +1,224 @@
+"""Offloaded inference (generation, evaluation): what the engine does when no backward follows.
+
+Training knows its order exactly (forward, reverse backward, steps: the disk tier's Belady eviction). Decoding does
+not: each token routes to a few experts per layer, and the hot set drifts slowly. Three parts, after the inference
+offloading systems the issue names:
+
+- `DecodeCache`: the disk tier's eviction while decoding: a score per expert, its use frequency with exponential
+  decay per token, and a budget per layer (`capacity // layers`) so that one layer's hot experts cannot push every
+  other layer's out (the idea of mixtral-offloading's per-layer expert caches and MoE-Infinity's activation-aware
+  cache, here as one policy over the store's existing slots).
+- `PreGate`: while layer l runs, layer l+1's router applied to layer l's router input guesses the experts layer l+1
+  will pick, and their reads start at once (Pre-gated MoE; mixtral-offloading's speculative expert loading). The guess
+  only decides what is read early: outputs never depend on it. Its hit rate is counted.
+- `PlacementCostModel`: on an asynchronous device, an expert that is not on the device and has few tokens is cheaper
+  to run on the host, where its weights are, than to upload (Fiddler). The decision compares
+  tokens x FLOPs / host speed (+ moving the activations) with weight bytes / link bandwidth, both measured once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .store import ExpertKey
+from .telemetry import OffloadStats
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeCache:
+    """Eviction scores for decoding: frequency with exponential decay per token, a budget of slots per layer."""
+
+    def __init__(self, num_layers: int, capacity: int, decay: float = 0.9):
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"the decode cache's decay must be in (0, 1], got {decay}")
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self.budget = max(1, capacity // max(1, num_layers))  # slots a layer keeps under pressure
+        self.decay = decay
+        self.tick = 0  # tokens (forward passes) so far
+        self._score: dict[ExpertKey, tuple[float, int]] = {}  # key -> (score, tick it was last brought up to)
+        self._expected: dict[ExpertKey, int] = {}  # read ahead (stream lookahead, pre-gating) at this tick, unused yet
+
+    def next_token(self) -> None:
+        self.tick += 1
+
+    def score(self, key: ExpertKey) -> float:
+        value, at = self._score.get(key, (0.0, self.tick))
+        return value * self.decay ** (self.tick - at)
+
+    def touch(self, key: ExpertKey) -> None:
+        self._score[key] = (self.score(key) + 1.0, self.tick)
+        self._expected.pop(key, None)
+
+    def expect(self, key: ExpertKey) -> None:
+        """`key` is being read ahead for this token: evicted last until it is used (or the token ends), else a
+        fresh read, whose score is still low, would be the first victim of the next miss."""
+        self._expected[key] = self.tick
+
+    def _rank(self, key: ExpertKey) -> tuple[bool, float]:
+        return self._expected.get(key) == self.tick, self.score(key)
+
+    def victim(self, idle: Iterable[ExpertKey], held: Counter, incoming: ExpertKey | None,
+               speculative: bool) -> ExpertKey | None:
+        """Which of the `idle` cached experts to evict for `incoming`, given how many slots each layer `held`s
+        (counting `incoming`'s). A layer over its budget gives first: the incoming layer's own coldest expert when it
+        is over, else the coldest of the other layers over budget. A blocking read then takes the coldest of all; a
+        speculative one (a guess) takes nothing from a layer within its budget. Within the chosen pool, experts read
+        ahead for this token and not used yet go last."""
+        idle = list(idle)
+        if not idle:
+            return None
+        layer = incoming[0] if incoming is not None else None
+        pool: list[ExpertKey] = []
+        if layer is not None and held[layer] > self.budget:
+            pool = [k for k in idle if k[0] == layer]
+        if not pool:
+            pool = [k for k in idle if held[k[0]] > self.budget]
+        if not pool:
+            if speculative:
+                return None
+            pool = idle
+        return min(pool, key=self._rank)
+
+
+@dataclass
+class Router:
+    """One MoE layer's router weight (E, d) and its (E,) bias if any, named on their module: read at each use, so a
+    checkpoint loaded after offload was enabled (weights replaced on the module) is what guesses."""
+
+    module: nn.Module
+    weight: str
+    bias: str | None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = getattr(self.module, self.weight)
+        out = hidden.to(w.dtype) @ w.t()
+        if self.bias is not None:
+            out = out + getattr(self.module, self.bias).to(out.dtype)
+        return out
+
+
+def find_router(block: nn.Module, experts: nn.Module, num_experts: int, hidden_size: int) -> Router | None:
+    """The router of one MoE block: the one (E, d) parameter of `block` outside `experts`, with its module's (E,)
+    bias (a parameter or buffer with "bias" in its name) if any. One generic rule for every family (Mixtral's `gate`,
+    Qwen3-MoE's router, gpt-oss's `router`, DeepSeek's gate with its score-correction bias, MoE-GPT's router); None
+    when there is not exactly one such parameter."""
+    found = []
+    for module in block.modules():
+        if module is experts or any(module is m for m in experts.modules()):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if p.dim() == 2 and tuple(p.shape) == (num_experts, hidden_size):
+                found.append((module, name))
+    if len(found) != 1:
+        return None
+    module, weight = found[0]
+    bias = None
+    for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+        if t.dim() == 1 and t.shape[0] == num_experts and "bias" in name:
+            bias = name
+    return Router(module, weight, bias)
+
+
+class PreGate:
+    """Guesses layer l+1's experts from layer l's router input (see the module docstring) and counts the hits.
+
+    A wrong guess costs a read and may evict an expert that was needed, so the guesses are acted on only while their
+    recent hit rate (`recent`, an exponential average over calls) is at least `min_hit_rate`; they are still made and
+    scored meanwhile, so acting resumes when the model's routing becomes predictable again."""
+
+    def __init__(self, routers: list[Router | None], stats: OffloadStats,
+                 min_hit_rate: float = 0.5, smoothing: float = 0.1):
+        self.routers = routers
+        self.stats = stats  # pregate_hits / pregate_routed
+        self.min_hit_rate = min_hit_rate
+        self.smoothing = smoothing
+        self.recent = 1.0  # optimistic start: act on the first guesses
+        self.guesses: dict[int, set[int]] = {}  # layer -> experts guessed for its next call
+
+    @property
+    def acting(self) -> bool:
+        return self.recent >= self.min_hit_rate
+
+    def score(self, layer: int, routed: set[int]) -> None:
+        """Count how many of `routed` (the experts layer `layer` picked) its guess had."""
+        guess = self.guesses.pop(layer, None)
+        if guess is not None and routed:
+            hits = len(routed & guess)
+            self.stats.pregate_hits += hits
+            self.stats.pregate_routed += len(routed)
+            self.recent += self.smoothing * (hits / len(routed) - self.recent)
+
+    def guess(self, layer: int, hidden: torch.Tensor, top_k: int) -> list[int]:
+        """The experts layer `layer` is expected to pick for the tokens whose (earlier) router input is `hidden`,
+        most chosen first; [] when that layer has no router found."""
+        if layer >= len(self.routers) or self.routers[layer] is None:
+            return []
+        logits = self.routers[layer].logits(hidden.reshape(-1, hidden.shape[-1]))
+        picked = logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices.reshape(-1)
+        counts = torch.bincount(picked, minlength=logits.shape[-1]).tolist()
+        order = sorted((e for e, n in enumerate(counts) if n), key=lambda e: -counts[e])
+        self.guesses[layer] = set(order)
+        return order
+
+
+@dataclass
+class PlacementCostModel:
+    """Fiddler's choice for an expert that is not on the device: run it on the host where its weights are, or
+    upload the weights. Speeds in FLOP/s and bytes/s; `measure` takes them once on this machine."""
+
+    host_flops: float
+    link_bytes_per_s: float
+
+    def host_seconds(self, tokens: int, flops_per_token: float, activation_bytes_per_token: float) -> float:
+        # The expert's FLOPs on the host, plus its input rows down and its output rows back up.
+        return tokens * flops_per_token / self.host_flops + 2 * tokens * activation_bytes_per_token / self.link_bytes_per_s
+
+    def upload_seconds(self, weight_bytes: int) -> float:
+        return weight_bytes / self.link_bytes_per_s
+
+    def compute_on_host(self, tokens: int, flops_per_token: float, weight_bytes: int,
+                        activation_bytes_per_token: float) -> bool:
+        return self.host_seconds(tokens, flops_per_token, activation_bytes_per_token) < self.upload_seconds(weight_bytes)
+
+    def max_host_tokens(self, flops_per_token: float, weight_bytes: int, activation_bytes_per_token: float) -> int:
+        """The most tokens for which the host wins (0: never)."""
+        per_token = flops_per_token / self.host_flops + 2 * activation_bytes_per_token / self.link_bytes_per_s
+        return max(0, math.ceil(self.upload_seconds(weight_bytes) / per_token) - 1)
+
+    @classmethod
+    def measure(cls, runtime, numel: int, dtype: torch.dtype, rows: int = 8, repeats: int = 5) -> "PlacementCostModel":
+        """Host speed from a (rows x n) @ (n x n) matmul in `dtype` of about one expert's size; link speed from
+        copies of an expert-sized page-locked buffer to the device (best of `repeats`)."""
+        n = max(64, int(math.isqrt(numel // 2)))
+        a, b = torch.randn(rows, n).to(dtype), torch.randn(n, n).to(dtype)
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        host_flops = 2 * rows * n * n / max(best, 1e-9)
+        src = runtime.pinned_empty((numel,), dtype)
+        dst = runtime.empty((numel,), dtype, persistent=True)
+        best = math.inf
+        for _ in range(repeats):
+            runtime.record().synchronize()
+            t0 = time.perf_counter()
+            runtime.copy_(dst, src)
+            runtime.record().synchronize()
+            best = min(best, time.perf_counter() - t0)
+        link = numel * src.element_size() / max(best, 1e-9)
+        logger.info("compute-on-host cost model: host %.1f GFLOP/s, link %.1f GB/s", host_flops / 1e9, link / 1e9)
+        return cls(host_flops=host_flops, link_bytes_per_s=link)
+
+
+__all__ = ["DecodeCache", "PlacementCostModel", "PreGate", "Router", "find_router"]

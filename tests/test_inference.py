@@ -1,0 +1,190 @@
+"""Offloaded inference (hf_moe_offload/offload/inference.py, issue 15): generation with the experts on the host or
+disk tier gives the resident model's tokens (MoE-GPT and two transformers families, with and without pre-gating,
+batched with left padding), the decode cache keeps within its budget, the compute-on-host choice follows its cost
+model, and the user surface (`hf-moe-offload generate`, `pipeline("text-generation")`, Trainer evaluation) runs in
+inference mode. Greedy tokens are compared exactly; fp32 throughout."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+from hf_moe_offload import OffloadConfig, enable_expert_offload
+from hf_moe_offload.offload.inference import DecodeCache, PlacementCostModel, find_router
+from hf_moe_offload.offload.store import PARAM
+from hf_moe_offload.runtime import use_runtime
+from hf_moe_offload.runtime.simulated import SimulatedRuntime
+
+from moe_families import tiny_model
+from test_offload import small_model
+
+FAMILIES = ["moe_gpt", "qwen3_moe", "mixtral"]
+
+
+def make_model(family: str, seed: int = 0):
+    if family == "moe_gpt":
+        return small_model(seed, num_hidden_layers=3, num_experts=8).eval()
+    model = tiny_model(family, seed=seed, num_experts=8).eval()
+    model.config.use_cache = True
+    return model
+
+
+def left_padded_batch(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fresh random prompts of 7 and 4 tokens, the shorter one left-padded (pad id 0)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (2, 7), generator=g)
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    return ids, mask
+
+
+def greedy(model, ids, mask, n: int = 10) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=0, use_cache=True)
+
+
+@pytest.mark.parametrize("pregate", [True, False], ids=["pregate", "no-pregate"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_equals_the_resident_model(family, tier, pregate, tmp_path):
+    resident = make_model(family)
+    offloaded = copy.deepcopy(resident)
+    cache = 4  # of 24 experts: every token misses some
+    engine = enable_expert_offload(offloaded, OffloadConfig(
+        mode=tier, offload_dir=str(tmp_path / "experts"), host_cache_experts=cache if tier == "disk" else None,
+        pregate=pregate, train_experts=False))
+    ids, mask = left_padded_batch(resident.config.vocab_size, seed=hash((family, tier, pregate)) % 1000)
+    expected = greedy(resident, ids, mask)
+    got = greedy(offloaded, ids, mask)
+    assert torch.equal(got, expected)
+    assert engine.inference  # chosen automatically under no_grad
+    if tier == "disk":
+        assert engine.stats.cache_misses > 0  # the cache was too small for the experts: reads happened
+        assert len(engine.store.resident_keys()) <= cache
+        # Pre-gating guessed (and was scored) on every layer after the first, only when on.
+        assert (engine.stats.pregate_routed > 0) == pregate
+    else:
+        assert engine.pregate is None  # nothing to read early on the host tier
+
+
+def test_the_decode_cache_never_holds_more_than_its_slots_and_reads_only_weights(tmp_path):
+    model = make_model("qwen3_moe")
+    cache = 5
+    engine = enable_expert_offload(model, OffloadConfig(mode="disk", offload_dir=str(tmp_path / "e"),
+                                                        host_cache_experts=cache))
+    store = engine.store
+    peak = []
+    for layer in model.model.layers:  # checked at every layer of every decoded token
+        layer.register_forward_hook(lambda *_: peak.append(len(store.resident_keys())))
+    ids, mask = left_padded_batch(model.config.vocab_size, seed=3)
+    greedy(model, ids, mask, n=12)
+    assert peak and max(peak) <= cache
+    assert store._decode is engine.decode_cache  # the disk tier evicted by decoding's scores
+    # A trainable store read for inference: only the weights row of each expert, never gradients or moments.
+    assert engine.stats.disk_read_bytes > 0 and engine.stats.disk_read_bytes % (store.numel * 4) == 0
+    assert all(store._entries[k].valid == {PARAM} for k in store.resident_keys())
+
+
+def test_decode_cache_scores_and_budgets():
+    dc = DecodeCache(num_layers=2, capacity=4, decay=0.5)
+    assert dc.budget == 2
+    for _ in range(3):  # (0, 1) used on three tokens long ago ...
+        dc.touch((0, 1))
+        dc.next_token()
+    for _ in range(4):
+        dc.next_token()
+    dc.touch((0, 2))  # ... (0, 2) once, now
+    assert dc.score((0, 1)) < dc.score((0, 2))  # 1.75 * 0.5**4 < 1
+    held = Counter({0: 3, 1: 2})  # layer 0 is over its budget of 2 (the incoming expert counted)
+    # The incoming layer over budget gives its own coldest.
+    assert dc.victim([(0, 1), (0, 2), (1, 0)], held, incoming=(0, 5), speculative=False) == (0, 1)
+    # Another layer's incoming expert takes from the layer over budget, even from a hotter expert than its own.
+    dc.touch((0, 3))
+    held = Counter({0: 3, 1: 2})
+    assert dc.victim([(0, 2), (0, 3), (1, 0)], held, incoming=(1, 4), speculative=False) in {(0, 2), (0, 3)}
+    # Nobody over budget: a blocking read takes the coldest of all; a guess (speculative) takes nothing.
+    held = Counter({0: 2, 1: 2})
+    assert dc.victim([(0, 2), (1, 0)], held, incoming=(1, 4), speculative=False) == (1, 0)
+    assert dc.victim([(0, 2), (1, 0)], held, incoming=(1, 4), speculative=True) is None
+    with pytest.raises(ValueError, match="decay"):
+        DecodeCache(2, 4, decay=0.0)
+
+
+def test_compute_on_host_decision_for_given_speeds():
+    cm = PlacementCostModel(host_flops=1e11, link_bytes_per_s=1e10)
+    flops, weights, act = 4e6, 8_000_000, 4096  # per token; expert weight bytes; activation bytes per token
+    # host: t * (4e-5 + 8.192e-7) s; upload: 8e-4 s -> the host wins up to 19 tokens.
+    assert cm.max_host_tokens(flops, weights, act) == 19
+    assert cm.compute_on_host(19, flops, weights, act)
+    assert not cm.compute_on_host(20, flops, weights, act)
+    slow_host = PlacementCostModel(host_flops=1e8, link_bytes_per_s=1e10)
+    assert slow_host.max_host_tokens(flops, weights, act) == 0 and not slow_host.compute_on_host(1, flops, weights, act)
+
+
+def test_compute_on_host_on_the_simulated_device_gives_the_same_tokens():
+    resident = make_model("moe_gpt")
+    ids, mask = left_padded_batch(resident.config.vocab_size, seed=11)
+    expected = greedy(resident, ids, mask)
+    moved = {}
+    for on_host in (False, True):
+        model = copy.deepcopy(resident)
+        with use_runtime(SimulatedRuntime(seed=5, max_delay=0.001)):
+            engine = enable_expert_offload(model, OffloadConfig(mode="host", compute_on_host=on_host,
+                                                                train_experts=False))
+            if on_host:  # given speeds: an expert with at most 2 tokens runs on the host (decoding), more upload
+                engine.cost_model = PlacementCostModel(host_flops=1.0, link_bytes_per_s=1.0)
+                layout = engine.layers[0].layout
+                per_token = 2.0 * layout.decay_numel + 2 * layout.hidden_size * 4
+                engine.cost_model.host_flops = per_token / (engine.store.numel * 4 / 2.5)
+                assert engine.cost_model.max_host_tokens(2.0 * layout.decay_numel, engine.store.numel * 4,
+                                                         layout.hidden_size * 4) == 2
+            got = greedy(model, ids, mask)
+            engine.synchronize()
+        assert torch.equal(got, expected)
+        moved[on_host] = (engine.stats.h2d_bytes, engine.stats.host_computed_experts)
+    assert moved[False][1] == 0
+    assert moved[True][1] > 0 and moved[True][0] < moved[False][0]  # fewer uploads: decoding's experts ran on host
+    assert moved[True][0] > 0  # the prompt's experts (many tokens each) were still uploaded
+
+
+def test_the_cost_model_measures_this_machine():
+    with use_runtime(SimulatedRuntime(seed=0)) as rt:
+        cm = PlacementCostModel.measure(rt, numel=4096, dtype=torch.float32, repeats=2)
+    assert cm.host_flops > 0 and cm.link_bytes_per_s > 0
+
+
+def test_inference_mode_follows_grad_and_eval_unless_forced(tmp_path):
+    model = small_model(0, num_experts=4)
+    engine = enable_expert_offload(model, OffloadConfig(mode="disk", offload_dir=str(tmp_path / "e"),
+                                                        host_cache_experts=4))
+    x = torch.randint(0, 101, (2, 6))
+    model.train()
+    model(x, labels=x).loss.backward()
+    assert not engine.inference and engine.store._decode is None
+    with torch.no_grad():
+        model(x)
+    assert engine.inference and engine.store._decode is engine.decode_cache
+    model.eval()
+    model(x)  # eval with grad on (e.g. a probe): inference's cache policy, still differentiable
+    assert engine.inference
+    engine.inference_setting = False
+    with torch.no_grad():
+        model(x)
+    assert not engine.inference and engine.store._decode is None
+    engine.zero_grad()
+
+
+@pytest.mark.parametrize("family", ["moe_gpt", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"])
+def test_pregate_finds_the_router_of_every_family(family):
+    model = make_model(family) if family in FAMILIES else tiny_model(family).eval()
+    from hf_moe_offload.moe_path import experts_layers
+
+    for name, module, layout in experts_layers(model):
+        block = model.get_submodule(name.rpartition(".")[0])
+        router = find_router(block, module, layout.num_experts, layout.hidden_size)
+        assert router is not None, name
+        assert router.logits(torch.randn(3, layout.hidden_size)).shape == (3, layout.num_experts)
