@@ -139,8 +139,9 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=512)
     ap.add_argument("--cache", type=int, default=8, help="our disk tier's host cache, in experts")
     ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     new_tokens, rounds = (24, 2) if args.quick else (64, 3)
     variants = ["resident", "accelerate disk", "ours disk", "ours disk, no pre-gating"]
     with tempfile.TemporaryDirectory() as work:

@@ -114,6 +114,40 @@ def test_decode_cache_scores_and_budgets():
         DecodeCache(2, 4, decay=0.0)
 
 
+def test_pregate_learns_co_activations_scores_its_guesses_and_stops_acting_when_they_miss():
+    from torch import nn
+
+    from hf_moe_offload.offload.inference import PreGate, Router
+    from hf_moe_offload.offload.telemetry import OffloadStats
+
+    E, d = 8, 4
+    gates = [nn.Linear(d, E, bias=False) for _ in range(2)]
+    with torch.no_grad():
+        gates[1].weight.zero_()
+        gates[1].weight[0, 0], gates[1].weight[1, 0] = 10.0, 5.0  # layer 1's router prefers experts 0, then 1
+    stats = OffloadStats()
+    pg = PreGate([Router(g, "weight", None) for g in gates], stats, min_hit_rate=0.5, smoothing=0.5)
+    h = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    assert set(pg.guess(1, h, top_k=2)) == {0, 1}  # no history yet: the router alone
+    pg.observe(1, torch.tensor([[0, 1]]), E)
+    assert (stats.pregate_hits, stats.pregate_routed) == (2, 2)
+    for _ in range(3):  # every token: layer 0 picks (3, 4), then layer 1 picks (5, 0)
+        pg.observe(0, torch.tensor([[3, 4]]), E)
+        pg.guess(1, h, top_k=2)
+        pg.observe(1, torch.tensor([[5, 0]]), E)
+    assert pg.coactivation[0][3, 5] == 3 and pg.coactivation[0][4, 0] == 3
+    pg.observe(0, torch.tensor([[3, 4]]), E)
+    assert set(pg.guess(1, h, top_k=2)) == {0, 5}  # the co-activation outweighs the router's second choice
+    assert pg.acting
+    for _ in range(3):  # routing changes: guesses miss, the recent hit rate falls below 0.5, reads stop
+        pg.observe(1, torch.tensor([[6, 7]]), E)
+        pg.observe(0, torch.tensor([[3, 4]]), E)
+        pg.guess(1, h, top_k=2)
+    assert not pg.acting
+    # A dropped choice (id E, families that drop) is not an expert.
+    assert pg.observe(0, torch.tensor([[2, E]]), E) == {2}
+
+
 def test_compute_on_host_decision_for_given_speeds():
     cm = PlacementCostModel(host_flops=1e11, link_bytes_per_s=1e10)
     flops, weights, act = 4e6, 8_000_000, 4096  # per token; expert weight bytes; activation bytes per token
@@ -188,3 +222,84 @@ def test_pregate_finds_the_router_of_every_family(family):
         router = find_router(block, module, layout.num_experts, layout.hidden_size)
         assert router is not None, name
         assert router.logits(torch.randn(3, layout.hidden_size)).shape == (3, layout.num_experts)
+
+
+# --- the user surface ---
+@pytest.fixture(scope="module")
+def saved_lm(tmp_path_factory):
+    """A tiny MoE-GPT over GPT-2's vocabulary (offline tokenizer), saved with its tokenizer."""
+    from hf_moe_offload.data import gpt2_tokenizer
+
+    tok = gpt2_tokenizer()
+    tok.pad_token = tok.eos_token
+    model = small_model(7, vocab_size=len(tok), num_experts=6)
+    path = tmp_path_factory.mktemp("lm")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path), tok
+
+
+def test_pipeline_text_generation_on_an_offloaded_model(saved_lm, tmp_path):
+    from transformers import AutoModelForCausalLM, pipeline
+
+    from hf_moe_offload.generate import load_for_inference
+
+    path, tok = saved_lm
+    prompts = ["The history of", "In the early years of the city, the"]
+    runs = {}
+    for offload in ("none", "disk"):
+        model = load_for_inference(path, offload, str(tmp_path / offload), host_cache_experts=3)
+        generator = pipeline("text-generation", model=model, tokenizer=tok)
+        runs[offload] = [r[0]["generated_text"] for r in generator(prompts, max_new_tokens=6, do_sample=False,
+                                                                       pad_token_id=tok.eos_token_id)]
+    assert isinstance(model, type(AutoModelForCausalLM.from_pretrained(path)))
+    assert runs["disk"] == runs["none"] and all(t.startswith(p) for t, p in zip(runs["disk"], prompts))
+
+
+def test_generate_command_gives_the_resident_models_text_batched_with_left_padding(saved_lm, tmp_path, capsys):
+    from hf_moe_offload.cli import build_parser
+
+    path, _ = saved_lm
+    common = ["generate", "--model-path", path, "--prompt", "Hello", "--prompt", "The history of the city",
+              "--max-new-tokens", "6"]
+    figures = {}
+    for offload in ("none", "host", "disk"):
+        args = build_parser().parse_args(common + ["--offload", offload, "--host-cache-experts", "3",
+                                                   "--offload-dir", str(tmp_path / offload)])
+        figures[offload] = args.func(args)
+    assert figures["host"]["texts"] == figures["none"]["texts"] == figures["disk"]["texts"]
+    assert figures["disk"]["new_tokens"] == 6 and figures["disk"]["cache_hit_rate"] is not None
+    out = capsys.readouterr().out
+    assert "[generate] 6 new tokens x 2 prompt(s)" in out and "disk tier: cache hit rate" in out
+
+
+def test_generate_command_streams_one_prompt_and_reports_a_missing_model(saved_lm, tmp_path, capsys):
+    from hf_moe_offload.cli import main
+
+    path, _ = saved_lm
+    assert main(["generate", "--model-path", path, "--prompt", "Once", "--max-new-tokens", "4",
+                 "--offload-dir", str(tmp_path / "e")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Once") and "[generate] 4 new tokens x 1 prompt(s)" in out
+    assert main(["generate", "--model-path", str(tmp_path / "nothing-here")]) == 2
+    assert "nothing-here" in capsys.readouterr().err
+
+
+def test_trainer_evaluation_runs_in_inference_mode_with_the_resident_loss(tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    reference = small_model(seed=5)
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, OffloadConfig(mode="disk", offload_dir=str(tmp_path / "e"),
+                                                        host_cache_experts=3))
+    ids = torch.randint(0, 101, (6, 12), generator=torch.Generator().manual_seed(21))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    losses = []
+    for m in (reference, model):
+        args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_eval_batch_size=3, use_cpu=True,
+                                 report_to=[])
+        losses.append(Trainer(model=m, args=args, eval_dataset=data,
+                              data_collator=default_data_collator).evaluate()["eval_loss"])
+    assert engine.inference and engine.store._decode is engine.decode_cache
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)

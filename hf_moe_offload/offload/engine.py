@@ -224,8 +224,7 @@ class OffloadedExpertsLayer:
         engine = self.engine
         if not engine.enter_call(self.layer, engine.inference_for(self.module)) or engine.pregate is None:
             return
-        routed = set(torch.unique(top_k_index).tolist())
-        engine.pregate.score(self.layer, {e for e in routed if 0 <= e < self.num_experts})
+        engine.pregate.observe(self.layer, top_k_index, self.num_experts)
         nxt = self.layer + 1
         if nxt < len(engine.layers):
             ids = engine.pregate.guess(nxt, hidden_states, top_k_index.shape[-1])
@@ -237,7 +236,10 @@ class OffloadedExpertsLayer:
     def prefetch(self, counts: list[int]) -> None:
         """Called with the dispatch plan before the token permutation, so the first reads overlap it."""
         ids = [e for e, n in enumerate(counts) if n]
-        self.engine.store.prefetch(self.keys(ids[: self.engine.depth + 1]), WEIGHTS)
+        # Inference: the first expert is read by the thread that computes it (`stream`); handing it to an I/O thread
+        # and waiting costs two thread switches and overlaps next to nothing while decoding (few tokens).
+        first = 1 if self.engine.inference else 0
+        self.engine.store.prefetch(self.keys(ids[first : self.engine.depth + 1]), WEIGHTS)
 
     @property
     def training(self) -> bool:
@@ -602,7 +604,7 @@ class OffloadEngine:
         rows = WEIGHTS_AND_GRAD if keep and self.train_experts else WEIGHTS
         if self.store.wants_schedule and not self.inference:  # decoding: the decode cache's scores instead
             self.store.set_schedule(self._schedule(layer, keys, phase))
-        self.store.prefetch(keys[: self.depth + 1], rows)
+        self.store.prefetch(keys[1 if self.inference else 0 : self.depth + 1], rows)
         inflight: deque = deque()
         nxt = 0
         t_start = time.perf_counter()
