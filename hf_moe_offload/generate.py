@@ -61,11 +61,9 @@ def load_for_inference(model_path: str, offload: str, offload_dir: str | None, h
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     config = OffloadConfig(mode=offload, offload_dir=offload_dir if offload == "disk" else None,
                            host_cache_experts=host_cache_experts if offload == "disk" else None,
-                           train_experts=False, pregate=pregate, compute_dtype=dtype)
-    model = load_offloaded_pretrained(model_path, config)
-    if dtype is not None:
-        model.to(dtype)
-    return model.eval()
+                           train_experts=False, pregate=pregate)
+    # Weights only, in the model's dtype: a bf16 model's store holds bf16 experts and nothing else.
+    return load_offloaded_pretrained(model_path, config, dtype=dtype).eval()
 
 
 def run(args: argparse.Namespace) -> dict:

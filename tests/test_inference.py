@@ -303,3 +303,32 @@ def test_trainer_evaluation_runs_in_inference_mode_with_the_resident_loss(tmp_pa
                               data_collator=default_data_collator).evaluate()["eval_loss"])
     assert engine.inference and engine.store._decode is engine.decode_cache
     assert losses[1] == pytest.approx(losses[0], abs=1e-6)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("family", ["moe_gpt", "qwen3_moe"])
+def test_a_bf16_model_keeps_bf16_experts_only_and_generates_the_resident_tokens(family, tier, tmp_path):
+    """Weights-only store of a bf16 model: bf16 rows, no fp32 master, no second compute copy (2 bytes per weight);
+    greedy tokens equal to the resident bf16 model's, and state_dict() gives back the very same bf16 weights."""
+    resident = make_model(family).to(torch.bfloat16)
+    offloaded = copy.deepcopy(resident)
+    engine = enable_expert_offload(offloaded, OffloadConfig(
+        mode=tier, offload_dir=str(tmp_path / "e"), host_cache_experts=4 if tier == "disk" else None,
+        train_experts=False))
+    store = engine.store
+    assert store.row_dtype == torch.bfloat16 and store.record_bytes() == 2 * store.numel
+    record = store.acquire((0, 0))
+    assert record.compute is None and record.compute_param().dtype == torch.bfloat16
+    store.release((0, 0))
+    ids, mask = left_padded_batch(resident.config.vocab_size, seed=5)
+    assert torch.equal(greedy(offloaded, ids, mask), greedy(resident, ids, mask))
+    expected, got = resident.state_dict(), offloaded.state_dict()
+    assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in expected.items())
+
+
+def test_only_a_weights_only_store_leaves_fp32():
+    from hf_moe_offload.offload.store import HostExpertStore
+    from hf_moe_offload.offload.telemetry import OffloadStats
+
+    with pytest.raises(ValueError, match="fp32 masters"):
+        HostExpertStore([(0, 0)], 8, torch.bfloat16, OffloadStats(), state_rows=4, row_dtype=torch.bfloat16)

@@ -97,12 +97,15 @@ def enable_expert_offload(
     state_rows = STATE_ROWS if config.train_experts else 1  # frozen experts: weights only
     if store_factory is not None and not config.train_experts:
         raise ValueError("frozen experts (train_experts=False) stay in per-process stores; do not share them")
-    record_bytes = state_rows * numel * 4
+    # A weights-only store keeps the model's own dtype (a bf16 model: bf16 rows, no fp32 copy: nothing is updated,
+    # so there is no master to keep); training keeps fp32 masters, gradients and moments.
+    row_dtype = model_dtype if state_rows == 1 and model_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    record_bytes = state_rows * numel * row_dtype.itemsize
 
     if mode == "device":
         store = None
     elif mode == "host":
-        store = (HostExpertStore(keys, numel, compute_dtype, stats, state_rows) if store_factory is None
+        store = (HostExpertStore(keys, numel, compute_dtype, stats, state_rows, row_dtype) if store_factory is None
                  else store_factory("host", keys, numel, compute_dtype, stats, None))
     else:
         cache = config.host_cache_experts
@@ -119,7 +122,7 @@ def enable_expert_offload(
         if store_factory is None:
             store = DiskExpertStore(
                 keys, numel, compute_dtype, stats, os.path.join(config.offload_dir), cache, config.io_threads,
-                state_rows=state_rows,
+                state_rows=state_rows, row_dtype=row_dtype,
             )
         else:
             store = store_factory("disk", keys, numel, compute_dtype, stats, cache)

@@ -451,11 +451,14 @@ def _checkpoint_files(path: str) -> dict[str, str]:
     return {k: single for k in SafetensorsReader(single).keys()}
 
 
-def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_class=None, **config_kwargs) -> nn.Module:
+def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_class=None,
+                              dtype: torch.dtype | None = None, **config_kwargs) -> nn.Module:
     """Build a model from `path` with its experts streamed straight into the offload store.
 
     Non-expert weights are loaded normally; each expert's slices are read from the safetensors files one expert at
-    a time, so host memory holds at most the non-expert weights, the store's cache and one expert.
+    a time, so host memory holds at most the non-expert weights, the store's cache and one expert. `dtype`: the
+    model's dtype (default fp32); with `OffloadConfig(train_experts=False)` a bf16/fp16 model's store keeps the
+    experts in that dtype only.
     """
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
@@ -467,7 +470,7 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
     files = _checkpoint_files(path)  # first: a missing folder or shard is named before anything is built
     config = AutoConfig.from_pretrained(path, **config_kwargs)
     with init_empty_weights():
-        model = model_class.from_config(config)
+        model = model_class.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
     engine = enable_expert_offload(model, offload_config, _initialize=False)
     expert_names = _expert_param_names(model)
     readers: dict[str, SafetensorsReader] = {}

@@ -61,7 +61,9 @@ class CorruptExpertFileError(ExpertStoreError):
 
 
 class ExpertRecord:
-    """One expert's state. `buffer` is (4, P) fp32; `compute` is the low-precision copy used for compute, if any.
+    """One expert's state. `buffer` is (4, P) fp32, or (1, P) weights only, in fp32 or the model's dtype (a
+    weights-only store of a bf16 model keeps bf16: there is no master to keep); `compute` is the low-precision copy
+    used for compute, if the buffer is not already in the compute dtype.
 
     `version` counts the updates of this expert (it lives in the store, so it survives an eviction from the disk
     tier's cache): a device copy made at version v is current while the version is still v.
@@ -84,7 +86,7 @@ class ExpertRecord:
         self.grad, self.exp_avg, self.exp_avg_sq = rows[1:] if len(rows) == STATE_ROWS else (None, None, None)
         self.grad_stale = False
         self.compute = None
-        if compute_dtype != torch.float32:
+        if compute_dtype != buffer.dtype:
             # The disk tier passes its cache slot's compute buffer: nothing is allocated (or pinned) per read.
             self.compute = compute if compute is not None else torch.empty(buffer.shape[1], dtype=compute_dtype)
             self.compute.copy_(self.param)
@@ -141,9 +143,13 @@ class ExpertStore:
     lazy_grad_zero = True
 
     def __init__(self, keys: Iterable[ExpertKey], numel: int, compute_dtype: torch.dtype, stats: OffloadStats,
-                 state_rows: int = STATE_ROWS):
+                 state_rows: int = STATE_ROWS, row_dtype: torch.dtype = torch.float32):
         if state_rows not in (1, STATE_ROWS):
             raise ValueError(f"state_rows must be 1 (weights only) or {STATE_ROWS}, got {state_rows}")
+        if row_dtype != torch.float32 and state_rows != 1:
+            raise ValueError("only a weights-only store (state_rows=1) keeps its rows in another dtype than fp32: "
+                             "training needs fp32 masters, gradients and moments")
+        self.row_dtype = row_dtype
         self._keys = list(keys)
         self.numel = numel
         self.state_rows = state_rows  # 4: [param | grad | exp_avg | exp_avg_sq]; 1: weights only (frozen experts)
@@ -172,13 +178,13 @@ class ExpertStore:
         return self.state_rows == STATE_ROWS
 
     def record_bytes(self) -> int:
-        return self.state_rows * self.numel * 4
+        return self.state_rows * self.numel * self.row_dtype.itemsize
 
     def read_param(self, key: ExpertKey) -> torch.Tensor:
-        """A copy of the fp32 master weights of `key`."""
+        """A copy of the weights of `key`, in fp32."""
         record = self.acquire(key, WEIGHTS)
         try:
-            return record.param.clone()
+            return record.param.to(torch.float32, copy=True)
         finally:
             self.release(key)
 
@@ -267,9 +273,10 @@ class HostExpertStore(ExpertStore):
 
     tier = "host"
 
-    def __init__(self, keys, numel, compute_dtype, stats, state_rows: int = STATE_ROWS):
-        super().__init__(keys, numel, compute_dtype, stats, state_rows)
-        self._records = {k: self._new_record(k, torch.zeros(state_rows, numel)) for k in self._keys}
+    def __init__(self, keys, numel, compute_dtype, stats, state_rows: int = STATE_ROWS,
+                 row_dtype: torch.dtype = torch.float32):
+        super().__init__(keys, numel, compute_dtype, stats, state_rows, row_dtype)
+        self._records = {k: self._new_record(k, torch.zeros(state_rows, numel, dtype=row_dtype)) for k in self._keys}
 
     def _dma_sources(self):
         return [r.compute_param() for r in self._records.values()]
@@ -402,8 +409,8 @@ class DiskExpertStore(ExpertStore):
     row_io = True
 
     def __init__(self, keys, numel, compute_dtype, stats, offload_dir: str, cache_experts: int, io_threads: int = 2,
-                 owner: bool = True, state_rows: int = STATE_ROWS):
-        super().__init__(keys, numel, compute_dtype, stats, state_rows)
+                 owner: bool = True, state_rows: int = STATE_ROWS, row_dtype: torch.dtype = torch.float32):
+        super().__init__(keys, numel, compute_dtype, stats, state_rows, row_dtype)
         if cache_experts < 1:
             raise ExpertStoreError(
                 f"the disk tier's host cache holds {cache_experts} experts; it needs at least 1 (one expert's state "
@@ -425,10 +432,10 @@ class DiskExpertStore(ExpertStore):
         if owner:
             self._discard_stale_files(killed=not self._dir_lock.previous_closed)
         self.cache_experts = cache_experts
-        self._slots = [torch.empty(state_rows, numel) for _ in range(cache_experts)]
+        self._slots = [torch.empty(state_rows, numel, dtype=row_dtype) for _ in range(cache_experts)]
         # One compute copy per slot, allocated (and page-locked) once, not per read.
         self._compute_slots = ([torch.empty(numel, dtype=compute_dtype) for _ in range(cache_experts)]
-                               if compute_dtype != torch.float32 else [None] * cache_experts)
+                               if compute_dtype != row_dtype else [None] * cache_experts)
         self._free = list(range(cache_experts))
         self._entries: OrderedDict[ExpertKey, _Entry] = OrderedDict()  # least recently used first
         self._pinned: set[ExpertKey] = set()
@@ -481,7 +488,7 @@ class DiskExpertStore(ExpertStore):
         """Write `rows` of `buffer` and the trailer. A file this process wrote before keeps its other rows; a new
         one (or any file of a store without row I/O) is written whole from `rows`."""
         path = self.path(key)
-        row_bytes = self.numel * 4
+        row_bytes = self.numel * self.row_dtype.itemsize
         previous = self._crcs.get(key) if self.row_io else None
         crcs = list(previous) if previous is not None else [0] * STATE_ROWS
         for r in rows:
@@ -508,7 +515,7 @@ class DiskExpertStore(ExpertStore):
 
     def _read_file(self, key: ExpertKey, buffer: torch.Tensor, rows: list[int]) -> None:
         path = self.path(key)
-        row_bytes = self.numel * 4
+        row_bytes = self.numel * self.row_dtype.itemsize
         size = self.state_rows * row_bytes + _TRAILER.size
         try:
             with open(path, "rb", buffering=0) as f:
