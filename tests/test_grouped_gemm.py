@@ -100,7 +100,7 @@ def test_grouped_gemm_takes_a_broadcast_gradient():
 def test_grouped_gemm_on_the_cpu_needs_16_byte_rows_and_few_rows_per_expert():
     """torch's CPU grouped GEMM needs every row stride a multiple of 16 bytes: fp32 widths of 32 qualify, 30 do
     not (the loop runs); bf16 needs multiples of 8 elements. Experts with many rows each run the loop (faster there:
-    one GEMM per expert), and so does inference (batch invariance)."""
+    one GEMM per expert)."""
     w = torch.zeros(4, 48, 32)
     assert GroupedLinear.usable(torch.zeros(8, 32), [w])
     many = GroupedLinear.CPU_MAX_ROWS_PER_EXPERT + 1
@@ -114,5 +114,23 @@ def test_grouped_gemm_on_the_cpu_needs_16_byte_rows_and_few_rows_per_expert():
     assert GroupedLinear.cuda_supports(torch.bfloat16, (8, 0)) and GroupedLinear.cuda_supports(torch.bfloat16, (9, 0))
     assert not GroupedLinear.cuda_supports(torch.bfloat16, (7, 5))
     assert not GroupedLinear.cuda_supports(torch.float32, (9, 0))
-    with torch.no_grad():  # inference keeps the loop: a token's output must not depend on its batch (KV cache)
-        assert not GroupedLinear.usable(torch.zeros(8, 32), [w])
+    with torch.no_grad():  # inference too (equal to the loop bit for bit: the test above)
+        assert GroupedLinear.usable(torch.zeros(8, 32), [w])
+
+
+@pytest.mark.parametrize("family", ["moe_gpt", "qwen3_moe"])
+def test_in_inference_the_grouped_gemm_gives_the_loops_outputs_bit_for_bit(family, grouped_calls, monkeypatch):
+    """Inference takes the grouped GEMM too: fp32 outputs equal the per-expert loop's exactly, at every row count
+    (decoding's 1-2 rows per expert and a prompt's more), so KV-cached decoding gives the loop's tokens."""
+    module = experts_module(family)
+    run = sorted_experts(module)
+    for counts in ([1, 0, 0, 1, 0, 0], [2, 1, 0, 0, 3, 1], COUNTS):
+        x = torch.randn(sum(counts), run.layout.hidden_size)
+        with torch.no_grad():
+            grouped_calls.clear()
+            grouped = run(x, counts)
+            assert len(grouped_calls) == 2
+            with monkeypatch.context() as m:
+                m.setattr(GroupedLinear, "usable", staticmethod(lambda *a: False))
+                loop = run(x, counts)
+        assert torch.equal(grouped, loop)

@@ -278,23 +278,21 @@ class GroupedLinear:
 
     # On the CPU the grouped GEMM wins where experts have few rows each (the loop's per-expert overhead dominates) and
     # loses to one GEMM per expert where they have many (benchmarks/moe_layer.py, d=256: 1.15-1.5x faster at 64-128
-    # rows per expert, 0.75-0.87x at 256-1024). On the CPU it runs in training only for now: a decoding drift first
-    # put on it came from transformers 5.24's `cache` argument, and grouped_mm was since found equal to per-expert mm
-    # bit for bit, so this rule can be lifted (benchmarks/RESULTS.md, issue 14 item 4).
+    # rows per expert, 0.75-0.87x at 256-1024). It runs in inference too: on the CPU grouped_mm equals one mm per
+    # expert bit for bit (tests/test_grouped_gemm.py), so KV-cached decoding gives the loop's tokens.
     CPU_MAX_ROWS_PER_EXPERT = 128
 
     @staticmethod
     def usable(x: torch.Tensor, weights: list[torch.Tensor], counts: list[int] | None = None) -> bool:
         """Whether to run these experts through torch's grouped GEMM here: on CUDA it takes bf16 on compute
-        capability 8.0+; on the CPU it runs in training (grad enabled), its rows must be 16-byte multiples and the
-        experts must have few rows each (`counts`, `CPU_MAX_ROWS_PER_EXPERT`). Otherwise the experts run one by
-        one."""
+        capability 8.0+; on the CPU its rows must be 16-byte multiples and the experts must have few rows each
+        (`counts`, `CPU_MAX_ROWS_PER_EXPERT`). Otherwise the experts run one by one."""
         if not hasattr(F, "grouped_mm") or not x.is_contiguous() or x.shape[0] == 0:
             return False
         dtype = _compute_dtype(x)
         if x.device.type == "cuda":
             return GroupedLinear.cuda_supports(dtype, torch.cuda.get_device_capability(x.device))
-        if x.device.type != "cpu" or not dtype.is_floating_point or not torch.is_grad_enabled():
+        if x.device.type != "cpu" or not dtype.is_floating_point:
             return False
         active = sum(1 for n in counts if n) if counts is not None else 0
         if active and x.shape[0] / active > GroupedLinear.CPU_MAX_ROWS_PER_EXPERT:
