@@ -1,6 +1,7 @@
-"""Offloaded generation on CPU: decode tokens/s and time to first token of our disk tier (inference mode: decode
-cache, pre-gating) against accelerate's `device_map` disk offload of the same experts and against the resident
-model, all in one invocation; pre-gating hit rate, cache hit rate and bytes read per token.
+"""Offloaded generation on CPU: decode tokens/s and time to first token of our disk tier (inference mode: the decode
+cache; pre-gating in a row of its own, since it is off by default on the CPU) against accelerate's `device_map` disk
+offload of the same experts and against the resident model, all in one invocation; pre-gating hit rate, cache hit
+rate and bytes read per token.
 
     python benchmarks/generate.py            # Qwen3-MoE, 4 layers, 16 experts/layer, d=256; cache 8 of 64 experts
     python benchmarks/generate.py --quick    # fewer tokens and rounds
@@ -101,7 +102,7 @@ def load(variant: str, ckpt: str, work: str, config, cache: int):
                                                     offload_folder=folder)
     # Inference only: the store holds the weights (no gradient, no Adam moments), so the cache's bytes are
     # `cache` experts' weights, what accelerate would need to hold `cache` experts.
-    pregate = variant == "ours disk"
+    pregate = {"ours disk": None, "ours disk + pre-gating": True}[variant]
     return load_offloaded_pretrained(ckpt, OffloadConfig(mode="disk", offload_dir=tempfile.mkdtemp(dir=work),
                                                          host_cache_experts=cache, pregate=pregate,
                                                          train_experts=False))
@@ -143,7 +144,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     new_tokens, rounds = (24, 2) if args.quick else (64, 3)
-    variants = ["resident", "accelerate disk", "ours disk", "ours disk, no pre-gating"]
+    variants = ["resident", "accelerate disk", "ours disk", "ours disk + pre-gating"]
     with tempfile.TemporaryDirectory() as work:
         if args.model_path:
             ckpt = args.model_path

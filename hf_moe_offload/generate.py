@@ -55,7 +55,7 @@ class _Timer(BaseStreamer):
 
 
 def load_for_inference(model_path: str, offload: str, offload_dir: str | None, host_cache_experts: int | None,
-                       pregate: bool = True, dtype: torch.dtype | None = None):
+                       pregate: bool | None = None, dtype: torch.dtype | None = None):
     """The model at `model_path` with its experts in the `offload` tier ("disk", "host") or resident ("none")."""
     if offload == "none":
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
         offload_dir = scratch = tempfile.mkdtemp(prefix="hf-moe-offload-generate-")
     try:
         model = load_for_inference(args.model_path, args.offload, offload_dir, args.host_cache_experts,
-                                   pregate=not args.no_pregate, dtype=dtype)
+                                   pregate={"auto": None, "on": True, "off": False}[args.pregate], dtype=dtype)
         torch.manual_seed(args.seed)
         batch = tokenizer(prompts, return_tensors="pt", padding=True)
         streamer = TextStreamer(tokenizer, skip_prompt=False) if len(prompts) == 1 and not args.quiet else None
@@ -145,7 +145,8 @@ def add_cli(sub) -> None:
     p.add_argument("--offload-dir", default=None, help="disk tier directory (default: a temporary one, removed after)")
     p.add_argument("--host-cache-experts", type=int, default=None,
                    help="disk tier: experts' weights held in host memory (default: a quarter of the experts)")
-    p.add_argument("--no-pregate", action="store_true", help="do not read the next layer's guessed experts early")
+    p.add_argument("--pregate", choices=("auto", "on", "off"), default="auto",
+                   help="disk tier: read the next layer's guessed experts early (auto: on a GPU, not on the CPU)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0)

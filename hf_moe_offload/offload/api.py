@@ -148,7 +148,8 @@ def enable_expert_offload(
     engine.compute_on_host_setting = config.compute_on_host
     if engine.decode_cache is not None:
         engine.decode_cache.decay = config.decode_cache_decay
-    if config.pregate and mode == "disk":  # the host tier has nothing to read early (its uploads: see the README)
+    engine.pregate_setting = config.pregate
+    if config.pregate is not False and mode == "disk":  # the host tier has nothing to read early (README)
         engine.pregate = PreGate([_router(model, route) for route in path.layers], stats)
     for streamed, route in zip(engine.layers, path.layers):
         module, layout = route.module, route.layout

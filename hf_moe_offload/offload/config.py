@@ -49,9 +49,12 @@ class OffloadConfig:
         "help": "None (default): a call runs in inference mode under torch.no_grad() or model.eval() (the disk "
                 "tier's cache scores experts by decayed use frequency with a per-layer budget; pre-gating reads the "
                 "next layer's likely experts early); True/False force it"})
-    pregate: bool = field(default=True, metadata={
-        "help": "inference: apply layer l+1's router to layer l's router input and start reading the experts it "
-                "guesses (Pre-gated MoE); the outputs never depend on the guess"})
+    pregate: bool | None = field(default=None, metadata={
+        "help": "inference, disk tier: guess layer l+1's experts while layer l runs (its router on layer l's input, "
+                "plus co-activation counts) and start reading them; the outputs never depend on the guess. None "
+                "(default): on where the experts compute on an asynchronous device (a GPU: early reads overlap the "
+                "compute), off on the CPU, where the reads compete with the compute for the same cores (measured "
+                "slower there, benchmarks/RESULTS.md); True/False force it"})
     decode_cache_decay: float = field(default=0.9, metadata={
         "help": "inference: per-token decay of an expert's use count in the disk tier's cache scores"})
     compute_on_host: bool | None = field(default=None, metadata={

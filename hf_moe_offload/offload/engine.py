@@ -486,6 +486,7 @@ class OffloadEngine:
         self.inference = False
         self.decode_cache = DecodeCache(len(self.layers), cache) if cache is not None else None
         self.pregate: PreGate | None = None  # set by enable_expert_offload (OffloadConfig.pregate)
+        self.pregate_setting: bool | None = None  # None: dropped at bind() on a runtime that is not asynchronous
         # Fiddler's compute-on-host choice (asynchronous runtimes): the cost model, measured at bind() when
         # OffloadConfig.compute_on_host allows, or given.
         self.compute_on_host_setting: bool | None = None
@@ -523,6 +524,8 @@ class OffloadEngine:
         self.store.bind_runtime(self.runtime)
         self.stager = DeviceStager(self.runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1),
                                    self.stats)
+        if self.pregate_setting is None and not self.runtime.asynchronous:
+            self.pregate = None  # OffloadConfig.pregate: early reads would compete with the compute for the CPU
         # Compute-on-host pays off where weights cross a link (a GPU); `True` also turns it on for the simulated
         # device (tests). On the inline CPU runtime the host is the device.
         wanted = (self.runtime.name == "cuda" if self.compute_on_host_setting is None
