@@ -5,6 +5,8 @@ rate and bytes read per token.
 
     python benchmarks/generate.py            # Qwen3-MoE, 4 layers, 16 experts/layer, d=256; cache 8 of 64 experts
     python benchmarks/generate.py --quick    # fewer tokens and rounds
+    python benchmarks/generate.py --model-path outputs/moe-gpt-small --cache 4   # the main job's trained model
+    python benchmarks/generate.py --analyze [--model-path ...]   # guess and cache policy on one routing trace
 
 The model is random (seeded) and saved once as safetensors; every variant loads that checkpoint the way a user would
 (`from_pretrained`, `from_pretrained(device_map=..., offload_folder=...)`, `load_offloaded_pretrained`), then
@@ -22,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 
 import torch
 
@@ -33,8 +36,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig  # noq
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from hf_moe_offload import OffloadConfig  # noqa: E402
-from hf_moe_offload.moe_path import experts_layers, find_experts_modules  # noqa: E402
-from hf_moe_offload.offload.api import get_offload_engine  # noqa: E402
+from hf_moe_offload.moe_path import experts_layers, find_experts_modules, get_moe_path  # noqa: E402
+from hf_moe_offload.offload.api import _router, get_offload_engine  # noqa: E402
+from hf_moe_offload.offload.inference import DecodeCache, PreGate  # noqa: E402
+from hf_moe_offload.offload.telemetry import OffloadStats  # noqa: E402
 from hf_moe_offload.offload.checkpoint import load_offloaded_pretrained  # noqa: E402
 
 
@@ -129,6 +134,116 @@ def run_once(model, prompt: torch.Tensor, new_tokens: int) -> dict:
     return row
 
 
+# --- --analyze: the guess and the cache policy, replayed on one decode's routing trace ---
+def record_trace(ckpt: str, prompt: torch.Tensor, new_tokens: int) -> tuple[list, PreGate]:
+    """Decode on the host tier and record every MoE layer call: (layer, router input, top-k choices)."""
+    model = load_offloaded_pretrained(ckpt, OffloadConfig(mode="host", train_experts=False)).eval()
+    engine = get_offload_engine(model)
+    calls = []
+    for layer in engine.layers:  # instrumentation: wrap each layer's routing callback
+        original = layer.on_route
+
+        def on_route(hidden, top_k_index, layer=layer, original=original):
+            calls.append((layer.layer, hidden.detach().clone(), top_k_index.detach().clone()))
+            original(hidden, top_k_index)
+
+        layer.on_route = on_route
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                       use_cache=True)
+    routers = [_router(model, route) for route in get_moe_path(model).layers]
+    return calls, PreGate(routers, OffloadStats())
+
+
+def guess_hit_rates(calls: list, pregate: PreGate, num_experts: int) -> dict[str, float]:
+    """Fraction of the routed experts of decoded tokens (layers after the first) that each guess of k experts held:
+    the router alone, the previous token's experts, co-activation counts alone, and PreGate (router + counts)."""
+    hits, total = Counter(), 0
+    previous: dict[int, set[int]] = {}
+    num_layers = max(layer for layer, _, _ in calls) + 1
+    for i, (layer, hidden, idx) in enumerate(calls):
+        routed = pregate.observe(layer, idx, num_experts)
+        decoding = i >= num_layers and hidden.reshape(-1, hidden.shape[-1]).shape[0] == 1
+        nxt = layer + 1
+        if nxt < num_layers and decoding and i + 1 < len(calls):
+            actual = {e for e in calls[i + 1][2].reshape(-1).tolist() if 0 <= e < num_experts}
+            k = idx.shape[-1]
+            router = set(pregate.routers[nxt].logits(hidden.reshape(-1, hidden.shape[-1])).topk(k).indices
+                         .reshape(-1).tolist())
+            counts = pregate.coactivation.get(layer)
+            coact = set((pregate._last[1] @ counts).topk(k).indices.reshape(-1).tolist()) if counts is not None else set()
+            guesses = {"router alone": router, "previous token": previous.get(nxt, set()),
+                       "co-activation alone": coact, "router + co-activation (PreGate)": set(pregate.guess(nxt, hidden, k))}
+            pregate.guesses.pop(nxt, None)
+            for name, g in guesses.items():
+                hits[name] += len(actual & g)
+            total += len(actual)
+        previous[layer] = routed
+    return {name: n / total for name, n in hits.items()}
+
+
+def cache_hit_rates(calls: list, capacity: int) -> dict[str, float]:
+    """Replays the expert requests of the trace (token 0: the prompt) through a cache of `capacity` experts:
+    `DecodeCache` (as the disk tier uses it), LRU, and Belady's MIN (the optimum, knowing the future); hit rate over
+    the decoded tokens."""
+    num_layers = max(layer for layer, _, _ in calls) + 1
+    requests, token = [], -1
+    for layer, _, idx in calls:
+        token += layer == 0
+        requests += [(token, (layer, e)) for e in sorted(set(idx.reshape(-1).tolist()))]
+    next_use, seen = [0] * len(requests), {}
+    for i in reversed(range(len(requests))):
+        next_use[i] = seen.get(requests[i][1], len(requests))
+        seen[requests[i][1]] = i
+
+    def replay(victim, used=lambda key: None, new_token=lambda tok: None) -> float:
+        cache, hits, misses = {}, 0, 0  # key -> (its last use, its next use)
+        for i, (tok, key) in enumerate(requests):
+            new_token(tok)
+            if key in cache:
+                hits += tok > 0
+            else:
+                misses += tok > 0
+                if len(cache) >= capacity:
+                    del cache[victim(cache, key)]
+            cache[key] = (i, next_use[i])
+            used(key)
+        return hits / (hits + misses)
+
+    decode = DecodeCache(num_layers, capacity)
+
+    def decode_victim(cache, key):
+        held = Counter(k[0] for k in cache)
+        held[key[0]] += 1
+        return decode.victim(list(cache), held, key, speculative=False)
+
+    def new_token(tok):
+        while decode.tick < tok:
+            decode.next_token()
+
+    return {"DecodeCache (ours)": replay(decode_victim, decode.touch, new_token),
+            "LRU": replay(lambda cache, key: min(cache, key=lambda k: cache[k][0])),
+            "Belady's MIN (optimum)": replay(lambda cache, key: max(cache, key=lambda k: cache[k][1]))}
+
+
+def analyze(args) -> None:
+    with tempfile.TemporaryDirectory() as work:
+        ckpt = args.model_path or os.path.join(work, "ckpt")
+        config = AutoConfig.from_pretrained(ckpt) if args.model_path else make_checkpoint(
+            ckpt, args.layers, args.experts, args.hidden, args.inter)
+        prompt = make_prompt(args.model_path, config.vocab_size, args.prompt_tokens)
+        calls, pregate = record_trace(ckpt, prompt, 64)
+    num_experts = max(int(idx.max()) for _, _, idx in calls) + 1
+    guesses = guess_hit_rates(calls, pregate, num_experts)
+    caches = cache_hit_rates(calls, args.cache)
+    print(f"\nGuess hit rate (fraction of routed experts the guess held), 64 decoded tokens:")
+    for name, v in guesses.items():
+        print(f"  {name:>34} {v:.2f}")
+    print(f"Cache hit rate over the decoded tokens, cache {args.cache} experts:")
+    for name, v in caches.items():
+        print(f"  {name:>34} {v:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -141,8 +256,12 @@ def main() -> None:
     ap.add_argument("--cache", type=int, default=8, help="our disk tier's host cache, in experts")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--analyze", action="store_true", help="instead of timing: the pre-gating guess and the decode "
+                    "cache policy replayed on one decode's routing trace, against simpler guesses and LRU / Belady")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.analyze:
+        return analyze(args)
     new_tokens, rounds = (24, 2) if args.quick else (64, 3)
     variants = ["resident", "accelerate disk", "ours disk", "ours disk + pre-gating"]
     with tempfile.TemporaryDirectory() as work:
