@@ -110,6 +110,7 @@ def test_grouped_gemm_on_the_cpu_needs_16_byte_rows_and_few_rows_per_expert():
     assert not GroupedLinear.usable(torch.zeros(8, 36, dtype=torch.bfloat16), [torch.zeros(4, 48, 36)])
     assert not GroupedLinear.usable(torch.zeros(8, 64)[:, :32], [w])  # not contiguous
     assert not GroupedLinear.usable(torch.zeros(0, 32), [w], [0, 0, 0, 0])  # no rows at all (a rank without tokens)
+    assert not GroupedLinear.usable(torch.zeros(2, 32), [w], [1, 0, 1, 0])  # one decoded token, top-2: the loop
     # CUDA (no GPU here: the decision for given devices): bf16 on compute capability 8.0+ only.
     assert GroupedLinear.cuda_supports(torch.bfloat16, (8, 0)) and GroupedLinear.cuda_supports(torch.bfloat16, (9, 0))
     assert not GroupedLinear.cuda_supports(torch.bfloat16, (7, 5))
@@ -121,10 +122,10 @@ def test_grouped_gemm_on_the_cpu_needs_16_byte_rows_and_few_rows_per_expert():
 @pytest.mark.parametrize("family", ["moe_gpt", "qwen3_moe"])
 def test_in_inference_the_grouped_gemm_gives_the_loops_outputs_bit_for_bit(family, grouped_calls, monkeypatch):
     """Inference takes the grouped GEMM too: fp32 outputs equal the per-expert loop's exactly, at every row count
-    (decoding's 1-2 rows per expert and a prompt's more), so KV-cached decoding gives the loop's tokens."""
+    (a batch of decoded tokens: one row per expert; a prompt: more), so KV-cached decoding gives the loop's tokens."""
     module = experts_module(family)
     run = sorted_experts(module)
-    for counts in ([1, 0, 0, 1, 0, 0], [2, 1, 0, 0, 3, 1], COUNTS):
+    for counts in ([1, 0, 1, 1, 0, 1], [2, 1, 0, 0, 3, 1], COUNTS):
         x = torch.randn(sum(counts), run.layout.hidden_size)
         with torch.no_grad():
             grouped_calls.clear()

@@ -200,6 +200,7 @@ class OffloadedExpertsLayer:
         self.meta: dict[str, tuple[torch.Size, torch.dtype]] = {}  # expert tensor -> (shape, dtype) on the module
         self.handles: list = []  # the module's state-dict hooks (offload/api.py)
         self._recompute_forced = 0  # > 0 inside `recomputing()`
+        self._view_cache: dict[tuple[int, int], list[torch.Tensor]] = {}  # see _inference_weights
 
     @contextmanager
     def recomputing(self):
@@ -283,6 +284,18 @@ class OffloadedExpertsLayer:
             w = w.to(x.dtype)
         return self.layout.views(w)
 
+    def _inference_weights(self, w: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
+        """`_weights` for a forward without backward. On the inline runtime `w` is the store's own buffer (a host
+        record, a disk-tier cache slot: fixed memory, whatever expert it holds), so its per-tensor views are made once
+        per buffer and reused (decoding calls each expert for one token: the views cost as much as the GEMMs)."""
+        if self.engine.runtime.asynchronous or torch.is_autocast_enabled(x.device.type) or w.dtype != x.dtype:
+            return self._weights(w, x)
+        key = (w.data_ptr(), w.numel())
+        views = self._view_cache.get(key)
+        if views is None:
+            views = self._view_cache[key] = self.layout.views(w)
+        return views
+
     def run_forward(self, x, counts, ids, rng_states: list | None, graphs: list | None = None) -> torch.Tensor:
         """`rng_states`: a list to record each expert's RNG state in (for the recompute; None: no backward follows).
         `graphs`: a list to keep each expert's forward graph in, (input leaf, weight leaves, output), instead."""
@@ -301,7 +314,7 @@ class OffloadedExpertsLayer:
             if graphs is not None:
                 out = self._forward_kept(x[start : start + n], w, graphs)
             else:
-                out = self.layout.forward(x[start : start + n], self._weights(w, x))
+                out = self.layout.forward(x[start : start + n], self._inference_weights(w, x))
             if y is None:
                 y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out.dtype)
             y[start : start + n] = out
@@ -568,6 +581,8 @@ class OffloadEngine:
         old one are dropped, since the new store counts versions afresh."""
         self.synchronize()
         self.store = store
+        for layer in self.layers:
+            layer._view_cache.clear()  # views of the old store's buffers
         if self.runtime is not None:
             store.bind_runtime(self.runtime)
         if self.stager is not None:

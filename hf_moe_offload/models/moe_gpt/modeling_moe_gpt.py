@@ -281,18 +281,22 @@ class GroupedLinear:
     # rows per expert, 0.75-0.87x at 256-1024). It runs in inference too: on the CPU grouped_mm equals one mm per
     # expert bit for bit (tests/test_grouped_gemm.py), so KV-cached decoding gives the loop's tokens.
     CPU_MAX_ROWS_PER_EXPERT = 128
+    # A decoded token's two rows (top-2) run faster one by one on the CPU (the grouped call's setup costs more than
+    # it saves: 752 vs 705 us for a d=128 MoE-GPT block; from 4 rows on the grouped GEMM wins, 911 vs 1158 us).
+    CPU_MIN_ROWS = 4
 
     @staticmethod
     def usable(x: torch.Tensor, weights: list[torch.Tensor], counts: list[int] | None = None) -> bool:
         """Whether to run these experts through torch's grouped GEMM here: on CUDA it takes bf16 on compute
         capability 8.0+; on the CPU its rows must be 16-byte multiples and the experts must have few rows each
-        (`counts`, `CPU_MAX_ROWS_PER_EXPERT`). Otherwise the experts run one by one."""
+        (`counts`, `CPU_MAX_ROWS_PER_EXPERT`), and at least `CPU_MIN_ROWS` rows in all. Otherwise the experts run
+        one by one."""
         if not hasattr(F, "grouped_mm") or not x.is_contiguous() or x.shape[0] == 0:
             return False
         dtype = _compute_dtype(x)
         if x.device.type == "cuda":
             return GroupedLinear.cuda_supports(dtype, torch.cuda.get_device_capability(x.device))
-        if x.device.type != "cpu" or not dtype.is_floating_point:
+        if x.device.type != "cpu" or not dtype.is_floating_point or x.shape[0] < GroupedLinear.CPU_MIN_ROWS:
             return False
         active = sum(1 for n in counts if n) if counts is not None else 0
         if active and x.shape[0] / active > GroupedLinear.CPU_MAX_ROWS_PER_EXPERT:
