@@ -347,3 +347,33 @@ def test_only_a_weights_only_store_leaves_fp32():
 
     with pytest.raises(ValueError, match="fp32 masters"):
         HostExpertStore([(0, 0)], 8, torch.bfloat16, OffloadStats(), state_rows=4, row_dtype=torch.bfloat16)
+
+
+def test_while_decoding_each_row_is_checked_on_its_first_read_only(tmp_path, monkeypatch):
+    """A corrupt expert file is still caught while decoding (the first read of each row checks its CRC32); a row
+    read and checked before is not checked again until it is written."""
+    from hf_moe_offload.offload import store as store_module
+    from hf_moe_offload.offload.store import CorruptExpertFileError, DiskExpertStore, WEIGHTS
+    from hf_moe_offload.offload.telemetry import OffloadStats
+
+    keys = [(0, e) for e in range(4)]
+    store = DiskExpertStore(keys, 64, torch.float32, OffloadStats(), str(tmp_path / "e"), cache_experts=1,
+                            state_rows=1)
+    for k in keys:
+        store.write_param(k, torch.randn(64))
+    store.flush()
+    store.set_decode_cache(DecodeCache(1, 1))
+    checks = []
+    original = store_module._crc32
+    monkeypatch.setattr(store_module, "_crc32", lambda b: checks.append(1) or original(b))
+    for _ in range(2):  # cache of one expert: every acquire reads its file
+        for k in keys[:3]:
+            store.acquire(k, WEIGHTS)
+            store.release(k)
+    assert len(checks) == 3  # three rows, each checked once over six reads
+    with open(store.path(keys[3]), "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff\xff\xff\xff")
+    with pytest.raises(CorruptExpertFileError, match="checksum"):
+        store.acquire(keys[3], WEIGHTS)
+    store.close()

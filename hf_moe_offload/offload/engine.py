@@ -200,7 +200,7 @@ class OffloadedExpertsLayer:
         self.meta: dict[str, tuple[torch.Size, torch.dtype]] = {}  # expert tensor -> (shape, dtype) on the module
         self.handles: list = []  # the module's state-dict hooks (offload/api.py)
         self._recompute_forced = 0  # > 0 inside `recomputing()`
-        self._view_cache: dict[tuple[int, int], list[torch.Tensor]] = {}  # see _inference_weights
+        self._view_cache: dict[tuple[int, int], list[torch.Tensor]] = {}  # see _forward_weights
 
     @contextmanager
     def recomputing(self):
@@ -284,10 +284,11 @@ class OffloadedExpertsLayer:
             w = w.to(x.dtype)
         return self.layout.views(w)
 
-    def _inference_weights(self, w: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
-        """`_weights` for a forward without backward. On the inline runtime `w` is the store's own buffer (a host
-        record, a disk-tier cache slot: fixed memory, whatever expert it holds), so its per-tensor views are made once
-        per buffer and reused (decoding calls each expert for one token: the views cost as much as the GEMMs)."""
+    def _forward_weights(self, w: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
+        """`_weights` for a forward that keeps no graph (inference; training's forward, whose backward recomputes).
+        On the inline runtime `w` is the store's own buffer (a host record, a disk-tier cache slot: fixed memory,
+        whatever expert it holds), so its per-tensor views are made once per buffer and reused (decoding calls each
+        expert for one token: making the views cost as much as its GEMMs)."""
         if self.engine.runtime.asynchronous or torch.is_autocast_enabled(x.device.type) or w.dtype != x.dtype:
             return self._weights(w, x)
         key = (w.data_ptr(), w.numel())
@@ -314,11 +315,15 @@ class OffloadedExpertsLayer:
             if graphs is not None:
                 out = self._forward_kept(x[start : start + n], w, graphs)
             else:
-                out = self.layout.forward(x[start : start + n], self._inference_weights(w, x))
+                out = self.layout.forward(x[start : start + n], self._forward_weights(w, x))
             if y is None:
                 y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out.dtype)
             y[start : start + n] = out
         return y if y is not None else x[:0].clone()
+
+    def forget_buffers(self) -> None:
+        """The store was replaced: drop the views made of its buffers."""
+        self._view_cache.clear()
 
     def _run_on_host(self, x: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
         """Inference on an asynchronous device: run these experts on the host, from the store's host weights,
@@ -582,7 +587,7 @@ class OffloadEngine:
         self.synchronize()
         self.store = store
         for layer in self.layers:
-            layer._view_cache.clear()  # views of the old store's buffers
+            layer.forget_buffers()
         if self.runtime is not None:
             store.bind_runtime(self.runtime)
         if self.stager is not None:

@@ -2,7 +2,7 @@
 
 Training knows its order exactly (forward, reverse backward, steps: the disk tier's Belady eviction). Decoding does
 not: each token routes to a few experts per layer, and the hot set drifts slowly. Three parts, after the inference
-offloading systems the issue names:
+offloading systems mixtral-offloading, MoE-Infinity, Pre-gated MoE and Fiddler:
 
 - `DecodeCache`: the disk tier's eviction while decoding: a score per expert, its use frequency with exponential
   decay per token, and a budget per layer (`capacity // layers`) so that one layer's hot experts cannot push every

@@ -13,6 +13,9 @@ page-fault driven), `set_schedule(keys)` (that order, for the disk tier's evicti
 Each phase asks only for the rows it uses (issue 14): forward the weights, backward the weights and the gradient, the
 expert's optimizer step all four. The disk tier reads and writes just those rows, never reads a gradient that is
 known to be zero (`release(..., grad_zeroed=True)` / `clear_grad`) and never writes one back.
+
+While the engine decodes (`set_decode_cache`), the disk tier evicts by decoding's scores instead of the schedule
+(offload/inference.py), and a row whose checksum a read already matched since it was written is not checked again.
 """
 
 from __future__ import annotations
