@@ -149,6 +149,13 @@ def _usage(record: dict, where: str) -> tuple[str, str]:
         f"model = load_offloaded_pretrained({q(local)}, OffloadConfig(mode=\"disk\", offload_dir=\"expert_store\", "
         f"host_cache_experts={cache}), model_class={auto})",
     ]
+    if task == "causal-lm":
+        with_pkg += [
+            "",
+            "# Generation with the experts on disk (weights only, a decode cache; tokens streamed) from the shell:",
+            f"#   hf-moe-offload generate --model-path {local if local != 'local' else 'LOCAL_DIR'} --prompt \"The "
+            f"history of\" --host-cache-experts {cache}",
+        ]
     without = [
         f"from transformers import {auto}, AutoTokenizer",
         "",

@@ -240,18 +240,25 @@ def test_pregate_finds_the_router_of_every_family(family):
 
 
 # --- the user surface ---
-@pytest.fixture(scope="module")
-def saved_lm(tmp_path_factory):
-    """A tiny MoE-GPT over GPT-2's vocabulary (offline tokenizer), saved with its tokenizer."""
+def _save_with_gpt2_tokenizer(family: str, path) -> tuple[str, object]:
+    """A tiny model of `family` over GPT-2's vocabulary (offline tokenizer), saved with its tokenizer."""
     from hf_moe_offload.data import gpt2_tokenizer
 
     tok = gpt2_tokenizer()
     tok.pad_token = tok.eos_token
-    model = small_model(7, vocab_size=len(tok), num_experts=6)
-    path = tmp_path_factory.mktemp("lm")
+    if family == "moe_gpt":
+        model = small_model(7, vocab_size=len(tok), num_experts=6)
+    else:
+        model = tiny_model(family, seed=7, vocab_size=len(tok))
+        model.config.use_cache = True
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path), tok
+
+
+@pytest.fixture(scope="module")
+def saved_lm(tmp_path_factory):
+    return _save_with_gpt2_tokenizer("moe_gpt", tmp_path_factory.mktemp("lm"))
 
 
 def test_pipeline_text_generation_on_an_offloaded_model(saved_lm, tmp_path):
@@ -271,10 +278,12 @@ def test_pipeline_text_generation_on_an_offloaded_model(saved_lm, tmp_path):
     assert runs["disk"] == runs["none"] and all(t.startswith(p) for t, p in zip(runs["disk"], prompts))
 
 
-def test_generate_command_gives_the_resident_models_text_batched_with_left_padding(saved_lm, tmp_path, capsys):
+@pytest.mark.parametrize("family", ["moe_gpt", "qwen3_moe"])
+def test_generate_command_gives_the_resident_models_text_batched_with_left_padding(family, saved_lm, tmp_path,
+                                                                                    capsys):
     from hf_moe_offload.cli import build_parser
 
-    path, _ = saved_lm
+    path = saved_lm[0] if family == "moe_gpt" else _save_with_gpt2_tokenizer(family, tmp_path / "lm")[0]
     common = ["generate", "--model-path", path, "--prompt", "Hello", "--prompt", "The history of the city",
               "--max-new-tokens", "6"]
     figures = {}
