@@ -200,6 +200,33 @@ def test_pregate_is_on_by_default_on_an_asynchronous_device(tmp_path):
     assert engine.pregate is not None and engine.stats.pregate_routed > 0
 
 
+def test_decoding_on_a_device_keeps_the_hot_experts_there(tmp_path):
+    """On an asynchronous device (simulated) decoding keeps a device copy of each layer's pin_fraction hottest experts
+    by use score, so their uploads are reused: fewer bytes uploaded than without pins, the same tokens."""
+    resident = make_model("moe_gpt")
+    ids, mask = left_padded_batch(resident.config.vocab_size, seed=17)
+    expected = greedy(resident, ids, mask, n=16)
+    uploaded = {}
+    for pin in (0.0, 0.5):
+        model = copy.deepcopy(resident)
+        with use_runtime(SimulatedRuntime(seed=4, max_delay=0.001)):
+            engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=pin, train_experts=False))
+            engine.decode_pin_interval = 2  # re-chosen every other token (16 by default)
+            got = greedy(model, ids, mask, n=16)
+            engine.synchronize()
+        assert torch.equal(got, expected)
+        uploaded[pin] = engine.stats.h2d_bytes
+        if pin:
+            engine.pin_hot_experts()  # chosen again from the final scores, to check the choice
+            per_layer = Counter(layer for layer, _ in engine.pinned)
+            assert engine.pinned and max(per_layer.values()) <= 4  # ceil(0.5 x 8) per layer
+            scores = engine.decode_cache
+            for layer, e in engine.pinned:  # the pinned ones are the layer's best scored
+                others = [scores.score((layer, o)) for o in range(8) if (layer, o) not in engine.pinned]
+                assert scores.score((layer, e)) >= max(others, default=0.0)
+    assert uploaded[0.5] < uploaded[0.0]
+
+
 def test_the_cost_model_measures_this_machine():
     with use_runtime(SimulatedRuntime(seed=0)) as rt:
         cm = PlacementCostModel.measure(rt, numel=4096, dtype=torch.float32, repeats=2)

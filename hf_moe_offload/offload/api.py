@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import OffloadConfig
 from .engine import OffloadEngine, ResidentEngine
-from .inference import PreGate, Router, find_router
+from .inference import DecodeCache, PreGate, Router, find_router
 from ..moe_path import experts_layers, find_experts_modules, get_moe_path, moe_path
 from .planner import choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
 from .store import STATE_ROWS, DiskExpertStore, ExpertStore, ExpertStoreError, HostExpertStore
@@ -146,8 +146,8 @@ def enable_expert_offload(
     engine.keep_activations_setting = config.keep_activations
     engine.inference_setting = config.inference
     engine.compute_on_host_setting = config.compute_on_host
-    if engine.decode_cache is not None:
-        engine.decode_cache.decay = config.decode_cache_decay
+    engine.decode_cache = DecodeCache(len(engine.layers), getattr(store, "cache_experts", None) or len(keys),
+                                      config.decode_cache_decay)
     engine.pregate_setting = config.pregate
     if config.pregate is not False and mode == "disk":  # the host tier has nothing to read early (README)
         engine.pregate = PreGate([_router(model, route) for route in path.layers], stats)

@@ -223,16 +223,22 @@ class OffloadedExpertsLayer:
         the engine's mode for this call (inference or training) and, in inference, scores this layer's pre-gating
         guess and starts the reads of the next layer's guessed experts (offload/inference.py)."""
         engine = self.engine
-        if not engine.enter_call(self.layer, engine.inference_for(self.module)) or engine.pregate is None:
+        if not engine.enter_call(self.layer, engine.inference_for(self.module)):
             return
-        engine.pregate.observe(self.layer, top_k_index, self.num_experts)
+        if engine.pregate is not None:
+            routed = engine.pregate.observe(self.layer, top_k_index, self.num_experts)
+        else:
+            routed = {e for e in top_k_index.reshape(-1).tolist() if 0 <= e < self.num_experts}
+        for e in routed:
+            engine.decode_cache.touch((self.layer, e))
+        if engine.pregate is None:
+            return
         nxt = self.layer + 1
         if nxt < len(engine.layers):
             ids = engine.pregate.guess(nxt, hidden_states, top_k_index.shape[-1])
             keys = [k for k in ((nxt, e) for e in ids) if k in engine.store]
             if keys and engine.pregate.acting:
-                limit = engine.decode_cache.budget if engine.decode_cache is not None else len(keys)
-                engine.store.prefetch(keys[:limit], WEIGHTS)
+                engine.store.prefetch(keys[: engine.decode_cache.budget], WEIGHTS)
 
     def prefetch(self, counts: list[int]) -> None:
         """Called with the dispatch plan before the token permutation, so the first reads overlap it."""
@@ -502,7 +508,10 @@ class OffloadEngine:
         # under torch.no_grad() or model.eval(). `inference`: the mode of the current call.
         self.inference_setting: bool | None = None
         self.inference = False
-        self.decode_cache = DecodeCache(len(self.layers), cache) if cache is not None else None
+        # Decoding's use scores (set by enable_expert_offload with OffloadConfig.decode_cache_decay): the disk tier's
+        # eviction and, on an asynchronous device, which experts keep a device copy (`pin_hot_experts`).
+        self.decode_cache = DecodeCache(len(self.layers), cache if cache is not None else len(store.keys()))
+        self.decode_pin_interval = 16  # tokens between two choices of the hot experts to keep on the device
         self.pregate: PreGate | None = None  # set by enable_expert_offload (OffloadConfig.pregate)
         self.pregate_setting: bool | None = None  # None: dropped at bind() on a runtime that is not asynchronous
         # Fiddler's compute-on-host choice (asynchronous runtimes): the cost model, measured at bind() when
@@ -567,9 +576,26 @@ class OffloadEngine:
             set_policy = getattr(self.store, "set_decode_cache", None)
             if set_policy is not None:
                 set_policy(self.decode_cache if inference else None)
-        if inference and layer == 0 and self.decode_cache is not None:
+        if inference and layer == 0:
             self.decode_cache.next_token()
+            if (self.runtime is not None and self.runtime.asynchronous and self.pin_fraction
+                    and self.decode_cache.tick % self.decode_pin_interval == 1):
+                self.pin_hot_experts()
         return inference
+
+    def pin_hot_experts(self) -> None:
+        """Decoding on an asynchronous device: keep a device copy of each layer's `pin_fraction` hottest experts by
+        decoding's use scores (mixtral-offloading's per-layer expert cache on the GPU; ES-MoE §4.3's pinning, chosen
+        by recent use instead of the last training step's load). Their uploads are then reused across tokens."""
+        pinned: list[ExpertKey] = []
+        for layer in self.layers:
+            k = math.ceil(self.pin_fraction * layer.num_experts)
+            scored = [(self.decode_cache.score((layer.layer, e)), e) for e in range(layer.num_experts)]
+            pinned += [(layer.layer, e) for s, e in sorted(scored, reverse=True)[:k] if s > 0]
+        if pinned != self.pinned:
+            self.store.set_pinned(pinned)
+            self.stager.set_pinned(set(pinned))
+            self.pinned = pinned
 
     def compute_on_host(self, key: ExpertKey, tokens: int, x: torch.Tensor) -> bool:
         """The cost model's choice for one expert of an inference call: host compute, unless a current device copy

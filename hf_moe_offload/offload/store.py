@@ -793,8 +793,6 @@ class DiskExpertStore(ExpertStore):
         want = self._rows(rows)
         with self._lock:
             self._advance(key)
-            if self._decode is not None:
-                self._decode.touch(key)
             entry = self._entries.get(key)
             if entry is not None and entry.state is CACHED:
                 self.stats.cache_hits += 1
