@@ -3,9 +3,9 @@
 The model is loaded with its experts streamed straight into the offload store (`load_offloaded_pretrained`, weights
 only: no gradient or Adam state), so host memory holds the non-expert weights and the store's cache. Decoding runs
 the engine's inference mode (hf_moe_offload/offload/inference.py): the disk tier's cache keeps the experts decoding
-uses most (decayed frequency, a budget per layer) and pre-gating starts reading the next layer's likely experts while
-this layer computes. One prompt streams its tokens as they come; several prompts are generated as one left-padded
-batch.
+uses most (decayed frequency, a budget per layer), and on a GPU (or with `--pregate on`) pre-gating starts reading
+the next layer's likely experts while this layer computes. One prompt streams its tokens as they come; several
+prompts are generated as one left-padded batch.
 
     hf-moe-offload train && hf-moe-offload generate                  # the main job's model, its default output
     hf-moe-offload generate --model-path DIR --prompt "The history of" --offload disk --host-cache-experts 8
