@@ -348,6 +348,11 @@ def run_moe(x: torch.Tensor, plan: DispatchPlan, experts) -> torch.Tensor:
     return torch.zeros_like(x).index_add_(0, plan.token_index, y_sorted.to(x.dtype))
 
 
+# transformers >= 5.24 names the output's KV cache `cache` (`past_key_values` still works, with a deprecation warning
+# on every generate); earlier versions `past_key_values`.
+_CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
 @dataclass
 class MoEGPTModelOutput(MoeModelOutputWithPast):
     """`MoeModelOutputWithPast` plus the router losses summed over MoE layers (unscaled)."""
@@ -550,7 +555,7 @@ class MoEGPTModel(MoEGPTPreTrainedModel):
 
         return MoEGPTModelOutput(
             last_hidden_state=hidden,
-            past_key_values=past_key_values,
+            **{_CACHE_FIELD: past_key_values},
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
             router_logits=tuple(router_logits) if output_router_logits else None,
             aux_loss=torch.stack(aux_losses).sum() if aux_losses else hidden.new_zeros(()),
@@ -689,7 +694,7 @@ class MoEGPTForCausalLM(MoEGPTPreTrainedModel, GenerationMixin):
             loss=loss,
             aux_loss=base.aux_loss,
             logits=logits,
-            past_key_values=base.past_key_values,
+            **{_CACHE_FIELD: getattr(base, _CACHE_FIELD)},
             hidden_states=base.hidden_states,
             router_logits=base.router_logits,
         )
