@@ -126,11 +126,9 @@ def run_once(model, prompt: torch.Tensor, new_tokens: int) -> dict:
     row = {"ttft_s": new[0] - t0, "decode_tok_s": (len(new) - 1) / (new[-1] - new[0]),
            "tokens": out[0, prompt.shape[1]:].tolist()}
     if engine is not None:
-        s = engine.stats
-        lookups = s.cache_hits + s.cache_misses
-        row.update(read_MB_per_token=s.disk_read_bytes / 2**20 / len(new),
-                   cache_hit_rate=s.cache_hits / lookups if lookups else None,
-                   pregate_hit_rate=s.pregate_hits / s.pregate_routed if s.pregate_routed else None)
+        logs = engine.stats.as_log_dict(prefix="")
+        row.update(read_MB_per_token=logs["disk_read_MB"] / len(new), cache_hit_rate=logs["cache_hit_rate"],
+                   pregate_hit_rate=logs.get("pregate_hit_rate"))
     return row
 
 
@@ -143,9 +141,9 @@ def record_trace(ckpt: str, prompt: torch.Tensor, new_tokens: int) -> tuple[list
     for layer in engine.layers:  # instrumentation: wrap each layer's routing callback
         original = layer.on_route
 
-        def on_route(hidden, top_k_index, layer=layer, original=original):
+        def on_route(hidden, top_k_index, counts, layer=layer, original=original):
             calls.append((layer.layer, hidden.detach().clone(), top_k_index.detach().clone()))
-            original(hidden, top_k_index)
+            original(hidden, top_k_index, counts)
 
         layer.on_route = on_route
     with torch.no_grad():
@@ -174,7 +172,6 @@ def guess_hit_rates(calls: list, pregate: PreGate, num_experts: int) -> dict[str
             coact = set((pregate._last[1] @ counts).topk(k).indices.reshape(-1).tolist()) if counts is not None else set()
             guesses = {"router alone": router, "previous token": previous.get(nxt, set()),
                        "co-activation alone": coact, "router + co-activation (PreGate)": set(pregate.guess(nxt, hidden, k))}
-            pregate.guesses.pop(nxt, None)
             for name, g in guesses.items():
                 hits[name] += len(actual & g)
             total += len(actual)

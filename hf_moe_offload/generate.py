@@ -107,11 +107,10 @@ def run(args: argparse.Namespace) -> dict:
                    "decode_tokens_per_s": (len(new) - 1) * len(prompts) / (new[-1] - new[0]) if len(new) > 1 else None,
                    "texts": texts}
         if engine is not None and engine.store is not None:
-            s = engine.stats
-            lookups = s.cache_hits + s.cache_misses
-            figures.update(offload=args.offload, cache_hit_rate=s.cache_hits / lookups if lookups else None,
-                           pregate_hit_rate=s.pregate_hits / s.pregate_routed if s.pregate_routed else None,
-                           disk_read_MB_per_token=s.disk_read_bytes / 2**20 / max(1, len(new)))
+            logs = engine.stats.as_log_dict(prefix="")
+            figures.update(offload=args.offload, cache_hit_rate=logs["cache_hit_rate"],
+                           pregate_hit_rate=logs.get("pregate_hit_rate"),
+                           disk_read_MB_per_token=logs["disk_read_MB"] / max(1, len(new)))
             engine.store.close()
         _print_figures(figures)
         return figures

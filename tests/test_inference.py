@@ -186,6 +186,33 @@ def test_compute_on_host_on_the_simulated_device_gives_the_same_tokens():
     assert moved[True][0] > 0  # the prompt's experts (many tokens each) were still uploaded
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compute_on_host_under_cpu_autocast_equals_the_device_path(dtype):
+    """Under autocast (CPU autocast: the dtype logic of CUDA's) an expert run on the host gives what its upload and
+    device compute give, bit for bit, in the autocast dtype: one forward on the simulated device where the experts
+    with few rows run on the host and the others are uploaded, against all uploaded."""
+    resident = make_model("moe_gpt")
+    x = torch.randint(1, resident.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(23))
+    logits, used = {}, {}
+    for on_host in (False, True):
+        model = copy.deepcopy(resident)
+        with use_runtime(SimulatedRuntime(seed=6, max_delay=0.001)):
+            engine = enable_expert_offload(model, OffloadConfig(mode="host", compute_on_host=on_host,
+                                                                train_experts=False))
+            if on_host:  # experts with at most 2 rows run on the host, the rest are uploaded
+                layout = engine.layers[0].layout
+                engine.cost_model = PlacementCostModel(host_flops=1.0, link_bytes_per_s=1.0)
+                per_token = 2.0 * layout.decay_numel + 2 * layout.hidden_size * 4
+                engine.cost_model.host_flops = per_token / (engine.store.numel * 4 / 2.5)
+            with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+                logits[on_host] = model(x).logits
+            engine.synchronize()
+        used[on_host] = (engine.stats.host_computed_experts, engine.stats.h2d_bytes)
+    assert used[True][0] > 0 and used[True][1] > 0  # both paths ran
+    assert logits[True].dtype == logits[False].dtype
+    assert torch.equal(logits[True], logits[False])
+
+
 def test_pregate_is_on_by_default_on_an_asynchronous_device(tmp_path):
     """On the simulated device (a GPU's ordering) the disk tier pre-gates by default; same tokens as resident."""
     resident = make_model("moe_gpt")
@@ -227,9 +254,12 @@ def test_decoding_on_a_device_keeps_the_hot_experts_there(tmp_path):
     assert uploaded[0.5] < uploaded[0.0]
 
 
-def test_the_cost_model_measures_this_machine():
-    with use_runtime(SimulatedRuntime(seed=0)) as rt:
-        cm = PlacementCostModel.measure(rt, numel=4096, dtype=torch.float32, repeats=2)
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_cost_model_measures_this_machine(autocast):
+    """Its timed copies run through the runtime's streams (simulated here), also inside a user's autocast block."""
+    with use_runtime(SimulatedRuntime(seed=0)) as rt, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        cm = PlacementCostModel.measure(rt, numel=4096, dtype=torch.bfloat16 if autocast else torch.float32,
+                                        repeats=2)
     assert cm.host_flops > 0 and cm.link_bytes_per_s > 0
 
 

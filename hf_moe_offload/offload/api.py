@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import OffloadConfig
 from .engine import OffloadEngine, ResidentEngine
-from .inference import DecodeCache, PreGate, Router, find_router
+from .inference import PreGate, Router, find_router
 from ..moe_path import experts_layers, find_experts_modules, get_moe_path, moe_path
 from .planner import choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
 from .store import STATE_ROWS, DiskExpertStore, ExpertStore, ExpertStoreError, HostExpertStore
@@ -139,15 +139,13 @@ def enable_expert_offload(
     # The compute device is bound on the first forward, from the inputs (or checked against OffloadConfig.device).
     path = moe_path(model)  # the engine's layers and the path's share one layout per module
     engine = OffloadEngine(store, [(layer.module, layer.layout) for layer in path.layers], config.device,
-                           config.prefetch_depth, config.pin_fraction, stats, mode)
+                           config.prefetch_depth, config.pin_fraction, stats, mode, config.decode_cache_decay)
     engine.config = config
     engine.model_dtype = model_dtype
     engine.train_experts = config.train_experts
     engine.keep_activations_setting = config.keep_activations
     engine.inference_setting = config.inference
     engine.compute_on_host_setting = config.compute_on_host
-    engine.decode_cache = DecodeCache(len(engine.layers), getattr(store, "cache_experts", None) or len(keys),
-                                      config.decode_cache_decay)
     engine.pregate_setting = config.pregate
     if config.pregate is not False and mode == "disk":  # the host tier has nothing to read early (README)
         engine.pregate = PreGate([_router(model, route) for route in path.layers], stats)

@@ -218,21 +218,20 @@ class OffloadedExpertsLayer:
     def keys(self, expert_ids: list[int]) -> list[ExpertKey]:
         return [(self.layer, e) for e in expert_ids]
 
-    def on_route(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> None:
-        """Called by the MoE path with the layer's router input and choices, before anything is dispatched: picks
-        the engine's mode for this call (inference or training) and, in inference, scores this layer's pre-gating
-        guess and starts the reads of the next layer's guessed experts (offload/inference.py)."""
+    def on_route(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, counts: list[int]) -> None:
+        """Called by the MoE path with the layer's router input, choices and tokens per expert, before anything is
+        dispatched or read: picks the engine's mode for this call (inference or training) and, in inference, counts
+        the routed experts' use (before a read of this call could evict one of them), scores this layer's
+        pre-gating guess and starts the reads of the next layer's guessed experts (offload/inference.py)."""
         engine = self.engine
         if not engine.enter_call(self.layer, engine.inference_for(self.module)):
             return
-        if engine.pregate is not None:
-            routed = engine.pregate.observe(self.layer, top_k_index, self.num_experts)
-        else:
-            routed = {e for e in top_k_index.reshape(-1).tolist() if 0 <= e < self.num_experts}
-        for e in routed:
-            engine.decode_cache.touch((self.layer, e))
+        for e, n in enumerate(counts):
+            if n:
+                engine.decode_cache.touch((self.layer, e))
         if engine.pregate is None:
             return
+        engine.pregate.observe(self.layer, top_k_index, self.num_experts)
         nxt = self.layer + 1
         if nxt < len(engine.layers):
             ids = engine.pregate.guess(nxt, hidden_states, top_k_index.shape[-1])
@@ -242,11 +241,7 @@ class OffloadedExpertsLayer:
 
     def prefetch(self, counts: list[int]) -> None:
         """Called with the dispatch plan before the token permutation, so the first reads overlap it."""
-        ids = [e for e, n in enumerate(counts) if n]
-        # Inference: the first expert is read by the thread that computes it (`stream`); handing it to an I/O thread
-        # and waiting costs two thread switches and overlaps next to nothing while decoding (few tokens).
-        first = 1 if self.engine.inference else 0
-        self.engine.store.prefetch(self.keys(ids[first : self.engine.depth + 1]), WEIGHTS)
+        self.engine.read_ahead(self.keys([e for e, n in enumerate(counts) if n]), WEIGHTS)
 
     @property
     def training(self) -> bool:
@@ -473,7 +468,8 @@ class OffloadEngine:
     grad_ring_size = 4  # gradient download buffers in flight (asynchronous runtimes)
 
     def __init__(self, store: ExpertStore, layers_modules: list[tuple[nn.Module, ExpertLayout]],
-                 device: torch.device | None, depth: int, pin_fraction: float, stats: OffloadStats, mode: str):
+                 device: torch.device | None, depth: int, pin_fraction: float, stats: OffloadStats, mode: str,
+                 decode_decay: float = 0.9):
         self.store = store
         self.stats = stats
         self.mode = mode
@@ -508,9 +504,10 @@ class OffloadEngine:
         # under torch.no_grad() or model.eval(). `inference`: the mode of the current call.
         self.inference_setting: bool | None = None
         self.inference = False
-        # Decoding's use scores (set by enable_expert_offload with OffloadConfig.decode_cache_decay): the disk tier's
-        # eviction and, on an asynchronous device, which experts keep a device copy (`pin_hot_experts`).
-        self.decode_cache = DecodeCache(len(self.layers), cache if cache is not None else len(store.keys()))
+        # Decoding's use scores (OffloadConfig.decode_cache_decay): the disk tier's eviction and, on an asynchronous
+        # device, which experts keep a device copy (`pin_hot_experts`).
+        self.decode_cache = DecodeCache(len(self.layers), cache if cache is not None else len(store.keys()),
+                                        decode_decay)
         self.decode_pin_interval = 16  # tokens between two choices of the hot experts to keep on the device
         self.pregate: PreGate | None = None  # set by enable_expert_offload (OffloadConfig.pregate)
         self.pregate_setting: bool | None = None  # None: dropped at bind() on a runtime that is not asynchronous
@@ -587,15 +584,7 @@ class OffloadEngine:
         """Decoding on an asynchronous device: keep a device copy of each layer's `pin_fraction` hottest experts by
         decoding's use scores (mixtral-offloading's per-layer expert cache on the GPU; ES-MoE §4.3's pinning, chosen
         by recent use instead of the last training step's load). Their uploads are then reused across tokens."""
-        pinned: list[ExpertKey] = []
-        for layer in self.layers:
-            k = math.ceil(self.pin_fraction * layer.num_experts)
-            scored = [(self.decode_cache.score((layer.layer, e)), e) for e in range(layer.num_experts)]
-            pinned += [(layer.layer, e) for s, e in sorted(scored, reverse=True)[:k] if s > 0]
-        if pinned != self.pinned:
-            self.store.set_pinned(pinned)
-            self.stager.set_pinned(set(pinned))
-            self.pinned = pinned
+        self._set_pins(self._top_experts(lambda layer, e: self.decode_cache.score((layer.layer, e))))
 
     def compute_on_host(self, key: ExpertKey, tokens: int, x: torch.Tensor) -> bool:
         """The cost model's choice for one expert of an inference call: host compute, unless a current device copy
@@ -653,7 +642,7 @@ class OffloadEngine:
         rows = WEIGHTS_AND_GRAD if keep and self.train_experts else WEIGHTS
         if self.store.wants_schedule and not self.inference:  # decoding: the decode cache's scores instead
             self.store.set_schedule(self._schedule(layer, keys, phase))
-        self.store.prefetch(keys[1 if self.inference else 0 : self.depth + 1], rows)
+        self.read_ahead(keys, rows)
         inflight: deque = deque()
         nxt = 0
         t_start = time.perf_counter()
@@ -693,6 +682,12 @@ class OffloadEngine:
             for key, _record, _weights, ready, _slot in inflight:  # interrupted: hand back what was acquired
                 self._release_after(key, ready)
             self.stats.compute_seconds += time.perf_counter() - t_start
+
+    def read_ahead(self, keys: list[ExpertKey], rows) -> None:
+        """Start reading the first `depth + 1` of `keys`, the experts a streamed loop is about to acquire. In inference
+        the first one is left to the thread that computes it: handing it to an I/O thread and waiting costs two thread
+        switches and overlaps next to nothing while decoding (few tokens)."""
+        self.store.prefetch(keys[1 if self.inference else 0 : self.depth + 1], rows)
 
     def _schedule(self, layer: int, current: list[ExpertKey], phase: str) -> list[ExpertKey]:
         """The acquisitions to come (ES-MoE's known order), for the disk tier's eviction: this call's experts, the
@@ -842,14 +837,22 @@ class OffloadEngine:
     # --- pinning (ES-MoE §4.3) ---
     def update_pins(self) -> None:
         """Keep the top `pin_fraction` experts of each layer by last-iteration load resident."""
-        pinned: list[ExpertKey] = []
         if self.coordinator is not None:  # several ranks: pins must agree with the placement (ES-MoE §4.2-4.3)
-            pinned = self.coordinator.pinned_keys()
+            self._set_pins(self.coordinator.pinned_keys())
         else:
-            for layer in self.layers:
-                k = math.ceil(self.pin_fraction * layer.layout.num_experts) if self.pin_fraction else 0
-                top = sorted(range(len(layer.last_counts)), key=lambda e: -layer.last_counts[e])[:k]
-                pinned += [(layer.layer, e) for e in top if layer.last_counts[e]]
+            self._set_pins(self._top_experts(lambda layer, e: layer.last_counts[e]))
+
+    def _top_experts(self, score: Callable[[OffloadedExpertsLayer, int], float]) -> list[ExpertKey]:
+        """Each layer's `pin_fraction` best-scored experts (an expert scored 0 is never pinned)."""
+        pinned: list[ExpertKey] = []
+        for layer in self.layers:
+            k = math.ceil(self.pin_fraction * layer.num_experts) if self.pin_fraction else 0
+            scores = [score(layer, e) for e in range(layer.num_experts)]
+            top = sorted(range(layer.num_experts), key=lambda e: -scores[e])[:k]
+            pinned += [(layer.layer, e) for e in top if scores[e] > 0]
+        return pinned
+
+    def _set_pins(self, pinned: list[ExpertKey]) -> None:
         self.store.set_pinned(pinned)
         if self.stager is not None:
             self.stager.set_pinned(set(pinned))
