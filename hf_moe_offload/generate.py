@@ -55,15 +55,19 @@ class _Timer(BaseStreamer):
 
 
 def load_for_inference(model_path: str, offload: str, offload_dir: str | None, host_cache_experts: int | None,
-                       pregate: bool | None = None, dtype: torch.dtype | None = None):
+                       pregate: bool | None = None, dtype: torch.dtype | None = None, mmap: bool | None = None):
     """The model at `model_path` with its experts in the `offload` tier ("disk", "host") or resident ("none")."""
     if offload == "none":
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
-    config = OffloadConfig(mode=offload, offload_dir=offload_dir if offload == "disk" else None,
-                           host_cache_experts=host_cache_experts if offload == "disk" else None,
-                           train_experts=False, pregate=pregate)
+    disk = offload == "disk"
+    config = OffloadConfig(mode=offload, offload_dir=offload_dir if disk else None,
+                           host_cache_experts=host_cache_experts if disk else None,
+                           train_experts=False, pregate=pregate, mmap_inference=mmap if disk else None)
     # Weights only, in the model's dtype: a bf16 model's store holds bf16 experts and nothing else.
     return load_offloaded_pretrained(model_path, config, dtype=dtype).eval()
+
+
+_SWITCH = {"auto": None, "on": True, "off": False}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
         offload_dir = scratch = tempfile.mkdtemp(prefix="hf-moe-offload-generate-")
     try:
         model = load_for_inference(args.model_path, args.offload, offload_dir, args.host_cache_experts,
-                                   pregate={"auto": None, "on": True, "off": False}[args.pregate], dtype=dtype)
+                                   pregate=_SWITCH[args.pregate], dtype=dtype, mmap=_SWITCH[args.mmap])
         torch.manual_seed(args.seed)
         batch = tokenizer(prompts, return_tensors="pt", padding=True)
         streamer = TextStreamer(tokenizer, skip_prompt=False) if len(prompts) == 1 and not args.quiet else None
@@ -107,10 +111,12 @@ def run(args: argparse.Namespace) -> dict:
                    "decode_tokens_per_s": (len(new) - 1) * len(prompts) / (new[-1] - new[0]) if len(new) > 1 else None,
                    "texts": texts}
         if engine is not None and engine.store is not None:
-            logs = engine.stats.as_log_dict(prefix="")
-            figures.update(offload=args.offload, cache_hit_rate=logs["cache_hit_rate"],
+            logs, stats = engine.stats.as_log_dict(prefix=""), engine.stats
+            lookups = stats.cache_hits + stats.cache_misses
+            figures.update(offload=args.offload, cache_hit_rate=stats.cache_hits / lookups if lookups else None,
                            pregate_hit_rate=logs.get("pregate_hit_rate"),
-                           disk_read_MB_per_token=logs["disk_read_MB"] / max(1, len(new)))
+                           disk_read_MB_per_token=logs["disk_read_MB"] / max(1, len(new)),
+                           disk_mapped_MB_per_token=logs.get("disk_mapped_MB", 0.0) / max(1, len(new)))
             engine.store.close()
         _print_figures(figures)
         return figures
@@ -127,7 +133,8 @@ def _print_figures(f: dict) -> None:
             f"{fmt(f['time_to_first_token_s'], '.3f')} s; decoding {fmt(f['decode_tokens_per_s'], '.1f')} tokens/s")
     if "offload" in f:
         line += (f"; {f['offload']} tier: cache hit rate {fmt(f['cache_hit_rate'], '.2f')}, pre-gating hit rate "
-                 f"{fmt(f['pregate_hit_rate'], '.2f')}, {fmt(f['disk_read_MB_per_token'], '.2f')} MB read per token")
+                 f"{fmt(f['pregate_hit_rate'], '.2f')}, {fmt(f['disk_read_MB_per_token'], '.2f')} MB read into the "
+                 f"cache and {fmt(f['disk_mapped_MB_per_token'], '.2f')} MB used from mapped files per token")
     print(line)
 
 
@@ -146,6 +153,8 @@ def add_cli(sub) -> None:
                    help="disk tier: experts' weights held in host memory (default: a quarter of the experts)")
     p.add_argument("--pregate", choices=("auto", "on", "off"), default="auto",
                    help="disk tier: read the next layer's guessed experts early (auto: on a GPU, not on the CPU)")
+    p.add_argument("--mmap", choices=("auto", "on", "off"), default="auto",
+                   help="disk tier: compute uncached experts from their memory-mapped files (auto: on the CPU)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0)

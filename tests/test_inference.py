@@ -47,36 +47,48 @@ def greedy(model, ids, mask, n: int = 10) -> torch.Tensor:
                               pad_token_id=0, use_cache=True)
 
 
-@pytest.mark.parametrize("pregate", [True, None], ids=["pregate", "default"])
-@pytest.mark.parametrize("tier", ["host", "disk"])
+# (tier, pre-gating, mmap_inference): the host tier; the disk tier's default on the CPU (uncached experts computed
+# from their mapped files), with pre-gating (its guesses become the kernel's read-ahead); the disk tier reading
+# every expert through its cache (as on a GPU), without and with pre-gating.
+VARIANTS = {"host": ("host", None, None), "disk-mapped": ("disk", None, None), "disk-mapped-pregate": ("disk", True, None),
+            "disk-cache": ("disk", None, False), "disk-cache-pregate": ("disk", True, False)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_generation_equals_the_resident_model(family, tier, pregate, tmp_path):
+def test_greedy_generation_equals_the_resident_model(family, variant, tmp_path):
+    tier, pregate, mmap = VARIANTS[variant]
     resident = make_model(family)
     offloaded = copy.deepcopy(resident)
     cache = 4  # of 24 experts: every token misses some
     engine = enable_expert_offload(offloaded, OffloadConfig(
         mode=tier, offload_dir=str(tmp_path / "experts"), host_cache_experts=cache if tier == "disk" else None,
-        pregate=pregate, train_experts=False))
-    ids, mask = left_padded_batch(resident.config.vocab_size, seed=hash((family, tier, pregate)) % 1000)
+        pregate=pregate, mmap_inference=mmap, train_experts=False))
+    ids, mask = left_padded_batch(resident.config.vocab_size, seed=hash((family, variant)) % 1000)
     expected = greedy(resident, ids, mask)
     got = greedy(offloaded, ids, mask)
     assert torch.equal(got, expected)
     assert engine.inference  # chosen automatically under no_grad
     if tier == "disk":
-        assert engine.stats.cache_misses > 0  # the cache was too small for the experts: reads happened
         assert len(engine.store.resident_keys()) <= cache
+        if mmap is False:
+            assert engine.stats.cache_misses > 0  # the cache was too small for the experts: reads happened
+            assert engine.stats.disk_mapped_bytes == 0
+        else:  # the experts that were not cached were used from their files, never read into the cache
+            assert engine.map_files and engine.stats.disk_mapped_bytes > 0
+            assert engine.stats.cache_misses == 0 and engine.stats.disk_read_bytes == 0
         # Pre-gating guessed (and was scored) on every layer after the first, only when on (by default not on the
         # CPU: its early reads compete with the compute there).
         assert (engine.stats.pregate_routed > 0) == bool(pregate)
     else:
-        assert engine.pregate is None  # nothing to read early on the host tier
+        assert engine.pregate is None and not engine.map_files  # nothing to read early or to map on the host tier
 
 
 def test_the_decode_cache_never_holds_more_than_its_slots_and_reads_only_weights(tmp_path):
     model = make_model("qwen3_moe")
     cache = 5
     engine = enable_expert_offload(model, OffloadConfig(mode="disk", offload_dir=str(tmp_path / "e"),
-                                                        host_cache_experts=cache))
+                                                        host_cache_experts=cache, mmap_inference=False))
     store = engine.store
     peak = []
     for layer in model.model.layers:  # checked at every layer of every decoded token
@@ -443,3 +455,89 @@ def test_while_decoding_each_row_is_checked_on_its_first_read_only(tmp_path, mon
     with pytest.raises(CorruptExpertFileError, match="checksum"):
         store.acquire(keys[3], WEIGHTS)
     store.close()
+
+
+def test_mapped_weights_are_checked_once_per_write_and_follow_in_place_writes(tmp_path, monkeypatch):
+    """`map_weights` (inference on the CPU): the view holds the file's weights row; its checksum is matched at the
+    first use after each write only; a write that rewrites the file in place shows through the same mapping; an
+    expert with a cache entry is not mapped (the cache is current for it); a corrupt file is refused."""
+    from hf_moe_offload.offload import store as store_module
+    from hf_moe_offload.offload.store import CorruptExpertFileError, DiskExpertStore
+    from hf_moe_offload.offload.telemetry import OffloadStats
+
+    keys = [(0, e) for e in range(3)]
+    store = DiskExpertStore(keys, 64, torch.float32, OffloadStats(), str(tmp_path / "e"), cache_experts=1,
+                            state_rows=1)
+    values = {k: torch.randn(64) for k in keys}
+    for k in keys:
+        store.write_param(k, values[k])
+    store.flush()
+    cached = store.resident_keys()
+    assert cached and store.map_weights(cached[0]) is None  # has an entry: acquire it instead
+    mapped = next(k for k in keys if k not in cached)
+    checks = []
+    original = store_module._crc32
+    monkeypatch.setattr(store_module, "_crc32", lambda b: checks.append(1) or original(b))
+    view = store.map_weights(mapped)
+    assert torch.equal(view, values[mapped]) and len(checks) == 1
+    assert torch.equal(store.map_weights(mapped), values[mapped]) and len(checks) == 1  # checked once
+    new = torch.randn(64)
+    store.write_param(mapped, new)  # into the cache, then written back in place when evicted
+    other = next(k for k in keys if k != mapped)
+    store.acquire(other)
+    store.release(other)
+    assert mapped not in store.resident_keys() and torch.equal(view, new)  # the old view sees the new bytes
+    checks.clear()
+    assert torch.equal(store.map_weights(mapped), new) and len(checks) == 1  # written since: checked again
+    corrupt = next(k for k in keys if k not in store.resident_keys() and k != mapped)
+    with open(store.path(corrupt), "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff\xff\xff\xff")
+    with pytest.raises(CorruptExpertFileError, match="checksum"):
+        store.map_weights(corrupt)
+    store.close()
+
+
+def test_decoding_from_mapped_files_after_training_uses_the_updated_experts(tmp_path):
+    """Train (AdamW on every parameter, the expert-wise optimizer on the disk tier's experts, a cache of 3 of 12),
+    evaluate under no_grad, train again, evaluate again: each evaluation computes the uncached experts from their
+    mapped files and the cached ones (some of them newer than their files) from the cache, and gives the logits of
+    the resident model trained the same way with torch.optim.AdamW. fp32; atol 1e-5 on logits of unit scale."""
+    from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer
+
+    reference = small_model(seed=7)
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, OffloadConfig(mode="disk", offload_dir=str(tmp_path / "e"),
+                                                        host_cache_experts=3, prefetch_depth=1))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.0)
+    opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0), experts)
+    g = torch.Generator().manual_seed(8)
+    for _ in range(2):
+        for _ in range(2):
+            x = torch.randint(0, 101, (2, 9), generator=g)
+            reference(x, labels=x).loss.backward()
+            model(x, labels=x).loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            opt.step()
+            opt.zero_grad()
+        engine.synchronize()
+        assert engine.store.dirty_keys()  # cached experts newer than their files: the cache must serve those
+        before = engine.stats.disk_mapped_bytes
+        x = torch.randint(0, 101, (3, 10), generator=g)
+        with torch.no_grad():
+            expected = reference(x).logits
+            got = model(x).logits
+        assert engine.inference and engine.stats.disk_mapped_bytes > before
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert engine.store.steps and set(engine.store.steps.values()) == {4}
+    experts.close()
+
+
+def test_mmap_inference_is_refused_where_it_cannot_apply():
+    model = make_model("moe_gpt")
+    enable_expert_offload(model, OffloadConfig(mode="host", mmap_inference=True, train_experts=False))
+    ids, mask = left_padded_batch(model.config.vocab_size, seed=2)
+    with pytest.raises(ValueError, match="mmap_inference=True needs the disk tier"):
+        greedy(model, ids, mask, n=1)

@@ -224,6 +224,7 @@ class OffloadedExpertsLayer:
         the routed experts' use (before a read of this call could evict one of them), scores this layer's
         pre-gating guess and starts the reads of the next layer's guessed experts (offload/inference.py)."""
         engine = self.engine
+        engine.bind(hidden_states.device)  # before the plan's first reads, which depend on the runtime
         if not engine.enter_call(self.layer, engine.inference_for(self.module)):
             return
         for e, n in enumerate(counts):
@@ -237,7 +238,7 @@ class OffloadedExpertsLayer:
             ids = engine.pregate.guess(nxt, hidden_states, top_k_index.shape[-1])
             keys = [k for k in ((nxt, e) for e in ids) if k in engine.store]
             if keys and engine.pregate.acting:
-                engine.store.prefetch(keys[: engine.decode_cache.budget], WEIGHTS)
+                engine.prefetch(keys[: engine.decode_cache.budget], WEIGHTS)
 
     def prefetch(self, counts: list[int]) -> None:
         """Called with the dispatch plan before the token permutation, so the first reads overlap it."""
@@ -515,6 +516,10 @@ class OffloadEngine:
         # OffloadConfig.compute_on_host allows, or given.
         self.compute_on_host_setting: bool | None = None
         self.cost_model: PlacementCostModel | None = None
+        # OffloadConfig.mmap_inference (None: decided at bind()); `map_files`: inference computes an uncached
+        # expert from its memory-mapped file (the disk tier computing on the CPU).
+        self.mmap_setting: bool | None = None
+        self.map_files = False
 
     # --- device binding ---
     def bind(self, device: torch.device) -> None:
@@ -556,6 +561,16 @@ class OffloadEngine:
                   else self.compute_on_host_setting)
         if wanted and self.runtime.asynchronous and self.cost_model is None:
             self.cost_model = PlacementCostModel.measure(self.runtime, self.store.numel, self.store.compute_dtype)
+        # On the CPU the host is the device: an expert's file in the page cache is as close to the compute as a cache
+        # slot, so inference computes from the mapped file instead of copying it into a slot. A device needs the
+        # weights in its own memory (uploaded from page-locked slots): there the cache stays.
+        can_map = getattr(self.store, "mappable", False) and not self.runtime.asynchronous
+        if self.mmap_setting and not can_map:
+            raise ValueError(
+                f"OffloadConfig.mmap_inference=True needs the disk tier computing on the CPU with rows in the compute "
+                f"dtype (here: {self.store.tier} tier on {device}); leave it unset"
+            )
+        self.map_files = can_map if self.mmap_setting is None else self.mmap_setting
         logger.info("expert offload: computing on %s (runtime %s)", device, self.runtime.name)
 
     # --- inference (offload/inference.py) ---
@@ -649,17 +664,23 @@ class OffloadEngine:
         stager = self.stager
         stager.settle_stall_time()
 
+        mapping = self.inference and self.map_files
+
         def issue() -> None:
             nonlocal nxt
             key = keys[nxt]
             nxt += 1
             t0 = time.perf_counter()  # host-side waits: the expert's update, a disk read
             self.wait_for_update(key)
-            record = self.store.acquire(key, rows)
+            mapped = self.store.map_weights(key) if mapping else None
+            if mapped is not None:  # computed from its mapped file: nothing acquired, nothing to release
+                inflight.append((key, None, mapped, None, None))
+            else:
+                record = self.store.acquire(key, rows)
+                inflight.append((key, record, *stager.upload(key, record)))
             self.stats.stall_seconds += time.perf_counter() - t0
-            inflight.append((key, record, *stager.upload(key, record)))
             if nxt + self.depth < len(keys):
-                self.store.prefetch(keys[nxt : nxt + self.depth + 1], rows)
+                self.prefetch(keys[nxt : nxt + self.depth + 1], rows)
 
         try:
             while nxt < len(keys) or inflight:
@@ -676,18 +697,27 @@ class OffloadEngine:
                         yield weights
                 finally:
                     stager.done(slot)
-                    if not handed_over:
+                    if not handed_over and record is not None:
                         self._release_after(key, ready)
         finally:
-            for key, _record, _weights, ready, _slot in inflight:  # interrupted: hand back what was acquired
-                self._release_after(key, ready)
+            for key, record, _weights, ready, _slot in inflight:  # interrupted: hand back what was acquired
+                if record is not None:
+                    self._release_after(key, ready)
             self.stats.compute_seconds += time.perf_counter() - t_start
 
     def read_ahead(self, keys: list[ExpertKey], rows) -> None:
         """Start reading the first `depth + 1` of `keys`, the experts a streamed loop is about to acquire. In inference
         the first one is left to the thread that computes it: handing it to an I/O thread and waiting costs two thread
         switches and overlaps next to nothing while decoding (few tokens)."""
-        self.store.prefetch(keys[1 if self.inference else 0 : self.depth + 1], rows)
+        self.prefetch(keys[1 if self.inference else 0 : self.depth + 1], rows)
+
+    def prefetch(self, keys: list[ExpertKey], rows) -> None:
+        """Start reading `keys` into the store's cache; in inference from mapped files, the kernel's read-ahead of
+        their weights instead (a copy into the cache would not be used)."""
+        if self.inference and self.map_files:
+            self.store.advise(keys)
+        else:
+            self.store.prefetch(keys, rows)
 
     def _schedule(self, layer: int, current: list[ExpertKey], phase: str) -> list[ExpertKey]:
         """The acquisitions to come (ES-MoE's known order), for the disk tier's eviction: this call's experts, the

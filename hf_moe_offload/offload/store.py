@@ -16,6 +16,8 @@ known to be zero (`release(..., grad_zeroed=True)` / `clear_grad`) and never wri
 
 While the engine decodes (`set_decode_cache`), the disk tier evicts by decoding's scores instead of the schedule
 (offload/inference.py), and a row whose checksum a read already matched since it was written is not checked again.
+Where the experts compute on the CPU, decoding can use an expert that is not cached straight from its memory-mapped
+file (`map_weights`): the page cache is then the host's cache and nothing is copied.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import errno
 import fcntl
 import logging
 import math
+import mmap
 import os
 import re
 import struct
 import threading
+import warnings
 import weakref
 import zlib
 from collections import Counter, OrderedDict, deque
@@ -452,6 +456,7 @@ class DiskExpertStore(ExpertStore):
         # Rows whose checksum a read has matched since this process last wrote them. While decoding they are not
         # checked again (the files do not change then; the first read of every row still is).
         self._checked: dict[ExpertKey, set[int]] = {}
+        self._maps: dict[ExpertKey, tuple[mmap.mmap, torch.Tensor]] = {}  # `_mapping`: files mapped for inference
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="expert-io")
 
@@ -497,6 +502,8 @@ class DiskExpertStore(ExpertStore):
         for r in rows:
             crcs[r] = _crc32(buffer[r])
         trailer = _TRAILER.pack(_MAGIC, key[0], key[1], self.numel, self.state_rows, *crcs)
+        if previous is None:
+            self._maps.pop(key, None)  # the file is written anew (truncated first): map it again when needed
         try:
             with open(path, "r+b" if previous is not None else "wb") as f:
                 for start, stop in _runs(rows):
@@ -519,7 +526,7 @@ class DiskExpertStore(ExpertStore):
     def _read_file(self, key: ExpertKey, buffer: torch.Tensor, rows: list[int]) -> None:
         path = self.path(key)
         row_bytes = self.numel * self.row_dtype.itemsize
-        size = self.state_rows * row_bytes + _TRAILER.size
+        size = self._file_size()
         try:
             with open(path, "rb", buffering=0) as f:
                 actual = os.fstat(f.fileno()).st_size
@@ -541,26 +548,96 @@ class DiskExpertStore(ExpertStore):
                 f"expert file {path} is missing: the offload directory was modified while in use; resume from your "
                 "last checkpoint"
             ) from err
-        magic, layer, expert, numel, state_rows, *crcs = _TRAILER.unpack(trailer)
-        problem = None
-        if magic != _MAGIC:
-            problem = "it is not an expert file of this version"
-        elif (layer, expert) != tuple(key) or numel != self.numel or state_rows != self.state_rows:
-            problem = (f"it holds expert {(layer, expert)} with {state_rows} x {numel} values, not expert {key} with "
-                       f"{self.state_rows} x {self.numel}")
-        else:
-            checked = self._checked.setdefault(key, set())
-            trusted = checked if self._decode is not None and self.row_io else set()
-            if any(_crc32(buffer[r]) != crcs[r] for r in rows if r not in trusted):
-                problem = "its checksum does not match its contents (bytes changed on disk)"
-            else:
-                checked.update(rows)
-        if problem is not None:
-            raise CorruptExpertFileError(
-                f"expert file {path} is corrupt: {problem}. Nothing from it was used; check the disk under "
-                f"{self.dir!r} and resume from your last checkpoint"
-            )
+        crcs = self._check_trailer(key, path, trailer)
+        checked = self._checked.setdefault(key, set())
+        trusted = checked if self._decode is not None and self.row_io else set()
+        if any(_crc32(buffer[r]) != crcs[r] for r in rows if r not in trusted):
+            self._corrupt(path, "its checksum does not match its contents (bytes changed on disk)")
+        checked.update(rows)
         self.stats.disk_read_bytes += len(rows) * row_bytes
+
+    def _check_trailer(self, key: ExpertKey, path: str, trailer: bytes) -> list[int]:
+        """The row checksums of `key`'s file, after checking that its trailer is this version's and names `key`."""
+        magic, layer, expert, numel, state_rows, *crcs = _TRAILER.unpack(trailer)
+        if magic != _MAGIC:
+            self._corrupt(path, "it is not an expert file of this version")
+        if (layer, expert) != tuple(key) or numel != self.numel or state_rows != self.state_rows:
+            self._corrupt(path, f"it holds expert {(layer, expert)} with {state_rows} x {numel} values, not expert "
+                                f"{key} with {self.state_rows} x {self.numel}")
+        return crcs
+
+    def _corrupt(self, path: str, problem: str):
+        raise CorruptExpertFileError(
+            f"expert file {path} is corrupt: {problem}. Nothing from it was used; check the disk under {self.dir!r} "
+            "and resume from your last checkpoint"
+        )
+
+    def _file_size(self) -> int:
+        return self.state_rows * self.numel * self.row_dtype.itemsize + _TRAILER.size
+
+    # --- memory-mapped weights (inference on the CPU) ---
+    @property
+    def mappable(self) -> bool:
+        """Whether `map_weights` can serve computations: row I/O (a private store: which files change is known) and
+        rows already in the compute dtype (no conversion copy to make)."""
+        return self.row_io and self.row_dtype == self.compute_dtype
+
+    def _mapping(self, key: ExpertKey) -> tuple[mmap.mmap, torch.Tensor]:
+        """Lock held: `key`'s file mapped read-only, and its weights row as a tensor over the mapping (made once
+        per file; the mapping stays valid across this store's writes, which rewrite files in place)."""
+        found = self._maps.get(key)
+        if found is not None:
+            return found
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                actual = os.fstat(f.fileno()).st_size
+                if actual != self._file_size():
+                    self._corrupt(path, f"it is truncated or padded ({actual} bytes, expected {self._file_size()})")
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError as err:
+            raise CorruptExpertFileError(
+                f"expert file {path} is missing: the offload directory was modified while in use; resume from your "
+                "last checkpoint"
+            ) from err
+        with warnings.catch_warnings():  # read-only memory: nothing writes a weight view (a write would fault)
+            warnings.simplefilter("ignore", UserWarning)
+            row = torch.frombuffer(mapped, dtype=self.row_dtype, count=self.numel,
+                                   offset=PARAM * self.numel * self.row_dtype.itemsize)
+        found = self._maps[key] = (mapped, row)
+        return found
+
+    def map_weights(self, key: ExpertKey) -> torch.Tensor | None:
+        """Inference on the CPU: `key`'s weights as a read-only view of its memory-mapped file, without copying them
+        into the cache, or None when the expert has an entry (the cache is current for it: acquire it). Its row's
+        checksum is matched at its first use since it was last written, like a read's. Safe while no training step
+        runs: only an entry's write-back writes a file, and an expert without an entry has none in flight (see
+        `_Entry`); a step in flight must be waited for first (the engine's `wait_for_update`)."""
+        with self._lock:
+            if key in self._entries:
+                return None
+            mapped, row = self._mapping(key)
+            checked = self._checked.setdefault(key, set())
+            if PARAM not in checked:
+                path = self.path(key)
+                crcs = self._check_trailer(key, path, mapped[self._file_size() - _TRAILER.size:])
+                if _crc32(row) != crcs[PARAM]:
+                    self._corrupt(path, "its checksum does not match its contents (bytes changed on disk)")
+                checked.add(PARAM)
+            self.stats.disk_mapped_bytes += self.numel * self.row_dtype.itemsize
+            return row
+
+    def advise(self, keys: Iterable[ExpertKey]) -> None:
+        """The read-ahead of mapped weights: ask the kernel to start reading the weights rows of `keys` without a
+        cache entry (a no-op where they are in the page cache already)."""
+        if not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        with self._lock:
+            for key in keys:
+                if key not in self._entries:
+                    mapped, _ = self._mapping(key)
+                    mapped.madvise(mmap.MADV_WILLNEED, PARAM * self.numel * self.row_dtype.itemsize,
+                                   self.numel * self.row_dtype.itemsize)
 
     def _fill_rows(self, key: ExpertKey, record_buffer: torch.Tensor, rows: set[int], grad_live: bool) -> None:
         """Make `rows` of the slot current: read them, except a zero gradient, which is zero-filled."""
@@ -892,6 +969,7 @@ class DiskExpertStore(ExpertStore):
             self.flush()
         finally:
             self._pool.shutdown(wait=True)
+            self._maps.clear()
             if self._dir_lock is not None:
                 self._dir_lock.release()
 

@@ -11,6 +11,7 @@ class OffloadStats:
     d2h_bytes: int = 0  # expert gradients sent back to the store
     disk_read_bytes: int = 0
     disk_write_bytes: int = 0
+    disk_mapped_bytes: int = 0  # expert weights computed on straight from their memory-mapped files (no copy)
     stall_seconds: float = 0.0  # compute waiting for an expert (upload, disk read or its optimizer step)
     compute_seconds: float = 0.0  # wall time inside the streamed expert loops
     cache_hits: int = 0
@@ -40,6 +41,8 @@ class OffloadStats:
             f"{prefix}stall_fraction": self.stall_seconds / self.compute_seconds if self.compute_seconds else 0.0,
             f"{prefix}cache_hit_rate": self.cache_hits / lookups if lookups else 1.0,
         }
+        if self.disk_mapped_bytes:
+            out[f"{prefix}disk_mapped_MB"] = self.disk_mapped_bytes / 2**20
         if self.pregate_routed:
             out[f"{prefix}pregate_hit_rate"] = self.pregate_hits / self.pregate_routed
         imbalance = [max(c) / (sum(c) / len(c)) for c in self.tokens_per_expert.values() if sum(c)]
