@@ -11,7 +11,8 @@ rate and bytes read per token.
 The model is random (seeded) and saved once as safetensors; every variant loads that checkpoint the way a user would
 (`from_pretrained`, `from_pretrained(device_map=..., offload_folder=...)`, `load_offloaded_pretrained`), then
 generates greedily from the same prompt. Variants run interleaved, round after round; each reports its median
-round. Timings are ratios against the resident model of the same invocation. Writes benchmarks/generate.json.
+round, and its ratios are the medians of the per-round ratios against the resident model (and accelerate) of the same
+round, so that drift of this shared machine between rounds cancels. Writes benchmarks/generate.json.
 """
 
 from __future__ import annotations
@@ -130,10 +131,9 @@ def run_once(model, prompt: torch.Tensor, new_tokens: int) -> dict:
            "tokens": out[0, prompt.shape[1]:].tolist()}
     if engine is not None:
         logs = engine.stats.as_log_dict(prefix="")
-        lookups = engine.stats.cache_hits + engine.stats.cache_misses
         row.update(read_MB_per_token=logs["disk_read_MB"] / len(new),
                    mapped_MB_per_token=logs.get("disk_mapped_MB", 0.0) / len(new),
-                   cache_hit_rate=engine.stats.cache_hits / lookups if lookups else None,
+                   cache_hit_rate=engine.stats.cache_hit_rate,
                    pregate_hit_rate=logs.get("pregate_hit_rate"))
     return row
 
@@ -161,7 +161,8 @@ def record_trace(ckpt: str, prompt: torch.Tensor, new_tokens: int) -> tuple[list
 
 def guess_hit_rates(calls: list, pregate: PreGate, num_experts: int) -> dict[str, float]:
     """Fraction of the routed experts of decoded tokens (layers after the first) that each guess of k experts held:
-    the router alone, the previous token's experts, co-activation counts alone, and PreGate (router + counts)."""
+    the router alone, the previous token's experts, co-activation counts alone, and PreGate (the three summed, each
+    weighted by its recent hit rate)."""
     hits, total = Counter(), 0
     previous: dict[int, set[int]] = {}
     num_layers = max(layer for layer, _, _ in calls) + 1
@@ -176,8 +177,8 @@ def guess_hit_rates(calls: list, pregate: PreGate, num_experts: int) -> dict[str
                          .reshape(-1).tolist())
             counts = pregate.coactivation.get(layer)
             coact = set((pregate._last[1] @ counts).topk(k).indices.reshape(-1).tolist()) if counts is not None else set()
-            guesses = {"router alone": router, "previous token": previous.get(nxt, set()),
-                       "co-activation alone": coact, "router + co-activation (PreGate)": set(pregate.guess(nxt, hidden, k))}
+            guesses = {"router alone": router, "previous token": previous.get(nxt, set()), "co-activation alone": coact,
+                       "PreGate (sources weighted by hits)": set(pregate.guess(nxt, hidden, k))}
             for name, g in guesses.items():
                 hits[name] += len(actual & g)
             total += len(actual)
@@ -259,13 +260,14 @@ def main() -> None:
     ap.add_argument("--cache", type=int, default=8, help="our disk tier's host cache, in experts")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--rounds", type=int, default=7, help="rounds of every variant (not with --quick)")
     ap.add_argument("--analyze", action="store_true", help="instead of timing: the pre-gating guess and the decode "
                     "cache policy replayed on one decode's routing trace, against simpler guesses and LRU / Belady")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.analyze:
         return analyze(args)
-    new_tokens, rounds = (24, 2) if args.quick else (64, 3)
+    new_tokens, rounds = (24, 2) if args.quick else (64, args.rounds)
     variants = ["resident", "accelerate disk", "ours disk, mapped (default)", "ours disk, cache",
                 "ours disk, cache + pre-gating"]
     with tempfile.TemporaryDirectory() as work:
@@ -285,16 +287,17 @@ def main() -> None:
             for v in variants:
                 runs[v].append(run_once(models[v], prompt, new_tokens))
     rows = []
-    resident = statistics.median(r["decode_tok_s"] for r in runs["resident"])
-    resident_ttft = statistics.median(r["ttft_s"] for r in runs["resident"])
-    accel = statistics.median(r["decode_tok_s"] for r in runs["accelerate disk"])
     reference = runs["resident"][0]["tokens"]
+
+    def paired(v: str, base: str, key: str) -> float:  # the median over rounds of v's figure / base's, same round
+        return statistics.median(r[key] / b[key] for r, b in zip(runs[v], runs[base]))
+
     for v in variants:
         rs = runs[v]
-        tok_s = statistics.median(r["decode_tok_s"] for r in rs)
-        ttft = statistics.median(r["ttft_s"] for r in rs)
-        row = {"variant": v, "decode_tok_s": tok_s, "x_resident": tok_s / resident, "x_accelerate": tok_s / accel,
-               "ttft_s": ttft, "ttft_x_resident": ttft / resident_ttft,
+        row = {"variant": v, "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
+               "x_resident": paired(v, "resident", "decode_tok_s"),
+               "x_accelerate": paired(v, "accelerate disk", "decode_tok_s"),
+               "ttft_s": statistics.median(r["ttft_s"] for r in rs), "ttft_x_resident": paired(v, "resident", "ttft_s"),
                "same_tokens_as_resident": all(r["tokens"] == reference for r in rs)}
         for k in ("read_MB_per_token", "mapped_MB_per_token", "cache_hit_rate", "pregate_hit_rate"):
             values = [r[k] for r in rs if r.get(k) is not None]

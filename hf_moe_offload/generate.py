@@ -111,9 +111,8 @@ def run(args: argparse.Namespace) -> dict:
                    "decode_tokens_per_s": (len(new) - 1) * len(prompts) / (new[-1] - new[0]) if len(new) > 1 else None,
                    "texts": texts}
         if engine is not None and engine.store is not None:
-            logs, stats = engine.stats.as_log_dict(prefix=""), engine.stats
-            lookups = stats.cache_hits + stats.cache_misses
-            figures.update(offload=args.offload, cache_hit_rate=stats.cache_hits / lookups if lookups else None,
+            logs = engine.stats.as_log_dict(prefix="")
+            figures.update(offload=args.offload, cache_hit_rate=engine.stats.cache_hit_rate,
                            pregate_hit_rate=logs.get("pregate_hit_rate"),
                            disk_read_MB_per_token=logs["disk_read_MB"] / max(1, len(new)),
                            disk_mapped_MB_per_token=logs.get("disk_mapped_MB", 0.0) / max(1, len(new)))

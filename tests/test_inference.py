@@ -77,6 +77,7 @@ def test_greedy_generation_equals_the_resident_model(family, variant, tmp_path):
         else:  # the experts that were not cached were used from their files, never read into the cache
             assert engine.map_files and engine.stats.disk_mapped_bytes > 0
             assert engine.stats.cache_misses == 0 and engine.stats.disk_read_bytes == 0
+            assert engine.stats.disk_mapped_experts > 0 and engine.stats.cache_hit_rate < 1.0  # mapped: not served
         # Pre-gating guessed (and was scored) on every layer after the first, only when on (by default not on the
         # CPU: its early reads compete with the compute there).
         assert (engine.stats.pregate_routed > 0) == bool(pregate)
@@ -127,13 +128,13 @@ def test_decode_cache_scores_and_budgets():
         DecodeCache(2, 4, decay=0.0)
 
 
-def test_pregate_learns_co_activations_scores_its_guesses_and_stops_acting_when_they_miss():
+def test_pregate_learns_co_activations_and_previous_tokens_scores_its_guesses_and_stops_acting_when_they_miss():
     from torch import nn
 
     from hf_moe_offload.offload.inference import PreGate, Router
     from hf_moe_offload.offload.telemetry import OffloadStats
 
-    E, d = 8, 4
+    E, d = 12, 4
     gates = [nn.Linear(d, E, bias=False) for _ in range(2)]
     with torch.no_grad():
         gates[1].weight.zero_()
@@ -150,15 +151,54 @@ def test_pregate_learns_co_activations_scores_its_guesses_and_stops_acting_when_
         pg.observe(1, torch.tensor([[5, 0]]), E)
     assert pg.coactivation[0][3, 5] == 3 and pg.coactivation[0][4, 0] == 3
     pg.observe(0, torch.tensor([[3, 4]]), E)
-    assert set(pg.guess(1, h, top_k=2)) == {0, 5}  # the co-activation outweighs the router's second choice
+    # The co-activation (and the previous token's experts) outweigh the router's second choice: both have been
+    # right lately (each source's own guess is scored), the router only half right.
+    assert pg.source_recent["router"] < min(pg.source_recent["co-activation"], pg.source_recent["previous token"])
+    assert set(pg.guess(1, h, top_k=2)) == {0, 5}
     assert pg.acting
-    for _ in range(3):  # routing changes: guesses miss, the recent hit rate falls below 0.5, reads stop
-        pg.observe(1, torch.tensor([[6, 7]]), E)
+    for pair in ([6, 7], [8, 9], [10, 11]):  # routing changes to unseen experts: guesses miss, reads stop
+        pg.observe(1, torch.tensor([pair]), E)
         pg.observe(0, torch.tensor([[3, 4]]), E)
         pg.guess(1, h, top_k=2)
     assert not pg.acting
     # A dropped choice (id E, families that drop) is not an expert.
     assert pg.observe(0, torch.tensor([[2, E]]), E) == {2}
+    # The experts a layer picked for the previous token count too (consecutive tokens share experts): with a router
+    # that cannot tell the experts apart and no co-activation to go by, they are the guess.
+    with torch.no_grad():
+        gates[1].weight.zero_()
+    pg = PreGate([Router(g, "weight", None) for g in gates], OffloadStats())
+    pg.observe(1, torch.tensor([[6, 2]]), E)
+    assert set(pg.guess(1, h, top_k=2)) == {2, 6}
+
+
+def test_pregate_follows_the_source_that_has_been_right():
+    """Layer 1's experts follow layer 0's (1, 2) -> (5, 6), (3, 4) -> (7, 8) and layer 0 alternates, so the previous
+    token's experts are always wrong and the co-activation right; the router leans to (7, 8). Summed with equal
+    weights, the previous token and the router would outvote the co-activation every other token; weighted by their
+    own hit rates, the co-activation leads and every guess after the first rounds is right."""
+    from torch import nn
+
+    from hf_moe_offload.offload.inference import PreGate, Router
+    from hf_moe_offload.offload.telemetry import OffloadStats
+
+    E, d = 10, 4
+    gates = [nn.Linear(d, E, bias=False) for _ in range(2)]
+    with torch.no_grad():
+        gates[1].weight.zero_()
+        gates[1].weight[7, 0] = gates[1].weight[8, 0] = 0.5
+    stats = OffloadStats()
+    pg = PreGate([Router(g, "weight", None) for g in gates], stats)
+    h = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    follows = {(1, 2): {5, 6}, (3, 4): {7, 8}}
+    right = []
+    for token in range(40):
+        first = (1, 2) if token % 2 == 0 else (3, 4)
+        pg.observe(0, torch.tensor([first]), E)
+        right.append(set(pg.guess(1, h, top_k=2)) == follows[first])
+        pg.observe(1, torch.tensor([sorted(follows[first])]), E)
+    assert pg.source_recent["co-activation"] > 0.9 > 0.1 > pg.source_recent["previous token"]
+    assert all(right[10:])
 
 
 def test_compute_on_host_decision_for_given_speeds():

@@ -10,7 +10,9 @@ offloading systems mixtral-offloading, MoE-Infinity, Pre-gated MoE and Fiddler:
   cache, here as one policy over the store's existing slots).
 - `PreGate`: while layer l runs, layer l+1's router applied to layer l's router input guesses the experts layer l+1
   will pick (Pre-gated MoE; mixtral-offloading's speculative expert loading), helped by how often each expert
-  followed the token's layer-l experts so far (MoE-Infinity's activation tracing), and their reads start at once.
+  followed the token's layer-l experts so far (MoE-Infinity's activation tracing) and by the experts layer l+1 picked
+  for the previous token (mixtral-offloading), each source weighted by its own recent hit rate; their reads start at
+  once.
   The guess only decides what is read early: outputs never depend on it. Its hit rate is counted.
 - `PlacementCostModel`: on an asynchronous device, an expert that is not on the device and has few tokens is cheaper
   to run on the host, where its weights are, than to upload (Fiddler). The decision compares
@@ -132,35 +134,52 @@ def find_router(block: nn.Module, experts: nn.Module, num_experts: int, hidden_s
 class PreGate:
     """Guesses layer l+1's experts while layer l runs (see the module docstring) and counts the hits.
 
-    A token's guess is the top-k of two distributions over layer l+1's experts, added:
-    - layer l+1's router applied to the token's layer-l router input (softmax; Pre-gated MoE, mixtral-offloading):
-      right where the hidden state changes little between layers;
-    - how often each expert of layer l+1 followed the token's layer-l experts so far in this run (an online
-      co-activation count, the "expert activation matrix" of MoE-Infinity): right where routing is consistent
-      across layers. On the main job's model this lifts the hit rate from 0.48 (router alone) to 0.91.
+    Three sources each give a distribution over layer l+1's experts for a token:
+    - "router": layer l+1's router applied to the token's layer-l router input (softmax; Pre-gated MoE,
+      mixtral-offloading): right where the hidden state changes little between layers;
+    - "co-activation": how often each expert of layer l+1 followed the token's layer-l experts so far in this run (an
+      online count, the "expert activation matrix" of MoE-Infinity): right where routing is consistent across layers;
+    - "previous token": the experts layer l+1 picked for the previous token (mixtral-offloading's observation that
+      consecutive tokens share experts): right where the text repeats itself.
+    Which source is right depends on the model: replayed on one decode (`benchmarks/generate.py --analyze`), the
+    co-activation count holds 0.81 of the routed experts on the main job's trained model and the previous token's
+    experts 0.51, while on a random Qwen3-MoE it is 0.68 against 0.73; a fixed sum that helped one model (the
+    previous token's experts at half weight: 0.70 -> 0.77 on the random one) hurt the other (0.80 -> 0.63). So the
+    guess is the top-k of their sum, each weighted by its own recent hit rate (each source's top-k guess is scored
+    too) raised to `sharpness` (16): in effect the source that has been right lately leads and the others break its
+    ties (0.76 and 0.80 on those two traces).
     A wrong guess costs a read and may evict an expert that was needed, so the guesses are acted on only while their
     recent hit rate (`recent`, an exponential average over calls) is at least `min_hit_rate`; they are still made and
     scored meanwhile, so acting resumes when the model's routing becomes predictable again."""
 
+    SOURCES = ("router", "co-activation", "previous token")
+
     def __init__(self, routers: list[Router | None], stats: OffloadStats,
-                 min_hit_rate: float = 0.5, smoothing: float = 0.1):
+                 min_hit_rate: float = 0.5, smoothing: float = 0.1, sharpness: float = 16.0):
         self.routers = routers
         self.stats = stats  # pregate_hits / pregate_routed
         self.min_hit_rate = min_hit_rate
         self.smoothing = smoothing
+        self.sharpness = sharpness
         self.recent = 1.0  # optimistic start: act on the first guesses
+        self.source_recent = dict.fromkeys(self.SOURCES, 0.5)  # each source's own recent hit rate
         self.guesses: dict[int, set[int]] = {}  # layer -> experts guessed for its next call
+        self.source_guesses: dict[int, dict[str, set[int]]] = {}  # layer -> each source's own guess for it
         self.coactivation: dict[int, torch.Tensor] = {}  # layer l -> (E_l, E_l+1) counts of (i at l, j at l+1)
+        self.previous: dict[int, torch.Tensor] = {}  # layer -> (T, E) choices of its last call
         self._last: tuple[int, torch.Tensor] | None = None  # (layer, (T, E) choices of its last call)
 
     @property
     def acting(self) -> bool:
         return self.recent >= self.min_hit_rate
 
+    def _score(self, recent: float, hits: int, routed: int) -> float:
+        return recent + self.smoothing * (hits / routed - recent)
+
     def observe(self, layer: int, top_k_index: torch.Tensor, num_experts: int) -> set[int]:
-        """Layer `layer` routed its tokens to `top_k_index` (T, k): score its guess, count co-activations with the
-        previous layer's call over the same tokens; returns the routed experts. (Few tensor ops: this runs for every
-        layer of every decoded token.)"""
+        """Layer `layer` routed its tokens to `top_k_index` (T, k): score its guess (and each source's), count
+        co-activations with the previous layer's call over the same tokens; returns the routed experts. (Few tensor
+        ops: this runs for every layer of every decoded token.)"""
         idx = top_k_index.reshape(-1, top_k_index.shape[-1])
         routed = {e for row in idx.tolist() for e in row if 0 <= e < num_experts}
         guess = self.guesses.pop(layer, None)
@@ -168,7 +187,9 @@ class PreGate:
             hits = len(routed & guess)
             self.stats.pregate_hits += hits
             self.stats.pregate_routed += len(routed)
-            self.recent += self.smoothing * (hits / len(routed) - self.recent)
+            self.recent = self._score(self.recent, hits, len(routed))
+            for name, own in self.source_guesses.pop(layer, {}).items():
+                self.source_recent[name] = self._score(self.source_recent[name], len(routed & own), len(routed))
         # (T, E) multi-hot of each token's experts; a dropped choice (id E, in families that drop) lands in the
         # extra column, which is cut off.
         chosen = torch.zeros(idx.shape[0], num_experts + 1, device=idx.device)
@@ -180,7 +201,20 @@ class PreGate:
                 counts = self.coactivation[layer - 1] = chosen.new_zeros(last[1].shape[1], num_experts)
             counts.addmm_(last[1].t(), chosen)
         self._last = (layer, chosen)
+        self.previous[layer] = chosen
         return routed
+
+    def _distributions(self, layer: int, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each available source's (T, E) distribution over `layer`'s experts (rows sum to 1, or 0 with no data)."""
+        out = {"router": self.routers[layer].logits(hidden).softmax(-1, dtype=torch.float32)}
+        counts = self.coactivation.get(layer - 1)
+        if counts is not None and self._last is not None and self._last[0] == layer - 1:
+            followed = self._last[1] @ counts  # (T, E): how often each expert followed the token's experts
+            out["co-activation"] = followed / followed.sum(-1, keepdim=True).clamp_min(1.0)
+        previous = self.previous.get(layer)
+        if previous is not None and previous.shape[0] == hidden.shape[0]:  # the same rows (tokens of a batch)
+            out["previous token"] = previous / previous.sum(-1, keepdim=True).clamp_min(1.0)
+        return out
 
     def guess(self, layer: int, hidden: torch.Tensor, top_k: int) -> list[int]:
         """The experts layer `layer` is expected to pick for the tokens whose previous-layer router input is
@@ -188,12 +222,15 @@ class PreGate:
         router found."""
         if layer >= len(self.routers) or self.routers[layer] is None:
             return []
-        score = self.routers[layer].logits(hidden.reshape(-1, hidden.shape[-1])).softmax(-1, dtype=torch.float32)
-        counts = self.coactivation.get(layer - 1)
-        if counts is not None and self._last is not None and self._last[0] == layer - 1:
-            followed = self._last[1] @ counts  # (T, E): how often each expert followed the token's experts
-            score.addcdiv_(followed, followed.sum(-1, keepdim=True).clamp_min_(1.0))
-        picked = score.topk(min(top_k, score.shape[-1]), dim=-1).indices.tolist()
+        k = top_k
+        score, own = None, {}
+        for name, dist in self._distributions(layer, hidden.reshape(-1, hidden.shape[-1])).items():
+            k = min(top_k, dist.shape[-1])
+            own[name] = set(dist.topk(k, dim=-1).indices.reshape(-1).tolist())
+            weighted = dist * self.source_recent[name] ** self.sharpness
+            score = weighted if score is None else score.add_(weighted)
+        self.source_guesses[layer] = own
+        picked = score.topk(k, dim=-1).indices.tolist()
         tally = Counter(e for row in picked for e in row)
         order = [e for e, _ in tally.most_common()]
         self.guesses[layer] = set(order)

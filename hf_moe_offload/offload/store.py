@@ -625,6 +625,7 @@ class DiskExpertStore(ExpertStore):
                     self._corrupt(path, "its checksum does not match its contents (bytes changed on disk)")
                 checked.add(PARAM)
             self.stats.disk_mapped_bytes += self.numel * self.row_dtype.itemsize
+            self.stats.disk_mapped_experts += 1
             return row
 
     def advise(self, keys: Iterable[ExpertKey]) -> None:

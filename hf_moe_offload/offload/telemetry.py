@@ -12,6 +12,7 @@ class OffloadStats:
     disk_read_bytes: int = 0
     disk_write_bytes: int = 0
     disk_mapped_bytes: int = 0  # expert weights computed on straight from their memory-mapped files (no copy)
+    disk_mapped_experts: int = 0  # ... and how many expert uses that was (uses that bypassed the cache)
     stall_seconds: float = 0.0  # compute waiting for an expert (upload, disk read or its optimizer step)
     compute_seconds: float = 0.0  # wall time inside the streamed expert loops
     cache_hits: int = 0
@@ -29,9 +30,15 @@ class OffloadStats:
         for k, v in asdict(fresh).items():
             setattr(self, k, v)
 
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """The fraction of the disk tier's expert uses that the cache served: its hits over its lookups and the uses
+        computed from mapped files (which bypass the cache); None before any use."""
+        uses = self.cache_hits + self.cache_misses + self.disk_mapped_experts
+        return self.cache_hits / uses if uses else None
+
     def as_log_dict(self, prefix: str = "offload/") -> dict[str, float]:
         """Scalars for `Trainer.log` (tokens per expert summarised as max/mean load imbalance)."""
-        lookups = self.cache_hits + self.cache_misses
         out = {
             f"{prefix}h2d_MB": self.h2d_bytes / 2**20,
             f"{prefix}d2h_MB": self.d2h_bytes / 2**20,
@@ -39,7 +46,7 @@ class OffloadStats:
             f"{prefix}disk_write_MB": self.disk_write_bytes / 2**20,
             f"{prefix}stall_s": self.stall_seconds,
             f"{prefix}stall_fraction": self.stall_seconds / self.compute_seconds if self.compute_seconds else 0.0,
-            f"{prefix}cache_hit_rate": self.cache_hits / lookups if lookups else 1.0,
+            f"{prefix}cache_hit_rate": 1.0 if self.cache_hit_rate is None else self.cache_hit_rate,
         }
         if self.disk_mapped_bytes:
             out[f"{prefix}disk_mapped_MB"] = self.disk_mapped_bytes / 2**20
