@@ -7,6 +7,7 @@ inference mode. Greedy tokens are compared exactly; fp32 throughout."""
 from __future__ import annotations
 
 import copy
+import os
 from collections import Counter
 
 import pytest
@@ -535,6 +536,27 @@ def test_mapped_weights_are_checked_once_per_write_and_follow_in_place_writes(tm
         f.write(b"\xff\xff\xff\xff")
     with pytest.raises(CorruptExpertFileError, match="checksum"):
         store.map_weights(corrupt)
+    store.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+def test_mapped_weights_keep_no_file_open(tmp_path):
+    """A model with thousands of experts must not run out of file descriptors while decoding from mapped files (a
+    Python `mmap` keeps one open per mapping)."""
+    from hf_moe_offload.offload.store import DiskExpertStore
+    from hf_moe_offload.offload.telemetry import OffloadStats
+
+    keys = [(0, e) for e in range(16)]
+    store = DiskExpertStore(keys, 64, torch.float32, OffloadStats(), str(tmp_path / "e"), cache_experts=1,
+                            state_rows=1)
+    for k in keys:
+        store.write_param(k, torch.full((64,), float(k[1])))
+    store.flush()
+    opened = len(os.listdir("/proc/self/fd"))
+    views = {k: store.map_weights(k) for k in keys if k not in store.resident_keys()}
+    store.advise(keys)
+    assert len(views) == 15 and len(os.listdir("/proc/self/fd")) == opened
+    assert all(torch.equal(v, torch.full((64,), float(k[1]))) for k, v in views.items())
     store.close()
 
 

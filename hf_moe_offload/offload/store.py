@@ -26,12 +26,10 @@ import errno
 import fcntl
 import logging
 import math
-import mmap
 import os
 import re
 import struct
 import threading
-import warnings
 import weakref
 import zlib
 from collections import Counter, OrderedDict, deque
@@ -456,7 +454,7 @@ class DiskExpertStore(ExpertStore):
         # Rows whose checksum a read has matched since this process last wrote them. While decoding they are not
         # checked again (the files do not change then; the first read of every row still is).
         self._checked: dict[ExpertKey, set[int]] = {}
-        self._maps: dict[ExpertKey, tuple[mmap.mmap, torch.Tensor]] = {}  # `_mapping`: files mapped for inference
+        self._maps: dict[ExpertKey, tuple[torch.Tensor, torch.Tensor]] = {}  # `_mapping`: files mapped for inference
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="expert-io")
 
@@ -582,34 +580,34 @@ class DiskExpertStore(ExpertStore):
         rows already in the compute dtype (no conversion copy to make)."""
         return self.row_io and self.row_dtype == self.compute_dtype
 
-    def _mapping(self, key: ExpertKey) -> tuple[mmap.mmap, torch.Tensor]:
-        """Lock held: `key`'s file mapped read-only, and its weights row as a tensor over the mapping (made once
-        per file; the mapping stays valid across this store's writes, which rewrite files in place)."""
+    def _mapping(self, key: ExpertKey) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lock held: `key`'s whole file mapped as bytes, and its weights row as a tensor over the mapping (made once
+        per file; the mapping stays valid across this store's writes, which rewrite files in place). `torch.from_file`
+        closes the file after mapping it (Python's `mmap` keeps a duplicate descriptor open per mapping, and a model
+        with thousands of experts would run out of descriptors); the mapping is private (MAP_PRIVATE): nothing writes
+        through it, and until something did, it shows the file's current bytes."""
         found = self._maps.get(key)
         if found is not None:
             return found
         path = self.path(key)
         try:
-            with open(path, "rb") as f:
-                actual = os.fstat(f.fileno()).st_size
-                if actual != self._file_size():
-                    self._corrupt(path, f"it is truncated or padded ({actual} bytes, expected {self._file_size()})")
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            actual = os.stat(path).st_size
         except FileNotFoundError as err:
             raise CorruptExpertFileError(
                 f"expert file {path} is missing: the offload directory was modified while in use; resume from your "
                 "last checkpoint"
             ) from err
-        with warnings.catch_warnings():  # read-only memory: nothing writes a weight view (a write would fault)
-            warnings.simplefilter("ignore", UserWarning)
-            row = torch.frombuffer(mapped, dtype=self.row_dtype, count=self.numel,
-                                   offset=PARAM * self.numel * self.row_dtype.itemsize)
-        found = self._maps[key] = (mapped, row)
+        if actual != self._file_size():  # checked before mapping: a read past a file's end would kill the process
+            self._corrupt(path, f"it is truncated or padded ({actual} bytes, expected {self._file_size()})")
+        whole = torch.from_file(path, shared=False, size=actual, dtype=torch.uint8)
+        row_bytes = self.numel * self.row_dtype.itemsize
+        row = whole[PARAM * row_bytes : (PARAM + 1) * row_bytes].view(self.row_dtype)
+        found = self._maps[key] = (whole, row)
         return found
 
     def map_weights(self, key: ExpertKey) -> torch.Tensor | None:
-        """Inference on the CPU: `key`'s weights as a read-only view of its memory-mapped file, without copying them
-        into the cache, or None when the expert has an entry (the cache is current for it: acquire it). Its row's
+        """Inference on the CPU: `key`'s weights as a view of its memory-mapped file (private: never written through),
+        without copying them into the cache, or None when the expert has an entry (the cache is current for it: acquire it). Its row's
         checksum is matched at its first use since it was last written, like a read's. Safe while no training step
         runs: only an entry's write-back writes a file, and an expert without an entry has none in flight (see
         `_Entry`); a step in flight must be waited for first (the engine's `wait_for_update`)."""
@@ -620,7 +618,7 @@ class DiskExpertStore(ExpertStore):
             checked = self._checked.setdefault(key, set())
             if PARAM not in checked:
                 path = self.path(key)
-                crcs = self._check_trailer(key, path, mapped[self._file_size() - _TRAILER.size:])
+                crcs = self._check_trailer(key, path, mapped[-_TRAILER.size:].numpy().tobytes())
                 if _crc32(row) != crcs[PARAM]:
                     self._corrupt(path, "its checksum does not match its contents (bytes changed on disk)")
                 checked.add(PARAM)
@@ -630,15 +628,21 @@ class DiskExpertStore(ExpertStore):
 
     def advise(self, keys: Iterable[ExpertKey]) -> None:
         """The read-ahead of mapped weights: ask the kernel to start reading the weights rows of `keys` without a
-        cache entry (a no-op where they are in the page cache already)."""
-        if not hasattr(mmap, "MADV_WILLNEED"):
+        cache entry into its page cache (a no-op where they are there already)."""
+        if not hasattr(os, "posix_fadvise"):
             return
+        row_bytes = self.numel * self.row_dtype.itemsize
         with self._lock:
-            for key in keys:
-                if key not in self._entries:
-                    mapped, _ = self._mapping(key)
-                    mapped.madvise(mmap.MADV_WILLNEED, PARAM * self.numel * self.row_dtype.itemsize,
-                                   self.numel * self.row_dtype.itemsize)
+            paths = [self.path(key) for key in keys if key not in self._entries]
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # a hint only: the use that follows reports the missing file
+            try:
+                os.posix_fadvise(fd, PARAM * row_bytes, row_bytes, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
     def _fill_rows(self, key: ExpertKey, record_buffer: torch.Tensor, rows: set[int], grad_live: bool) -> None:
         """Make `rows` of the slot current: read them, except a zero gradient, which is zero-filled."""
