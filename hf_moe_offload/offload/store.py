@@ -607,10 +607,10 @@ class DiskExpertStore(ExpertStore):
 
     def map_weights(self, key: ExpertKey) -> torch.Tensor | None:
         """Inference on the CPU: `key`'s weights as a view of its memory-mapped file (private: never written through),
-        without copying them into the cache, or None when the expert has an entry (the cache is current for it: acquire it). Its row's
-        checksum is matched at its first use since it was last written, like a read's. Safe while no training step
-        runs: only an entry's write-back writes a file, and an expert without an entry has none in flight (see
-        `_Entry`); a step in flight must be waited for first (the engine's `wait_for_update`)."""
+        without copying them into the cache, or None when the expert has an entry (the cache is current for it:
+        acquire it). Its row's checksum is matched at its first use since it was last written, like a read's. Safe
+        while no training step runs: only an entry's write-back writes a file, and an expert without an entry has none
+        in flight (see `_Entry`); a step in flight must be waited for first (the engine's `wait_for_update`)."""
         with self._lock:
             if key in self._entries:
                 return None
