@@ -560,6 +560,40 @@ def test_mapped_weights_keep_no_file_open(tmp_path):
     store.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="read-ahead of mapped files is posix_fadvise")
+def test_mapped_read_ahead_asks_once_per_expert_and_token(tmp_path, monkeypatch):
+    """The engine's lookahead windows overlap, and a layer's plan and its stream both read ahead: the kernel is asked
+    to read an expert's weights once per token, not for every overlapping request (like the cache's prefetch)."""
+    from hf_moe_offload.offload.inference import DecodeCache
+    from hf_moe_offload.offload.store import DiskExpertStore
+    from hf_moe_offload.offload.telemetry import OffloadStats
+
+    keys = [(0, e) for e in range(6)]
+    store = DiskExpertStore(keys, 64, torch.float32, OffloadStats(), str(tmp_path / "e"), cache_experts=1,
+                            state_rows=1)
+    for k in keys:
+        store.write_param(k, torch.randn(64))
+    store.flush()
+    policy = DecodeCache(1, 1)
+    store.set_decode_cache(policy)
+    asked = []
+    original = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: asked.append(length) or
+                        original(fd, offset, length, advice))
+    uncached = [k for k in keys if k not in store.resident_keys()]
+    store.advise(uncached[:3])
+    store.advise(uncached[1:4])  # the next window: one new expert
+    assert len(asked) == 4 and all(policy.expecting(k) for k in uncached[:4])
+    store.map_weights(uncached[0])
+    policy.touch(uncached[0])  # used: a later request asks again
+    store.advise(uncached[:1])
+    assert len(asked) == 5
+    policy.next_token()  # a new token: every expert may have left the page cache since
+    store.advise(uncached[:3])
+    assert len(asked) == 8 and set(asked) == {64 * 4}
+    store.close()
+
+
 def test_decoding_from_mapped_files_after_training_uses_the_updated_experts(tmp_path):
     """Train (AdamW on every parameter, the expert-wise optimizer on the disk tier's experts, a cache of 3 of 12),
     evaluate under no_grad, train again, evaluate again: each evaluation computes the uncached experts from their

@@ -68,8 +68,12 @@ class DecodeCache:
         fresh read, whose score is still low, would be the first victim of the next miss."""
         self._expected[key] = self.tick
 
+    def expecting(self, key: ExpertKey) -> bool:
+        """Whether `key` was read ahead for this token and not used yet."""
+        return self._expected.get(key) == self.tick
+
     def _rank(self, key: ExpertKey) -> tuple[bool, float]:
-        return self._expected.get(key) == self.tick, self.score(key)
+        return self.expecting(key), self.score(key)
 
     def victim(self, idle: Iterable[ExpertKey], held: Counter, incoming: ExpertKey | None,
                speculative: bool) -> ExpertKey | None:

@@ -628,12 +628,19 @@ class DiskExpertStore(ExpertStore):
 
     def advise(self, keys: Iterable[ExpertKey]) -> None:
         """The read-ahead of mapped weights: ask the kernel to start reading the weights rows of `keys` without a
-        cache entry into its page cache (a no-op where they are there already)."""
+        cache entry into its page cache. Like `prefetch`, a no-op for an expert already read ahead for this token and
+        not used yet (the engine's lookahead windows overlap: each costs an open, an fadvise and a close)."""
         if not hasattr(os, "posix_fadvise"):
             return
         row_bytes = self.numel * self.row_dtype.itemsize
         with self._lock:
-            paths = [self.path(key) for key in keys if key not in self._entries]
+            paths = []
+            for key in keys:
+                if key in self._entries or (self._decode is not None and self._decode.expecting(key)):
+                    continue
+                if self._decode is not None:
+                    self._decode.expect(key)
+                paths.append(self.path(key))
         for path in paths:
             try:
                 fd = os.open(path, os.O_RDONLY)
