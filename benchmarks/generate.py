@@ -164,25 +164,21 @@ def guess_hit_rates(calls: list, pregate: PreGate, num_experts: int) -> dict[str
     the router alone, the previous token's experts, co-activation counts alone, and PreGate (the three summed, each
     weighted by its recent hit rate)."""
     hits, total = Counter(), 0
-    previous: dict[int, set[int]] = {}
     num_layers = max(layer for layer, _, _ in calls) + 1
+    names = {"router": "router alone", "previous token": "previous token", "co-activation": "co-activation alone"}
     for i, (layer, hidden, idx) in enumerate(calls):
-        routed = pregate.observe(layer, idx, num_experts)
+        pregate.observe(layer, idx, num_experts)
         decoding = i >= num_layers and hidden.reshape(-1, hidden.shape[-1]).shape[0] == 1
         nxt = layer + 1
         if nxt < num_layers and decoding and i + 1 < len(calls):
             actual = {e for e in calls[i + 1][2].reshape(-1).tolist() if 0 <= e < num_experts}
-            k = idx.shape[-1]
-            router = set(pregate.routers[nxt].logits(hidden.reshape(-1, hidden.shape[-1])).topk(k).indices
-                         .reshape(-1).tolist())
-            counts = pregate.coactivation.get(layer)
-            coact = set((pregate._last[1] @ counts).topk(k).indices.reshape(-1).tolist()) if counts is not None else set()
-            guesses = {"router alone": router, "previous token": previous.get(nxt, set()), "co-activation alone": coact,
-                       "PreGate (sources weighted by hits)": set(pregate.guess(nxt, hidden, k))}
+            guess = set(pregate.guess(nxt, hidden, idx.shape[-1]))
+            own = pregate.source_guesses[nxt]  # each source's own top-k guess, made (and scored) by the guess above
+            guesses = {label: own.get(source, set()) for source, label in names.items()}
+            guesses["PreGate (sources weighted by hits)"] = guess
             for name, g in guesses.items():
                 hits[name] += len(actual & g)
             total += len(actual)
-        previous[layer] = routed
     return {name: n / total for name, n in hits.items()}
 
 

@@ -147,7 +147,7 @@ class PreGate:
       consecutive tokens share experts): right where the text repeats itself.
     Which source is right depends on the model: replayed on one decode (`benchmarks/generate.py --analyze`), the
     co-activation count holds 0.81 of the routed experts on the main job's trained model and the previous token's
-    experts 0.51, while on a random Qwen3-MoE it is 0.68 against 0.73; a fixed sum that helped one model (the
+    experts 0.49, while on a random Qwen3-MoE it is 0.68 against 0.71; a fixed sum that helped one model (the
     previous token's experts at half weight: 0.70 -> 0.77 on the random one) hurt the other (0.80 -> 0.63). So the
     guess is the top-k of their sum, each weighted by its own recent hit rate (each source's top-k guess is scored
     too) raised to `sharpness` (16): in effect the source that has been right lately leads and the others break its
@@ -171,7 +171,7 @@ class PreGate:
         self.source_guesses: dict[int, dict[str, set[int]]] = {}  # layer -> each source's own guess for it
         self.coactivation: dict[int, torch.Tensor] = {}  # layer l -> (E_l, E_l+1) counts of (i at l, j at l+1)
         self.previous: dict[int, torch.Tensor] = {}  # layer -> (T, E) choices of its last call
-        self._last: tuple[int, torch.Tensor] | None = None  # (layer, (T, E) choices of its last call)
+        self._last_layer: int | None = None  # the layer observed last
 
     @property
     def acting(self) -> bool:
@@ -179,6 +179,10 @@ class PreGate:
 
     def _score(self, recent: float, hits: int, routed: int) -> float:
         return recent + self.smoothing * (hits / routed - recent)
+
+    def _just_routed(self, layer: int) -> torch.Tensor | None:
+        """(T, E) choices of `layer`'s last call if it was the last call observed (its tokens go on to layer + 1)."""
+        return self.previous.get(layer) if self._last_layer == layer else None
 
     def observe(self, layer: int, top_k_index: torch.Tensor, num_experts: int) -> set[int]:
         """Layer `layer` routed its tokens to `top_k_index` (T, k): score its guess (and each source's), count
@@ -198,22 +202,22 @@ class PreGate:
         # extra column, which is cut off.
         chosen = torch.zeros(idx.shape[0], num_experts + 1, device=idx.device)
         chosen = chosen.scatter_(1, idx.long().clamp(0, num_experts), 1.0)[:, :num_experts]
-        last = self._last
-        if last is not None and last[0] == layer - 1 and last[1].shape[0] == chosen.shape[0]:
+        last = self._just_routed(layer - 1)
+        if last is not None and last.shape[0] == chosen.shape[0]:
             counts = self.coactivation.get(layer - 1)
             if counts is None:
-                counts = self.coactivation[layer - 1] = chosen.new_zeros(last[1].shape[1], num_experts)
-            counts.addmm_(last[1].t(), chosen)
-        self._last = (layer, chosen)
+                counts = self.coactivation[layer - 1] = chosen.new_zeros(last.shape[1], num_experts)
+            counts.addmm_(last.t(), chosen)
+        self._last_layer = layer
         self.previous[layer] = chosen
         return routed
 
     def _distributions(self, layer: int, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each available source's (T, E) distribution over `layer`'s experts (rows sum to 1, or 0 with no data)."""
         out = {"router": self.routers[layer].logits(hidden).softmax(-1, dtype=torch.float32)}
-        counts = self.coactivation.get(layer - 1)
-        if counts is not None and self._last is not None and self._last[0] == layer - 1:
-            followed = self._last[1] @ counts  # (T, E): how often each expert followed the token's experts
+        counts, last = self.coactivation.get(layer - 1), self._just_routed(layer - 1)
+        if counts is not None and last is not None:
+            followed = last @ counts  # (T, E): how often each expert followed the token's experts
             out["co-activation"] = followed / followed.sum(-1, keepdim=True).clamp_min(1.0)
         previous = self.previous.get(layer)
         if previous is not None and previous.shape[0] == hidden.shape[0]:  # the same rows (tokens of a batch)
@@ -226,10 +230,10 @@ class PreGate:
         router found."""
         if layer >= len(self.routers) or self.routers[layer] is None:
             return []
-        k = top_k
+        dists = self._distributions(layer, hidden.reshape(-1, hidden.shape[-1]))
+        k = min(top_k, dists["router"].shape[-1])
         score, own = None, {}
-        for name, dist in self._distributions(layer, hidden.reshape(-1, hidden.shape[-1])).items():
-            k = min(top_k, dist.shape[-1])
+        for name, dist in dists.items():
             own[name] = set(dist.topk(k, dim=-1).indices.reshape(-1).tolist())
             weighted = dist * self.source_recent[name] ** self.sharpness
             score = weighted if score is None else score.add_(weighted)
