@@ -468,19 +468,29 @@ def test_only_a_weights_only_store_leaves_fp32():
         HostExpertStore([(0, 0)], 8, torch.bfloat16, OffloadStats(), state_rows=4, row_dtype=torch.bfloat16)
 
 
+def written_disk_store(tmp_path, num_experts: int, value=lambda key: torch.randn(64)):
+    """A disk store of `num_experts` experts of 64 weights (weights row only, a cache of one expert), each written
+    with `value(key)` and flushed to its file; returns the store and the values."""
+    from hf_moe_offload.offload.store import DiskExpertStore
+    from hf_moe_offload.offload.telemetry import OffloadStats
+
+    store = DiskExpertStore([(0, e) for e in range(num_experts)], 64, torch.float32, OffloadStats(),
+                            str(tmp_path / "e"), cache_experts=1, state_rows=1)
+    values = {k: value(k) for k in store.keys()}
+    for k, v in values.items():
+        store.write_param(k, v)
+    store.flush()
+    return store, values
+
+
 def test_while_decoding_each_row_is_checked_on_its_first_read_only(tmp_path, monkeypatch):
     """A corrupt expert file is still caught while decoding (the first read of each row checks its CRC32); a row
     read and checked before is not checked again until it is written."""
     from hf_moe_offload.offload import store as store_module
-    from hf_moe_offload.offload.store import CorruptExpertFileError, DiskExpertStore, WEIGHTS
-    from hf_moe_offload.offload.telemetry import OffloadStats
+    from hf_moe_offload.offload.store import CorruptExpertFileError, WEIGHTS
 
-    keys = [(0, e) for e in range(4)]
-    store = DiskExpertStore(keys, 64, torch.float32, OffloadStats(), str(tmp_path / "e"), cache_experts=1,
-                            state_rows=1)
-    for k in keys:
-        store.write_param(k, torch.randn(64))
-    store.flush()
+    store, values = written_disk_store(tmp_path, 4)
+    keys = list(values)
     store.set_decode_cache(DecodeCache(1, 1))
     checks = []
     original = store_module._crc32
@@ -503,16 +513,10 @@ def test_mapped_weights_are_checked_once_per_write_and_follow_in_place_writes(tm
     first use after each write only; a write that rewrites the file in place shows through the same mapping; an
     expert with a cache entry is not mapped (the cache is current for it); a corrupt file is refused."""
     from hf_moe_offload.offload import store as store_module
-    from hf_moe_offload.offload.store import CorruptExpertFileError, DiskExpertStore
-    from hf_moe_offload.offload.telemetry import OffloadStats
+    from hf_moe_offload.offload.store import CorruptExpertFileError
 
-    keys = [(0, e) for e in range(3)]
-    store = DiskExpertStore(keys, 64, torch.float32, OffloadStats(), str(tmp_path / "e"), cache_experts=1,
-                            state_rows=1)
-    values = {k: torch.randn(64) for k in keys}
-    for k in keys:
-        store.write_param(k, values[k])
-    store.flush()
+    store, values = written_disk_store(tmp_path, 3)
+    keys = list(values)
     cached = store.resident_keys()
     assert cached and store.map_weights(cached[0]) is None  # has an entry: acquire it instead
     mapped = next(k for k in keys if k not in cached)
@@ -543,20 +547,13 @@ def test_mapped_weights_are_checked_once_per_write_and_follow_in_place_writes(tm
 def test_mapped_weights_keep_no_file_open(tmp_path):
     """A model with thousands of experts must not run out of file descriptors while decoding from mapped files (a
     Python `mmap` keeps one open per mapping)."""
-    from hf_moe_offload.offload.store import DiskExpertStore
-    from hf_moe_offload.offload.telemetry import OffloadStats
-
-    keys = [(0, e) for e in range(16)]
-    store = DiskExpertStore(keys, 64, torch.float32, OffloadStats(), str(tmp_path / "e"), cache_experts=1,
-                            state_rows=1)
-    for k in keys:
-        store.write_param(k, torch.full((64,), float(k[1])))
-    store.flush()
+    store, values = written_disk_store(tmp_path, 16)
+    keys = list(values)
     opened = len(os.listdir("/proc/self/fd"))
     views = {k: store.map_weights(k) for k in keys if k not in store.resident_keys()}
     store.advise(keys)
     assert len(views) == 15 and len(os.listdir("/proc/self/fd")) == opened
-    assert all(torch.equal(v, torch.full((64,), float(k[1]))) for k, v in views.items())
+    assert all(torch.equal(v, values[k]) for k, v in views.items())
     store.close()
 
 
@@ -564,16 +561,8 @@ def test_mapped_weights_keep_no_file_open(tmp_path):
 def test_mapped_read_ahead_asks_once_per_expert_and_token(tmp_path, monkeypatch):
     """The engine's lookahead windows overlap, and a layer's plan and its stream both read ahead: the kernel is asked
     to read an expert's weights once per token, not for every overlapping request (like the cache's prefetch)."""
-    from hf_moe_offload.offload.inference import DecodeCache
-    from hf_moe_offload.offload.store import DiskExpertStore
-    from hf_moe_offload.offload.telemetry import OffloadStats
-
-    keys = [(0, e) for e in range(6)]
-    store = DiskExpertStore(keys, 64, torch.float32, OffloadStats(), str(tmp_path / "e"), cache_experts=1,
-                            state_rows=1)
-    for k in keys:
-        store.write_param(k, torch.randn(64))
-    store.flush()
+    store, values = written_disk_store(tmp_path, 6)
+    keys = list(values)
     policy = DecodeCache(1, 1)
     store.set_decode_cache(policy)
     asked = []
