@@ -131,9 +131,13 @@ def test_save_pretrained_from_disk_tier_streams_and_loads_anywhere(tmp_path):
     torch.testing.assert_close(loaded(x).logits, reference(x).logits, atol=ATOL, rtol=0)
 
 
-def test_upload_order_forward_then_reverse_backward_with_lookahead(tmp_path):
+def test_upload_order_forward_then_reverse_backward_with_lookahead(tmp_path, monkeypatch):
     """An instrumented store records acquire/prefetch order: forward in expert order, backward reversed, with
-    `depth` experts acquired ahead of the one computing."""
+    `depth` experts acquired ahead of the one computing (the host tier streaming expert by expert, as it does on a
+    device: on the CPU it would run the layer as one grouped GEMM)."""
+    from hf_moe_offload.offload.engine import OffloadedExpertsLayer
+
+    monkeypatch.setattr(OffloadedExpertsLayer, "grouped_counts", lambda self, *args: None)
     model = small_model(num_experts=5, num_hidden_layers=1)
     depth = 2
     engine = enable_expert_offload(model, offload_cfg("host", tmp_path, depth=depth))
@@ -558,11 +562,15 @@ def test_disk_tier_evicts_the_expert_needed_furthest_in_the_schedule(tmp_path):
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_disk_tier_row_io_and_schedule_change_no_bit(clip, tmp_path):
+def test_disk_tier_row_io_and_schedule_change_no_bit(clip, tmp_path, monkeypatch):
     """The disk tier with a cache of 3 of 12 experts (row-level I/O, zero gradients never read, Belady eviction,
     every expert evicted and re-read each step) trains to exactly the host tier's weights, moments and step counts
-    (torch.equal), over 3 windows of 2 accumulated micro-steps, eager (no clipping) and deferred (global clipping)."""
+    (torch.equal), over 3 windows of 2 accumulated micro-steps, eager (no clipping) and deferred (global clipping).
+    Both compute expert by expert (the host tier's grouped GEMM rounds some sums in another order)."""
     from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer
+    from hf_moe_offload.offload.engine import OffloadedExpertsLayer
+
+    monkeypatch.setattr(OffloadedExpertsLayer, "grouped_counts", lambda self, *args: None)
 
     results = []
     for tier in ("host", "disk"):
@@ -604,11 +612,15 @@ def test_kept_activations_give_the_recomputed_gradients_bit_for_bit(autocast, tm
     from hf_moe_offload.offload.layout import ExpertLayout
 
     calls = {"n": 0}
-    original = ExpertLayout.forward
+    original, original_grouped = ExpertLayout.forward, ExpertLayout.grouped_forward
 
     def counting(self, *args, **kwargs):
         calls["n"] += 1
         return original(self, *args, **kwargs)
+
+    def counting_grouped(self, *args, **kwargs):  # the layer's experts at once: one expert forward per expert
+        calls["n"] += sum(1 for n in args[1] if n)
+        return original_grouped(self, *args, **kwargs)
 
     results = []
     for keep in (None, False):
@@ -622,15 +634,16 @@ def test_kept_activations_give_the_recomputed_gradients_bit_for_bit(autocast, tm
             x = torch.randint(0, 101, (3, 10), generator=g)
             with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 calls["n"] = 0
-                ExpertLayout.forward = counting
+                ExpertLayout.forward, ExpertLayout.grouped_forward = counting, counting_grouped
                 try:
                     loss = model(x, labels=x).loss
                     forward_calls = calls["n"]
                     loss.backward()
                 finally:
-                    ExpertLayout.forward = original
+                    ExpertLayout.forward, ExpertLayout.grouped_forward = original, original_grouped
             counts.append((forward_calls, calls["n"] - forward_calls))
         assert engine.keep_activations is (keep is None and CPU_INLINE)
+        assert all(c[0] > 0 for c in counts)
         backward_forwards = sum(c[1] for c in counts)
         if engine.keep_activations:
             assert backward_forwards == 0
@@ -657,3 +670,53 @@ def test_keep_activations_is_refused_where_weights_move(tier, tmp_path):
     x = torch.randint(0, 101, (2, 8))
     with pytest.raises(ValueError, match="keep_activations=True needs the host tier"):
         model(x, labels=x)
+
+
+def test_host_store_keeps_each_layer_in_one_block_of_separate_records():
+    """Issue 14: `HostExpertStore.grouped_weights(layer)` is the layer's weights (E, P) as a view of the records
+    themselves (a write through a record shows there, nothing is copied), in the compute dtype (a bf16 model's
+    copies); records keep autograd version counters of their own (an update of one expert must not count as a change
+    of another expert's, or of the block's, saved weights); a layer whose experts here are not all of 0..E-1 (an
+    expert-parallel shard) has none, and `used` counts that many hits."""
+    from hf_moe_offload.offload.store import HostExpertStore
+    from hf_moe_offload.offload.telemetry import OffloadStats
+
+    stats = OffloadStats()
+    store = HostExpertStore([(0, 1), (0, 0), (0, 2), (1, 3), (1, 5)], 8, torch.float32, stats)
+    block = store.grouped_weights(0, used=2)
+    assert block.shape == (3, 8) and stats.cache_hits == 2
+    assert store.grouped_weights(1) is None  # experts 3 and 5 of layer 1 only
+    records = [store.acquire((0, e)) for e in range(3)]
+    versions = [r.param._version for r in records] + [block._version]
+    records[1].param.copy_(torch.arange(8.0))
+    records[1].grad.fill_(1.0)  # rows of one record: no other row of the block moves
+    assert torch.equal(block[1], torch.arange(8.0)) and not block[0].any() and not block[2].any()
+    assert [r.param._version for r in records] + [block._version] == [versions[0], versions[1] + 2, versions[2],
+                                                                      versions[3]]
+    halves = HostExpertStore([(0, 0), (0, 1)], 8, torch.bfloat16, OffloadStats())
+    record = halves.acquire((0, 1))
+    record.param.copy_(torch.arange(8.0))
+    record.refresh_compute()
+    weights = halves.grouped_weights(0)
+    assert weights.dtype == torch.bfloat16 and torch.equal(weights[1], torch.arange(8.0, dtype=torch.bfloat16))
+
+
+def test_host_tier_runs_expert_by_expert_where_one_grouped_gemm_cannot(tmp_path, monkeypatch):
+    """The per-expert loop stays where the grouped path does not apply: dropout inside the experts (the recompute
+    replays each expert's RNG state), too few rows (a decoded token), and the disk tier (no block of weights)."""
+    from hf_moe_offload.offload.engine import OffloadedExpertsLayer
+
+    used = []
+    original = OffloadedExpertsLayer.grouped_counts
+    monkeypatch.setattr(OffloadedExpertsLayer, "grouped_counts",
+                        lambda self, *a: used.append(original(self, *a)) or used[-1])
+    x = torch.randint(0, 101, (3, 10))
+    cases = [(small_model(activation_dropout=0.1), "host", x), (small_model(), "host", x[:1, :1]),
+             (small_model(), "disk", x), (small_model(), "host", x)]
+    for i, (model, tier, batch) in enumerate(cases):
+        enable_expert_offload(model, offload_cfg(tier, tmp_path / tier, cache=6))
+        used.clear()
+        model.train()
+        model(batch, labels=batch).loss.backward()
+        grouped = i == len(cases) - 1 and CPU_INLINE  # the last case, on the CPU (a device uploads one by one)
+        assert len(used) == 2 and all((u is not None) is grouped for u in used), (i, used)

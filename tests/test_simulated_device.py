@@ -75,6 +75,24 @@ def test_block_used_on_another_stream_needs_record_stream():
     rt.access(t)
 
 
+def test_tensors_of_one_storage_conflict_only_where_their_bytes_overlap():
+    """The host tier keeps a layer's records in one block: an upload reading one expert's weights does not order the
+    host's update of another expert of the block, but does order an update of its own rows or of the whole block."""
+    rt = SimulatedRuntime(seed=3)
+    side = rt.new_stream()
+    block = torch.zeros(3, 2, 8)
+    rows = [block[e, 0] for e in range(3)]  # each expert's weights row
+    slot = rt.empty((8,), torch.float32, stream=side, persistent=True)
+    rt.copy_(slot, rows[1], side)  # the upload of expert 1 is enqueued, not waited for
+    rt.access(rows[0], write=True, stream=HOST)  # expert 0's update: other bytes
+    rt.access(block[1, 1], write=True, stream=HOST)  # expert 1's gradient row: other bytes
+    for overlapping in (rows[1], block[1], block):
+        with pytest.raises(HappensBeforeError, match="reused while still in use"):
+            rt.access(overlapping, write=True, stream=HOST)
+    rt.record(side).synchronize()
+    rt.access(block, write=True, stream=HOST)
+
+
 def test_host_reads_a_download_only_after_synchronize():
     rt = SimulatedRuntime(seed=3, max_delay=0.02)
     side = rt.new_stream()

@@ -211,6 +211,12 @@ class SharedHostExpertStore(HostExpertStore):
         }
         region.register_with_cuda()
 
+    def _dma_sources(self):
+        return [r.compute_param() for r in self._records.values()]  # the rows are in the registered region
+
+    def grouped_weights(self, layer, used=0):
+        return None  # each rank syncs an expert's copy at its acquire (SharedExpertRecord.sync): one by one
+
     @staticmethod
     def region_bytes(num_keys: int, numel: int) -> int:
         return _SharedControl.nbytes(num_keys) + num_keys * _round_up(STATE_ROWS * numel * 4)

@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..models.moe_gpt.modeling_moe_gpt import dropout_active
+from ..models.moe_gpt.modeling_moe_gpt import GroupedLinear, dropout_active, full_expert_counts
 from ..precision import autocast_state, restore_autocast
 from ..runtime import HOST, DeviceRuntime, Event, runtime_for
 from .inference import DecodeCache, PlacementCostModel, PreGate
@@ -263,12 +263,86 @@ class OffloadedExpertsLayer:
             total[e] += n
         self.last_counts = total
         self.engine.stats.tokens_per_expert[str(self.layer)] = total
+        grouped = self.grouped_counts(x_sorted, counts, ids)
         if torch.is_grad_enabled() and self.engine.trainable:
             self.outstanding += 1
             shared = [p for p in self.shared_parameters if p.requires_grad]
-            return _StreamedExperts.apply(x_sorted, self._anchor, self, tuple(counts), tuple(ids), *shared)
+            return _StreamedExperts.apply(x_sorted, self._anchor, self, tuple(counts), tuple(ids), grouped, *shared)
         with torch.no_grad():
+            if grouped is not None:
+                return self._grouped_forward(x_sorted, grouped, None)
             return self.run_forward(x_sorted, counts, ids, rng_states=None)
+
+    # --- every expert at once: the host tier on the CPU ---
+    def grouped_counts(self, x: torch.Tensor, counts: list[int], ids: list[int]) -> list[int] | None:
+        """Rows per expert, all E in expert order, when this call runs each matmul as one grouped GEMM over the
+        store's weights, as the resident experts do (`GroupedLinear.usable`); None: expert by expert. Only where the
+        store keeps the layer's weights as one (E, P) tensor (the host tier) and the host computes (inline runtime):
+        a device would need every expert uploaded at once."""
+        engine = self.engine
+        if engine.runtime.asynchronous or dropout_active(self.module):
+            return None  # dropout: the per-expert loop replays each expert's RNG state in its recompute
+        full = full_expert_counts(counts, ids, self.num_experts)
+        weights = engine.store.grouped_weights(self.layer) if full is not None else None
+        if weights is None or weights.shape[0] != self.num_experts:
+            return None
+        if weights.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            return None
+        matrices = self.layout.matrices(self.layout.grouped_views(weights))
+        aligned = all(m.data_ptr() % 16 == 0 and m.stride(0) * m.element_size() % 16 == 0 for m in matrices)
+        return full if aligned and GroupedLinear.usable(x, matrices, full) else None
+
+    def _grouped_tensors(self, used: int) -> list[torch.Tensor]:
+        """The layer's (E, ...) expert tensors as views of the store's weights, once pending updates are in."""
+        t0 = time.perf_counter()
+        for e in range(self.num_experts):
+            self.engine.wait_for_update((self.layer, e))
+        self.engine.stats.stall_seconds += time.perf_counter() - t0
+        return self.layout.grouped_views(self.engine.store.grouped_weights(self.layer, used))
+
+    def _grouped_forward(self, x: torch.Tensor, full: list[int], graphs: list | None) -> torch.Tensor:
+        """`run_forward` as one grouped GEMM per matmul; with `graphs`, the forward graph is kept for backward."""
+        t0 = time.perf_counter()
+        tensors = self._grouped_tensors(used=sum(1 for n in full if n))
+        if graphs is None:
+            y = self.layout.grouped_forward(x, full, tensors)
+        else:
+            # The leaves are views of the store's block, whose own version counter no update touches (records are
+            # tensors of their own over it): nothing updates this layer's experts before this graph's backward.
+            leaves = [t.detach().requires_grad_(True) for t in tensors]
+            xs = x.detach().requires_grad_(True)
+            with torch.enable_grad():
+                ys = self.layout.grouped_forward(xs, full, leaves)
+            graphs.append((xs, leaves, ys))
+            y = ys.detach()
+        self.engine.stats.compute_seconds += time.perf_counter() - t0
+        return y
+
+    def _grouped_backward(self, x, gy, full: list[int], shared: tuple, graphs: list | None) -> tuple:
+        """`run_backward` for a call `_grouped_forward` ran: one autograd pass over all experts (the kept graph, or a
+        grouped recompute), then each expert's gradient to the store, in the loop's reverse order."""
+        t0 = time.perf_counter()
+        if graphs:
+            xs, leaves, ys = graphs.pop()
+        else:
+            leaves = [t.detach().requires_grad_(True) for t in self._grouped_tensors(used=0)]
+            xs = x.detach().requires_grad_(True)
+            with torch.enable_grad():
+                ys = self.layout.grouped_forward(xs, full, leaves)
+        engine = self.engine
+        train = engine.train_experts
+        grads = torch.autograd.grad(ys, [xs, *(leaves if train else []), *shared], gy.to(ys.dtype),
+                                    allow_unused=bool(shared))
+        engine.stats.compute_seconds += time.perf_counter() - t0
+        if train:
+            expert_grads = grads[1 : 1 + len(leaves)]
+            for e in reversed(range(self.num_experts)):
+                if full[e]:
+                    key = (self.layer, e)
+                    engine.accumulate_grad(key, engine.store.acquire(key, WEIGHTS_AND_GRAD),
+                                           tuple(g[e] for g in expert_grads))
+        engine.layer_backward_done(self.layer)
+        return grads[0], list(grads[len(grads) - len(shared):])
 
     # --- the two streamed loops ---
     def _segments(self, counts, ids) -> list[tuple[int, int, int]]:
@@ -424,22 +498,28 @@ class _StreamedExperts(torch.autograd.Function):
     backward differentiates it without a second forward."""
 
     @staticmethod
-    def forward(ctx, x_sorted, anchor, layer: OffloadedExpertsLayer, counts, ids, *shared):
-        ctx.layer, ctx.counts, ctx.ids, ctx.shared = layer, counts, ids, shared
+    def forward(ctx, x_sorted, anchor, layer: OffloadedExpertsLayer, counts, ids, grouped, *shared):
+        ctx.layer, ctx.counts, ctx.ids, ctx.grouped, ctx.shared = layer, counts, ids, grouped, shared
         ctx.rng_states = []
         ctx.graphs = [] if layer.keeps_activations() else None
         ctx.autocast = autocast_state(x_sorted.device.type)
         ctx.save_for_backward(x_sorted)
+        if grouped is not None:
+            return layer._grouped_forward(x_sorted, grouped, ctx.graphs)
         return layer.run_forward(x_sorted, counts, ids, ctx.rng_states, ctx.graphs)
 
     @staticmethod
     def backward(ctx, gy):
         (x_sorted,) = ctx.saved_tensors
         with restore_autocast(x_sorted.device.type, ctx.autocast):
-            gx, g_shared = ctx.layer.run_backward(x_sorted, gy.contiguous(), ctx.counts, ctx.ids, ctx.rng_states,
-                                                  ctx.shared, ctx.graphs)
+            if ctx.grouped is not None:
+                gx, g_shared = ctx.layer._grouped_backward(x_sorted, gy.contiguous(), ctx.grouped, ctx.shared,
+                                                           ctx.graphs)
+            else:
+                gx, g_shared = ctx.layer.run_backward(x_sorted, gy.contiguous(), ctx.counts, ctx.ids,
+                                                      ctx.rng_states, ctx.shared, ctx.graphs)
         ctx.graphs = None
-        return gx, None, None, None, None, *g_shared
+        return gx, None, None, None, None, None, *g_shared
 
 
 class UpdateCoordinator(Protocol):

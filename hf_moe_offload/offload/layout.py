@@ -55,6 +55,11 @@ class ExpertLayout:
         """Per-tensor views of one expert's flat vector, in `self.tensors` order."""
         return [flat[o : o + t.numel].view(t.shape) for o, t in zip(self.offsets, self.tensors)]
 
+    def grouped_views(self, block: torch.Tensor) -> list[torch.Tensor]:
+        """Per-tensor (E, ...) views of every expert's flat vector, `block` (E, numel) (rows may be strided apart)."""
+        E = block.shape[0]
+        return [block[:, o : o + t.numel].view(E, *t.shape) for o, t in zip(self.offsets, self.tensors)]
+
     def pack(self, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         for view, t in zip(self.views(out), tensors):
             view.copy_(t)

@@ -262,6 +262,11 @@ class ExpertStore:
     def set_pinned(self, keys: Iterable[ExpertKey]) -> None:
         """ES-MoE §4.3: keep these resident in host memory (disk tier's cache)."""
 
+    def grouped_weights(self, layer: int, used: int = 0) -> torch.Tensor | None:
+        """The weights of all of `layer`'s experts as one (E, P) tensor, where a tier keeps them so (the host tier);
+        None: acquire them one by one."""
+        return None
+
     def flush(self) -> None:
         """Write every dirty record back to its backing storage."""
 
@@ -270,10 +275,14 @@ class ExpertStore:
 
 
 class HostExpertStore(ExpertStore):
-    """All experts in (pinned, when CUDA exists) host memory, one (4, P) buffer per expert.
+    """All experts in (pinned, when CUDA exists) host memory.
 
-    NOTE: separate allocations, not views of one big tensor: views share autograd's version counter, and an expert
-    updated by the optimizer while another expert's backward recomputes would trip autograd's in-place check.
+    The records of one layer's experts lie in one (E, rows, P) block (and their compute copies, if any, in one (E, P)
+    block), so that `grouped_weights` can hand the layer's weights to a grouped GEMM as (E, out, in) views without a
+    copy (issue 14: the host tier at the speed of the grouped resident experts). Each record is still a tensor of its
+    own over its slice of the block (`_slice`), with its own autograd version counter: views of one tensor share its
+    counter, and an expert updated by the optimizer while another expert's backward recomputes would otherwise trip
+    autograd's in-place check.
     """
 
     tier = "host"
@@ -281,10 +290,32 @@ class HostExpertStore(ExpertStore):
     def __init__(self, keys, numel, compute_dtype, stats, state_rows: int = STATE_ROWS,
                  row_dtype: torch.dtype = torch.float32):
         super().__init__(keys, numel, compute_dtype, stats, state_rows, row_dtype)
-        self._records = {k: self._new_record(k, torch.zeros(state_rows, numel, dtype=row_dtype)) for k in self._keys}
+        by_layer: dict[int, list[int]] = {}
+        for layer, e in self._keys:
+            by_layer.setdefault(layer, []).append(e)
+        self._records: dict[ExpertKey, ExpertRecord] = {}
+        # layer -> (its weights (E, P), in the compute dtype, or None when the layer's experts are not exactly 0..E-1)
+        self._grouped: dict[int, torch.Tensor | None] = {}
+        # What uploads read, page-locked at bind: a contiguous block whole (one registration: page-locking its
+        # experts one by one would register pages two of them share twice), else each expert's weights row.
+        self._dma: list[torch.Tensor] = []
+        with_copies = compute_dtype != row_dtype
+        for layer, experts in by_layer.items():
+            order = sorted(experts)
+            block = torch.zeros(len(order), state_rows, numel, dtype=row_dtype)
+            copies = torch.empty(len(order), numel, dtype=compute_dtype) if with_copies else None
+            for i, e in enumerate(order):
+                self._records[(layer, e)] = self._new_record(
+                    (layer, e), _slice(block, i), _slice(copies, i) if with_copies else None)
+            weights = copies if with_copies else block[:, 0]
+            self._grouped[layer] = weights if order == list(range(len(order))) else None
+            if weights.is_contiguous():
+                self._dma.append(weights)
+            else:
+                self._dma += [self._records[(layer, e)].param for e in order]
 
     def _dma_sources(self):
-        return [r.compute_param() for r in self._records.values()]
+        return self._dma
 
     def acquire(self, key, rows=None):
         self.stats.cache_hits += 1
@@ -292,6 +323,20 @@ class HostExpertStore(ExpertStore):
 
     def release(self, key, dirty=False, grad_zeroed=False):
         pass
+
+    def grouped_weights(self, layer: int, used: int = 0) -> torch.Tensor | None:
+        """The weights of every expert of `layer`, (E, P) in the compute dtype, rows in expert order: a view of the
+        records themselves, read-only, current until the experts' next update (the caller waits for pending ones).
+        None when the layer's experts here are not all of 0..E-1 (an expert-parallel shard). `used`: the experts the
+        caller computes from it, counted as hits like that many `acquire`s."""
+        self.stats.cache_hits += used
+        return self._grouped.get(layer)
+
+
+def _slice(block: torch.Tensor, i: int) -> torch.Tensor:
+    """`block[i]` as a tensor of its own (same memory, its own autograd version counter; see HostExpertStore)."""
+    view = block[i]
+    return block.new_empty(0).set_(block.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
 class _Entry:

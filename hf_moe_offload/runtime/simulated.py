@@ -7,7 +7,8 @@
 - Every stream and the host carry a vector clock. Enqueuing ticks the stream's clock (and orders it after the host's
   past); `record` snapshots a clock into an event; `wait_event` / `Event.synchronize` merge it. Each declared access
   to a buffer (`access`, the operands of `copy_`, an allocation) is checked against the buffer's last write and
-  reads: a read must come after the last write, a write after the last write and every read; otherwise
+  reads (tracked by the bytes it covers: tensors in one storage, e.g. records of one host-tier block, conflict only
+  where they overlap): a read must come after the last write, a write after the last write and every read; otherwise
   `HappensBeforeError` names the buffer, both streams and the fix. The check runs at enqueue time, so it does not
   depend on the delays: a missing edge fails every run, not one in a thousand.
 - Device buffers from `empty(stream=s)` count as written by `s`; read on another stream `t`, they need
@@ -78,10 +79,11 @@ class _SimEvent(Event):
 
 
 class _Buffer:
-    __slots__ = ("ref", "name", "alloc", "persistent", "recorded", "last_write", "reads")
+    __slots__ = ("ref", "span", "name", "alloc", "persistent", "recorded", "last_write", "reads")
 
     def __init__(self, t: torch.Tensor, name: str, alloc: str | None, persistent: bool):
         self.ref = weakref.ref(t)
+        self.span = _span(t)
         self.name = name
         self.alloc = alloc  # stream the block belongs to (None: not allocated by the runtime)
         self.persistent = persistent
@@ -107,7 +109,8 @@ class SimulatedRuntime(DeviceRuntime):
         self._streams: list[_Stream] = []
         self._compute = self._add_stream(worker=False)
         self._local = threading.local()
-        self._buffers: dict[int, _Buffer] = {}
+        # storage address -> the tensors in it that were declared (a host tier's layer block holds many records)
+        self._buffers: dict[int, list[_Buffer]] = {}
         self._errors: list[BaseException] = []
         self.checks = 0  # declared accesses checked (tests assert the simulation actually looked)
         self.copies = 0
@@ -213,7 +216,7 @@ class SimulatedRuntime(DeviceRuntime):
             pos = self._tick(s)
             info = _Buffer(t, f"buffer{tuple(t.shape)}/{str(dtype).removeprefix('torch.')}", s.name, persistent)
             info.last_write = (s.name, pos)
-            self._buffers[t.untyped_storage().data_ptr()] = info
+            self._buffers[t.untyped_storage().data_ptr()] = [info]
         return t
 
     def record_stream(self, tensor, stream):
@@ -257,41 +260,60 @@ class SimulatedRuntime(DeviceRuntime):
 
     # --- the checks ---
     def _info(self, t: torch.Tensor) -> _Buffer:
+        return self._infos(t)[0]
+
+    def _infos(self, t: torch.Tensor) -> list[_Buffer]:
+        """The declared tensors whose memory `t`'s overlaps: its own record first (made if new), then the others (a
+        record's row and the whole record, two records of one block: only bytes shared are a conflict)."""
         key = t.untyped_storage().data_ptr()
-        info = self._buffers.get(key)
-        if info is None or info.ref() is None:  # unknown, or a dead tensor's address reused
-            info = self._buffers[key] = _Buffer(t, f"tensor{tuple(t.shape)}", None, True)
-        return info
+        span = _span(t)
+        alive = [b for b in self._buffers.get(key, ()) if b.ref() is not None]  # a dead tensor's address is reused
+        own = next((b for b in alive if b.span == span), None)
+        if own is None:
+            own = _Buffer(t, f"tensor{tuple(t.shape)}", None, True)
+            alive.append(own)
+        self._buffers[key] = alive
+        return [own] + [b for b in alive if b is not own and b.span[0] < span[1] and span[0] < b.span[1]]
 
     def _check(self, t: torch.Tensor, who: str, pos: int, write: bool, clock: Clock) -> None:
         self.checks += 1
-        info = self._info(t)
+        infos = self._infos(t)
 
         def before(prior: tuple[str, int]) -> bool:
             return prior[0] == who or clock.get(prior[0], 0) >= prior[1]
 
         verb = "write" if write else "read"
-        if info.last_write is not None and not before(info.last_write):
-            raise HappensBeforeError(
-                f"{verb} of {info.name} on {who} is not ordered after its write on {info.last_write[0]}: wait for "
-                "an event recorded after that write (wait_event / Event.synchronize) first"
-            )
-        if write:
-            for reader, rpos in info.reads.items():
-                if not before((reader, rpos)):
-                    raise HappensBeforeError(
-                        f"write of {info.name} on {who} is not ordered after its read on {reader}: the buffer is "
-                        "reused while still in use; wait for an event recorded after that read first"
-                    )
-            info.last_write, info.reads = (who, pos), {}
-        else:
-            info.reads[who] = pos
-        if (info.alloc is not None and not info.persistent and who not in (info.alloc, "host")
-                and who not in info.recorded):
-            raise HappensBeforeError(
-                f"{info.name} was allocated for stream {info.alloc} and is used on {who} without "
-                "record_stream: the caching allocator could hand its memory out again while it is still in use"
-            )
+        for info in infos:
+            if info.last_write is not None and not before(info.last_write):
+                raise HappensBeforeError(
+                    f"{verb} of {info.name} on {who} is not ordered after its write on {info.last_write[0]}: wait "
+                    "for an event recorded after that write (wait_event / Event.synchronize) first"
+                )
+            if write:
+                for reader, rpos in info.reads.items():
+                    if not before((reader, rpos)):
+                        raise HappensBeforeError(
+                            f"write of {info.name} on {who} is not ordered after its read on {reader}: the buffer is "
+                            "reused while still in use; wait for an event recorded after that read first"
+                        )
+            if (info.alloc is not None and not info.persistent and who not in (info.alloc, "host")
+                    and who not in info.recorded):
+                raise HappensBeforeError(
+                    f"{info.name} was allocated for stream {info.alloc} and is used on {who} without "
+                    "record_stream: the caching allocator could hand its memory out again while it is still in use"
+                )
+        for info in infos:
+            if write:
+                info.last_write, info.reads = (who, pos), {}
+            else:
+                info.reads[who] = pos
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range `t` covers in its storage."""
+    start = t.storage_offset() * t.element_size()
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1 if t.numel() else 0
+    return start, start + extent * t.element_size()
 
 
 def _poison(t: torch.Tensor) -> None:
