@@ -158,12 +158,16 @@ def overflow_in_backward(engine, value=float("inf")) -> None:
     """Make the next expert gradient that comes out of backward overflow (the optimizer measures each gradient as it
     becomes final, so an overflow is injected where a real one arises, not into the store afterwards)."""
 
-    def overflow(key, record, arrival) -> bool:
+    def overflow(items) -> set:
         engine._grad_hooks.remove(overflow)
+        _key, record, arrival = items[0]
+        if arrival.buffer is None:  # landed already (the grouped host path lands on the compute thread)
+            record.grad[0] = value
+            return set()
         if arrival.event is not None:  # an asynchronous download (simulated device): let it arrive first
             arrival.event.synchronize()
         arrival.buffer[0] = value
-        return False  # the optimizer's hook still gets it
+        return set()  # the optimizer's hook still gets it
 
     engine._grad_hooks.insert(0, overflow)
 

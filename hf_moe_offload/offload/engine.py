@@ -178,6 +178,10 @@ class GradArrival:
             self.release()
 
 
+# `OffloadEngine.add_grad_hook`: (key, record, arrival) of experts whose gradients are final -> the keys taken over.
+GradHook = Callable[[list[tuple[ExpertKey, ExpertRecord, GradArrival]]], set]
+
+
 class OffloadedExpertsLayer:
     """The streamed experts of one MoE layer, `experts(x_sorted, counts, expert_ids)` on the model's MoE path; their
     weights live in the store under keys (layer, e)."""
@@ -280,13 +284,13 @@ class OffloadedExpertsLayer:
         store keeps the layer's weights as one (E, P) tensor (the host tier) and the host computes (inline runtime):
         a device would need every expert uploaded at once."""
         engine = self.engine
-        if engine.runtime.asynchronous or dropout_active(self.module):
+        weights = None if engine.runtime.asynchronous else engine.store.grouped_weights(self.layer)
+        if weights is None or weights.shape[0] != self.num_experts or dropout_active(self.module):
             return None  # dropout: the per-expert loop replays each expert's RNG state in its recompute
-        full = full_expert_counts(counts, ids, self.num_experts)
-        weights = engine.store.grouped_weights(self.layer) if full is not None else None
-        if weights is None or weights.shape[0] != self.num_experts:
-            return None
         if weights.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            return None
+        full = full_expert_counts(counts, ids, self.num_experts)
+        if full is None:
             return None
         matrices = self.layout.matrices(self.layout.grouped_views(weights))
         aligned = all(m.data_ptr() % 16 == 0 and m.stride(0) * m.element_size() % 16 == 0 for m in matrices)
@@ -333,14 +337,17 @@ class OffloadedExpertsLayer:
         train = engine.train_experts
         grads = torch.autograd.grad(ys, [xs, *(leaves if train else []), *shared], gy.to(ys.dtype),
                                     allow_unused=bool(shared))
-        engine.stats.compute_seconds += time.perf_counter() - t0
         if train:
             expert_grads = grads[1 : 1 + len(leaves)]
+            landed = []
             for e in reversed(range(self.num_experts)):
                 if full[e]:
                     key = (self.layer, e)
-                    engine.accumulate_grad(key, engine.store.acquire(key, WEIGHTS_AND_GRAD),
-                                           tuple(g[e] for g in expert_grads))
+                    record = engine.store.acquire(key, WEIGHTS_AND_GRAD)
+                    record.add_grad_parts([g[e] for g in expert_grads], self.layout.views)
+                    landed.append((key, record))
+            engine.grads_landed(self.layer, landed)
+        engine.stats.compute_seconds += time.perf_counter() - t0
         engine.layer_backward_done(self.layer)
         return grads[0], list(grads[len(grads) - len(shared):])
 
@@ -577,7 +584,7 @@ class OffloadEngine:
         self._host_jobs: deque[Future] = deque()
         self._grad_jobs: dict[ExpertKey, Future] = {}
         self._pending: dict[ExpertKey, Future] = {}  # expert updates in flight (set by the optimizer)
-        self._grad_hooks: list[Callable[[ExpertKey, ExpertRecord, GradArrival], bool]] = []
+        self._grad_hooks: list[GradHook] = []
         self._layer_done_hooks: list[Callable[[int], None]] = []
         self._warned_no_optimizer = False
         self.coordinator: UpdateCoordinator | None = None
@@ -835,7 +842,22 @@ class OffloadEngine:
         else:
             arrival = GradArrival(rt, flat, None)
         self.store.has_grad[key] = True
-        final = self.layers[key[0]].outstanding <= 1  # more calls of this layer still to run backward (partitions)
+        self._hand_over(key[0], [(key, record, arrival)])
+
+    def grads_landed(self, layer: int, records: list[tuple[ExpertKey, ExpertRecord]]) -> None:
+        """These experts of `layer` have their gradients added to their records already (the grouped host path
+        lands them on the compute thread, one copy each, with no flat gradient in between): handed over together,
+        so that the expert optimizer can step them several per fused call."""
+        items = []
+        for key, record in records:
+            self.store.has_grad[key] = True
+            items.append((key, record, GradArrival(self.runtime, None, None)))
+        self._hand_over(layer, items)
+
+    def _hand_over(self, layer: int, items: list[tuple[ExpertKey, ExpertRecord, GradArrival]]) -> None:
+        """Gradients of `layer`'s experts on their way to the store: to the hooks if they are final, else (or what
+        no hook takes) landed and released by the engine."""
+        final = self.layers[layer].outstanding <= 1  # more calls of this layer still to run backward (partitions)
         if final:
             if not self._grad_hooks and not self._warned_no_optimizer:
                 self._warned_no_optimizer = True
@@ -845,18 +867,19 @@ class OffloadEngine:
                     "ExpertOptimizer to your loop); call engine.zero_grad() if you only inspect gradients"
                 )
             for hook in self._grad_hooks:
-                if hook(key, record, arrival):
-                    return
-        if not rt.asynchronous:
-            arrival.land(record)
-            self.store.release(key, dirty=(GRAD,))
-            return
+                taken = hook(items)
+                if taken:
+                    items = [item for item in items if item[0] not in taken]
+        for key, record, arrival in items:
+            if not self.runtime.asynchronous:
+                arrival.land(record)
+                self.store.release(key, dirty=(GRAD,))
+            else:
+                self._grad_jobs[key] = self._submit_host(self._land_and_release, key, record, arrival)
 
-        def land():
-            arrival.land(record)
-            self.store.release(key, dirty=(GRAD,))
-
-        self._grad_jobs[key] = self._submit_host(land)
+    def _land_and_release(self, key: ExpertKey, record: ExpertRecord, arrival: GradArrival) -> None:
+        arrival.land(record)
+        self.store.release(key, dirty=(GRAD,))
 
     def release_record(self, key: ExpertKey, record: ExpertRecord) -> None:
         """Hand back a record `stream(keep=True)` yielded, without a gradient (frozen experts), once the compute
@@ -887,9 +910,10 @@ class OffloadEngine:
             self.store.prefetch([(prev, e) for e in ids[: self.depth + 1]],
                                 WEIGHTS_AND_GRAD if self.train_experts else WEIGHTS)
 
-    def add_grad_hook(self, hook: Callable[[ExpertKey, ExpertRecord, GradArrival], bool]) -> None:
-        """`hook(key, record, arrival)` on the micro-step where an expert's gradient is final; returning True takes
-        over the record: the hook must `arrival.land(record)` and release the record (dirty)."""
+    def add_grad_hook(self, hook: GradHook) -> None:
+        """`hook(items)` on the micro-step where these experts' gradients are final (one expert, or a layer's experts
+        at once from the grouped host path), items being (key, record, arrival); it returns the keys it takes over:
+        for each, the hook must `arrival.land(record)` and release the record (dirty)."""
         self._grad_hooks.append(hook)
 
     def add_layer_done_hook(self, hook: Callable[[int], None]) -> None:

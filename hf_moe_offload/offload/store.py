@@ -33,7 +33,7 @@ import threading
 import weakref
 import zlib
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -115,6 +115,15 @@ class ExpertRecord:
             self.grad_stale = False
         else:
             self.grad.add_(g)
+
+    def add_grad_parts(self, parts: list[torch.Tensor], views: Callable[[torch.Tensor], list[torch.Tensor]]) -> None:
+        """`add_grad` of a gradient given per tensor, `views` splitting the flat row the same way (no flat copy)."""
+        for dst, g in zip(views(self.grad), parts):
+            if self.grad_stale:
+                dst.copy_(g)
+            else:
+                dst.add_(g)
+        self.grad_stale = False
 
     def current_grad(self) -> torch.Tensor:
         """The accumulated gradient (a stale one is zeroed first)."""

@@ -122,7 +122,7 @@ class ExpertOptimizer:
         self._window = 0
         self._jobs: list[tuple[int, float, float]] = []  # (window, start, end) of each expert step
         self._step_called: dict[int, float] = {}
-        engine.add_grad_hook(self._on_grad)
+        engine.add_grad_hook(self._on_grads)
         engine.add_layer_done_hook(self._on_layer_done)
 
     # --- modes ---
@@ -140,36 +140,45 @@ class ExpertOptimizer:
         return float(self.lr_fn()) if self.lr_fn is not None else self.lr
 
     # --- engine hooks (called from backward) ---
-    def _on_grad(self, key: ExpertKey, record: ExpertRecord, arrival: GradArrival) -> bool:
-        """An expert's gradient is final (the window's last micro-step): step it now (eager), or measure its norm
-        now (deferred: clipping / loss scaling need every norm before any step). False leaves it to the engine."""
+    def _on_grads(self, items: list[tuple[ExpertKey, ExpertRecord, GradArrival]]) -> set[ExpertKey]:
+        """These experts' gradients are final (the window's last micro-step): step them now (eager), or measure
+        their norms now (deferred: clipping / loss scaling need every norm before any step). Returns the experts
+        taken; the others are left to the engine."""
         if not self.boundary_fn():
-            return False
-        return self._take_final(key, record, arrival)
+            return set()
+        return self._take_final(items)
 
     def _on_layer_done(self, layer: int) -> None:
         if not self.boundary_fn():
             return
         # Experts that got no token in this micro-step still have a (possibly zero) final gradient.
-        for e in range(self.engine.layers[layer].layout.num_experts):
-            self._take_final((layer, e), None, None)
+        self._take_final([((layer, e), None, None) for e in range(self.engine.layers[layer].layout.num_experts)])
 
-    def _take_final(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None) -> bool:
-        """Claim `key`'s final gradient once per window (if this process owns the expert) and step it (eager) or
-        measure it (deferred). Without a record, a deferred expert with no gradient is skipped."""
-        if not self._owns(key):
-            return False
+    def _take_final(self, items: list[tuple[ExpertKey, ExpertRecord | None, GradArrival | None]]) -> set[ExpertKey]:
+        """Claim the final gradients of `items` (key, record or None, arrival or None) once per window (the experts
+        this process owns) and step them (eager) or measure them (deferred). Several eager experts at once (a
+        layer's, from the grouped host path or the end of its backward) are stepped several per fused call, as
+        `step()` does, unless each is clipped on its own. Without a record, a deferred expert with no gradient is
+        skipped. Returns the keys taken."""
+        owned = [item for item in items if self._owns(item[0])]
+        taken = []
         with self._lock:
-            if key in self._stepped or key in self._measured:
-                return False
-            if record is None and not self.eager and not self.store.has_grad[key]:
-                return False
-            (self._stepped if self.eager else self._measured).add(key)
-        if self.eager:
-            self._start_step(key, record, arrival, clip_coef=None)
+            for key, record, arrival in owned:
+                if key in self._stepped or key in self._measured:
+                    continue
+                if record is None and not self.eager and not self.store.has_grad[key]:
+                    continue
+                (self._stepped if self.eager else self._measured).add(key)
+                taken.append((key, record, arrival))
+        if not self.eager:
+            for key, record, arrival in taken:
+                self._measuring[key] = self._pool.submit(self._measure, key, record, arrival)
+        elif len(taken) > 1 and self.max_grad_norm is None:
+            self._start_batched_steps(taken, clip_coef=None, grad_scale=None)
         else:
-            self._measuring[key] = self._pool.submit(self._measure, key, record, arrival)
-        return True
+            for key, record, arrival in taken:
+                self._start_step(key, record, arrival, clip_coef=None)
+        return {key for key, _, _ in taken}
 
     def _measure(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None) -> float:
         """Deferred mode, on a worker: land the gradient and return its squared L2 norm (fp32, like
@@ -225,30 +234,32 @@ class ExpertOptimizer:
             size = min(size, max(1, (cache - self.engine.depth - 1) // workers))
         return size
 
-    def _start_batched_steps(self, keys: list[ExpertKey], clip_coef: float | None,
-                             grad_scale: float | None) -> None:
-        """Deferred mode: step `keys` (already marked stepped) in batches, one fused multi-tensor Adam call per
-        batch (the kernel treats every tensor independently, so the result equals one call per expert bit for bit;
-        only the per-call overhead is shared)."""
-        if not keys:
+    def _start_batched_steps(self, entries: list[tuple[ExpertKey, ExpertRecord | None, GradArrival | None]],
+                             clip_coef: float | None, grad_scale: float | None) -> None:
+        """Step `entries` (key, the record and arrival a gradient hook handed over or None; already marked stepped)
+        in batches, one fused multi-tensor Adam call per batch (the kernel treats every tensor independently, so the
+        result equals one call per expert bit for bit; only the per-call overhead is shared)."""
+        if not entries:
             return
-        for key in keys:
+        for key, _, _ in entries:
             self.engine.wait_for_update(key)  # the previous window's step of an expert no forward used since
         if self._window_lr is None:
             self._window_lr = self.current_lr()
-        size = self._batch_size(len(keys))
-        for i in range(0, len(keys), size):
-            batch = keys[i : i + size]
+        size = self._batch_size(len(entries))
+        for i in range(0, len(entries), size):
+            batch = entries[i : i + size]
             job = self._pool.submit(self._step_experts, batch, self._window_lr, clip_coef, grad_scale, self._window)
-            for key in batch:
+            for key, _, _ in batch:
                 self.engine.set_pending(key, job)
 
-    def _step_experts(self, keys: list[ExpertKey], lr: float, clip_coef: float | None, grad_scale: float | None,
-                      window: int) -> None:
+    def _step_experts(self, entries: list[tuple[ExpertKey, ExpertRecord | None, GradArrival | None]], lr: float,
+                      clip_coef: float | None, grad_scale: float | None, window: int) -> None:
         t0 = time.perf_counter()
+        keys = [key for key, _, _ in entries]
         try:
             with ExitStack() as held:
-                helds = [held.enter_context(self._landed(key, None, None, None, dirty=True)) for key in keys]
+                helds = [held.enter_context(self._landed(key, record, arrival, None, dirty=True))
+                         for key, record, arrival in entries]
                 ready = [(k, h) for k, h in zip(keys, helds) if self.store.has_grad[k]]
                 pairs = [(k, h.record) for k, h in ready]
                 if not pairs:
@@ -398,7 +409,7 @@ class ExpertOptimizer:
         ready = [key for key in self.store.keys()
                  if self._owns(key) and key not in self._stepped and self.store.has_grad[key]]
         self._stepped.update(ready)
-        self._start_batched_steps(ready, clip_coef, grad_scale)
+        self._start_batched_steps([(key, None, None) for key in ready], clip_coef, grad_scale)
         self._end_window()
         return clip_coef
 
