@@ -614,3 +614,26 @@ def test_host_tier_grouped_gemm_trains_like_torch_adamw(precision, clip, monkeyp
     if precision in GROUPED_WEIGHTS_TOL:
         assert_same_weights(model, reference, atol=GROUPED_WEIGHTS_TOL[precision])
     experts.close()
+
+
+def test_eager_steps_on_the_disk_tier_hold_one_record_per_worker(tmp_path):
+    """On the disk tier the eager mode steps one expert per call even where many become final together (a layer's
+    experts without tokens): a batch holds all its records at once, and during backward the cache also serves the
+    stream (found by benchmarks/offload.py: a cache of 32 of 128 experts ran out). 32 experts per layer, a cache of
+    8, a batch that leaves most experts without tokens: 3 steps train, every expert stepped once per step (batched,
+    this ran out of cache slots)."""
+    model = small_model(num_experts=32)
+    engine = enable_expert_offload(model, OffloadConfig(mode="disk", offload_dir=str(tmp_path / "e"),
+                                                        host_cache_experts=8, prefetch_depth=2))
+    experts = ExpertOptimizer(engine, lr=1e-2)
+    assert experts.eager
+    opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), experts)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randint(0, 101, (1, 3), generator=g)
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    engine.synchronize()
+    assert set(engine.store.steps.values()) == {3}
+    experts.close()

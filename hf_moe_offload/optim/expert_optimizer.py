@@ -158,8 +158,8 @@ class ExpertOptimizer:
         """Claim the final gradients of `items` (key, record or None, arrival or None) once per window (the experts
         this process owns) and step them (eager) or measure them (deferred). Several eager experts at once (a
         layer's, from the grouped host path or the end of its backward) are stepped several per fused call, as
-        `step()` does, unless each is clipped on its own. Without a record, a deferred expert with no gradient is
-        skipped. Returns the keys taken."""
+        `step()` does, unless each is clipped on its own or they would hold the disk tier's cache. Without a record,
+        a deferred expert with no gradient is skipped. Returns the keys taken."""
         owned = [item for item in items if self._owns(item[0])]
         taken = []
         with self._lock:
@@ -173,7 +173,9 @@ class ExpertOptimizer:
         if not self.eager:
             for key, record, arrival in taken:
                 self._measuring[key] = self._pool.submit(self._measure, key, record, arrival)
-        elif len(taken) > 1 and self.max_grad_norm is None:
+        elif len(taken) > 1 and self.max_grad_norm is None and getattr(self.store, "cache_experts", None) is None:
+            # Not on the disk tier: during backward its cache also holds the records the stream reads, and a batch
+            # holds all of its records at once (step()'s batches are sized for a cache nothing else uses).
             self._start_batched_steps(taken, clip_coef=None, grad_scale=None)
         else:
             for key, record, arrival in taken:
