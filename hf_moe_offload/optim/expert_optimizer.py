@@ -110,7 +110,7 @@ class ExpertOptimizer:
         self._lock = threading.Lock()
         self._stepped: set[ExpertKey] = set()  # experts already stepped in this window
         self._measured: set[ExpertKey] = set()  # deferred mode: experts whose norm is being / was taken
-        self._measuring: dict[ExpertKey, Future] = {}  # their squared norms
+        self._measuring: dict[ExpertKey, Future] = {}  # their squared norms ({key: norm^2} of a batch per job)
         self._window_lr: float | None = None
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None  # over every parameter, experts included (when clipping)
@@ -170,24 +170,31 @@ class ExpertOptimizer:
                     continue
                 (self._stepped if self.eager else self._measured).add(key)
                 taken.append((key, record, arrival))
+        # Not on the disk tier: during backward its cache also holds the records the stream reads, and a batch holds
+        # all of its records at once (step()'s batches are sized for a cache nothing else uses).
+        batch = len(taken) > 1 and getattr(self.store, "cache_experts", None) is None
         if not self.eager:
-            for key, record, arrival in taken:
-                self._measuring[key] = self._pool.submit(self._measure, key, record, arrival)
-        elif len(taken) > 1 and self.max_grad_norm is None and getattr(self.store, "cache_experts", None) is None:
-            # Not on the disk tier: during backward its cache also holds the records the stream reads, and a batch
-            # holds all of its records at once (step()'s batches are sized for a cache nothing else uses).
+            size = self._batch_size(len(taken)) if batch else 1
+            for i in range(0, len(taken), size):
+                job = self._pool.submit(self._measure, taken[i : i + size])
+                for key, _, _ in taken[i : i + size]:
+                    self._measuring[key] = job
+        elif batch and self.max_grad_norm is None:
             self._start_batched_steps(taken, clip_coef=None, grad_scale=None)
         else:
             for key, record, arrival in taken:
                 self._start_step(key, record, arrival, clip_coef=None)
         return {key for key, _, _ in taken}
 
-    def _measure(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None) -> float:
-        """Deferred mode, on a worker: land the gradient and return its squared L2 norm (fp32, like
-        `clip_grad_norm_`; inf/nan when the gradient overflowed)."""
-        with self._landed(key, record, arrival, WEIGHTS_AND_GRAD, dirty=(GRAD,) if arrival is not None else False) \
-                as held:
-            return float(torch.linalg.vector_norm(held.record.current_grad())) ** 2
+    def _measure(self, entries: list[tuple[ExpertKey, ExpertRecord | None, GradArrival | None]]) -> dict:
+        """Deferred mode, on a worker: land these gradients and return their squared L2 norms, {key: norm^2} (fp32,
+        one multi-tensor call as in `clip_grad_norm_`; inf/nan where a gradient overflowed)."""
+        with ExitStack() as stack:
+            helds = [stack.enter_context(self._landed(key, record, arrival, WEIGHTS_AND_GRAD,
+                                                      dirty=(GRAD,) if arrival is not None else False))
+                     for key, record, arrival in entries]
+            norms = torch._foreach_norm([held.record.current_grad() for held in helds])
+            return {key: float(norm) ** 2 for (key, _, _), norm in zip(entries, norms)}
 
     @contextmanager
     def _landed(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None,
@@ -351,7 +358,7 @@ class ExpertOptimizer:
 
     def _measured_sq_norms(self) -> dict[ExpertKey, float]:
         """Deferred mode: the squared norms measured during backward (waits for the measuring jobs)."""
-        return {key: fut.result() for key, fut in self._measuring.items()}
+        return {key: fut.result()[key] for key, fut in self._measuring.items()}
 
     def expert_grad_sq_norm(self) -> float:
         """Sum of squared expert gradient norms (call after backward). On the window's last micro-step in deferred
