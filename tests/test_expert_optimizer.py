@@ -530,27 +530,38 @@ def _count_expert_paths(monkeypatch) -> dict[str, int]:
 GROUPED_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _grouped_host_pair(monkeypatch, seed: int):
+    """A resident model and its host-tier copy, with the experts' paths counted: (calls, reference, model, engine)."""
+    if runtime_for(torch.device("cpu")).asynchronous:
+        pytest.skip("the grouped host path is the inline CPU runtime's: a device uploads expert by expert")
+    calls = _count_expert_paths(monkeypatch)
+    reference = small_model(seed=seed)
+    model = copy.deepcopy(reference)
+    return calls, reference, model, enable_expert_offload(model, OffloadConfig(mode="host"))
+
+
+def _backward_both(reference, model, x, autocast) -> list[torch.Tensor]:
+    """Both models' losses on `x` (under CPU autocast to `autocast`, if given), each after its backward."""
+    losses = []
+    for m in (reference, model):
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            losses.append(m(x, labels=x).loss)
+        losses[-1].backward()
+    return losses
+
+
 @pytest.mark.parametrize("precision", GROUPED_PRECISIONS)
 def test_host_tier_grouped_gemm_gives_the_resident_gradients_bit_for_bit(precision, monkeypatch):
     """Issue 14: the host tier on the CPU runs each layer's experts as one grouped GEMM per matmul over views of the
     store's per-layer block (no copy), as the resident model does, and keeps that graph for backward: over 2
     accumulated micro-steps on fresh random batches the loss, every expert gradient in the store and every other
     gradient equal the resident model's bit for bit (torch.equal), in fp32 and under bf16 / fp16 autocast."""
-    if runtime_for(torch.device("cpu")).asynchronous:
-        pytest.skip("the grouped host path is the inline CPU runtime's: a device uploads expert by expert")
-    calls = _count_expert_paths(monkeypatch)
+    calls, reference, model, engine = _grouped_host_pair(monkeypatch, seed=8)
     autocast = GROUPED_PRECISIONS[precision]
-    reference = small_model(seed=8)
-    model = copy.deepcopy(reference)
-    engine = enable_expert_offload(model, OffloadConfig(mode="host"))
     g = torch.Generator().manual_seed(9)
     for _ in range(2):
         x = torch.randint(0, 101, (3, 10), generator=g)
-        losses = []
-        for m in (reference, model):
-            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-                losses.append(m(x, labels=x).loss)
-            losses[-1].backward()
+        losses = _backward_both(reference, model, x, autocast)
         assert torch.equal(*losses)
     layers = len(engine.layers)
     assert calls == {"_grouped_forward": 2 * layers, "_grouped_backward": 2 * layers, "run_forward": 0,
@@ -579,13 +590,8 @@ def test_host_tier_grouped_gemm_trains_like_torch_adamw(precision, clip, monkeyp
     """Issue 14: the grouped host path with the expert optimizer stepping each expert during backward (eager: on its
     workers while the layers below run backward) or several per fused call after it (global clipping: deferred)
     trains like a resident model under torch.optim.AdamW over 3 steps on fresh random batches (tolerances above)."""
-    if runtime_for(torch.device("cpu")).asynchronous:
-        pytest.skip("the grouped host path is the inline CPU runtime's: a device uploads expert by expert")
-    calls = _count_expert_paths(monkeypatch)
+    calls, reference, model, engine = _grouped_host_pair(monkeypatch, seed=4)
     autocast = GROUPED_PRECISIONS[precision]
-    reference = small_model(seed=4)
-    model = copy.deepcopy(reference)
-    engine = enable_expert_offload(model, OffloadConfig(mode="host"))
     ref_opt = torch.optim.AdamW(param_groups(reference, 0.1), lr=1e-2)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
     experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, max_grad_norm=clip)
@@ -594,11 +600,7 @@ def test_host_tier_grouped_gemm_trains_like_torch_adamw(precision, clip, monkeyp
     g = torch.Generator().manual_seed(11)
     for _ in range(3):
         x = torch.randint(0, 101, (3, 10), generator=g)
-        losses = []
-        for m in (reference, model):
-            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-                losses.append(m(x, labels=x).loss)
-            losses[-1].backward()
+        losses = _backward_both(reference, model, x, autocast)
         assert abs(losses[0].item() - losses[1].item()) <= GROUPED_LOSS_TOL[precision]
         if clip:
             torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
