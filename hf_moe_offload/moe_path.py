@@ -29,9 +29,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from .models.moe_gpt.modeling_moe_gpt import (
     DispatchPlan,
-    GroupedLinear,
-    dropout_active,
-    full_expert_counts,
+    grouped_expert_counts,
     run_moe,
 )
 from .offload.layout import ExpertLayout, is_experts_interface_module, layout_for
@@ -66,9 +64,8 @@ class ResidentExperts:
         # getattr, not the parameters themselves: a parametrized tensor (peft's `target_parameters` LoRA on expert
         # tensors) reads as its effective value, weight + the adapter's delta.
         tensors = [getattr(self.module, t.name) for t in self.layout.tensors]
-        full = full_expert_counts(counts, expert_ids, self.layout.num_experts)
-        if (full is not None and not dropout_active(self.module)
-                and GroupedLinear.usable(x_sorted, self.layout.matrices(tensors), full)):
+        full = grouped_expert_counts(x_sorted, self.layout.matrices(tensors), counts, expert_ids, self.module)
+        if full is not None:
             return self.layout.grouped_forward(x_sorted, full, tensors)
         per_expert = [t.unbind(0) for t in tensors]
         outputs, start = [], 0

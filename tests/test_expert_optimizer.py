@@ -39,6 +39,15 @@ def warmup_cosine(opt, warmup=2, total=6):
     )
 
 
+def train_steps(model, opt, generator: torch.Generator, shape: tuple[int, int], steps: int = 3) -> None:
+    """`steps` optimizer steps of `model` on fresh random token batches of `shape`."""
+    for _ in range(steps):
+        x = torch.randint(0, 101, shape, generator=generator)
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def assert_same_weights(model, reference, atol=ATOL_WEIGHTS):
     sd, ref = model.state_dict(), reference.state_dict()
     assert sd.keys() == ref.keys()
@@ -485,17 +494,12 @@ def test_batched_deferred_steps_change_no_bit(tier, clip, tmp_path, monkeypatch)
         experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, max_grad_norm=clip, boundary_fn=lambda: True)
         assert experts.eager is (clip is None)
         if not batched:
-            monkeypatch.setattr(experts, "_batch_size", lambda ready: 1)
+            monkeypatch.setattr(experts, "_batch_size", lambda ready, in_backward=False: 1)
         sizes = []
         original = experts._step_experts
         monkeypatch.setattr(experts, "_step_experts", lambda keys, *a: (sizes.append(len(keys)), original(keys, *a)))
         opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), experts)
-        g = torch.Generator().manual_seed(5)
-        for _ in range(3):
-            x = torch.randint(0, 101, (3, 10), generator=g)
-            model(x, labels=x).loss.backward()
-            opt.step()
-            opt.zero_grad()
+        train_steps(model, opt, torch.Generator().manual_seed(5), (3, 10))
         engine.synchronize()
         assert max(sizes) > 1 if batched else max(sizes) == 1, sizes
         state = {}
@@ -630,12 +634,7 @@ def test_eager_steps_on_the_disk_tier_hold_one_record_per_worker(tmp_path):
     experts = ExpertOptimizer(engine, lr=1e-2)
     assert experts.eager
     opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), experts)
-    g = torch.Generator().manual_seed(3)
-    for _ in range(3):
-        x = torch.randint(0, 101, (1, 3), generator=g)
-        model(x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, torch.Generator().manual_seed(3), (1, 3))
     engine.synchronize()
     assert set(engine.store.steps.values()) == {3}
     experts.close()

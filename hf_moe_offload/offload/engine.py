@@ -27,12 +27,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..models.moe_gpt.modeling_moe_gpt import GroupedLinear, dropout_active, full_expert_counts
+from ..models.moe_gpt.modeling_moe_gpt import dropout_active, grouped_expert_counts
 from ..precision import autocast_state, restore_autocast
 from ..runtime import HOST, DeviceRuntime, Event, runtime_for
 from .inference import DecodeCache, PlacementCostModel, PreGate
 from .layout import ExpertLayout
-from .store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore
+from .store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore, own_tensor
 from .telemetry import OffloadStats
 
 logger = logging.getLogger(__name__)
@@ -205,6 +205,7 @@ class OffloadedExpertsLayer:
         self.handles: list = []  # the module's state-dict hooks (offload/api.py)
         self._recompute_forced = 0  # > 0 inside `recomputing()`
         self._view_cache: dict[tuple[int, int], list[torch.Tensor]] = {}  # see _forward_weights
+        self._grouped: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # see _grouped_views
 
     @contextmanager
     def recomputing(self):
@@ -280,29 +281,29 @@ class OffloadedExpertsLayer:
     # --- every expert at once: the host tier on the CPU ---
     def grouped_counts(self, x: torch.Tensor, counts: list[int], ids: list[int]) -> list[int] | None:
         """Rows per expert, all E in expert order, when this call runs each matmul as one grouped GEMM over the
-        store's weights, as the resident experts do (`GroupedLinear.usable`); None: expert by expert. Only where the
-        store keeps the layer's weights as one (E, P) tensor (the host tier) and the host computes (inline runtime):
-        a device would need every expert uploaded at once."""
-        engine = self.engine
-        weights = None if engine.runtime.asynchronous else engine.store.grouped_weights(self.layer)
-        if weights is None or weights.shape[0] != self.num_experts or dropout_active(self.module):
-            return None  # dropout: the per-expert loop replays each expert's RNG state in its recompute
+        store's weights under the resident experts' rule (`grouped_expert_counts`); None: expert by expert. Only where
+        the store keeps the layer's weights as one (E, P) tensor (the host tier) and the host computes (inline
+        runtime): a device would need every expert uploaded at once."""
+        weights = None if self.engine.runtime.asynchronous else self.engine.store.grouped_weights(self.layer)
+        if weights is None or weights.shape[0] != self.num_experts:
+            return None
         if weights.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             return None
-        full = full_expert_counts(counts, ids, self.num_experts)
-        if full is None:
-            return None
-        matrices = self.layout.matrices(self.layout.grouped_views(weights))
-        aligned = all(m.data_ptr() % 16 == 0 and m.stride(0) * m.element_size() % 16 == 0 for m in matrices)
-        return full if aligned and GroupedLinear.usable(x, matrices, full) else None
+        return grouped_expert_counts(x, self.layout.matrices(self._grouped_views(weights)), counts, ids, self.module)
+
+    def _grouped_views(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        """The layer's (E, ...) expert tensors as views of the store's (E, P) weights, made once per store."""
+        if self._grouped is None or self._grouped[0] is not weights:
+            self._grouped = (weights, self.layout.grouped_views(weights))
+        return self._grouped[1]
 
     def _grouped_tensors(self, used: int) -> list[torch.Tensor]:
-        """The layer's (E, ...) expert tensors as views of the store's weights, once pending updates are in."""
+        """The layer's (E, ...) expert tensors, once pending updates are in."""
         t0 = time.perf_counter()
         for e in range(self.num_experts):
             self.engine.wait_for_update((self.layer, e))
         self.engine.stats.stall_seconds += time.perf_counter() - t0
-        return self.layout.grouped_views(self.engine.store.grouped_weights(self.layer, used))
+        return self._grouped_views(self.engine.store.grouped_weights(self.layer, used))
 
     def _grouped_forward(self, x: torch.Tensor, full: list[int], graphs: list | None) -> torch.Tensor:
         """`run_forward` as one grouped GEMM per matmul; with `graphs`, the forward graph is kept for backward."""
@@ -407,6 +408,7 @@ class OffloadedExpertsLayer:
     def forget_buffers(self) -> None:
         """The store was replaced: drop the views made of its buffers."""
         self._view_cache.clear()
+        self._grouped = None
 
     def _run_on_host(self, x: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
         """Inference on an asynchronous device: run these experts on the host, from the store's host weights,
@@ -440,8 +442,7 @@ class OffloadedExpertsLayer:
         call). They alias the weights through a tensor of their own: the record's rows are views of one buffer and
         share its autograd version counter, so the gradient landed by another call of the layer (MPMoE partitions)
         would otherwise count as a change of the saved weights."""
-        alias = w.new_empty(0).set_(w.untyped_storage(), w.storage_offset(), w.shape, w.stride())
-        leaves = [v.detach().requires_grad_(True) for v in self._weights(alias, xs)]
+        leaves = [v.detach().requires_grad_(True) for v in self._weights(own_tensor(w), xs)]
         xs = xs.detach().requires_grad_(True)
         with torch.enable_grad():
             ys = self.layout.forward(xs, leaves)

@@ -158,8 +158,8 @@ class ExpertOptimizer:
         """Claim the final gradients of `items` (key, record or None, arrival or None) once per window (the experts
         this process owns) and step them (eager) or measure them (deferred). Several eager experts at once (a
         layer's, from the grouped host path or the end of its backward) are stepped several per fused call, as
-        `step()` does, unless each is clipped on its own or they would hold the disk tier's cache. Without a record,
-        a deferred expert with no gradient is skipped. Returns the keys taken."""
+        `step()` does (`_batch_size`), unless each is clipped on its own. Without a record, a deferred expert with no
+        gradient is skipped. Returns the keys taken."""
         owned = [item for item in items if self._owns(item[0])]
         taken = []
         with self._lock:
@@ -170,18 +170,14 @@ class ExpertOptimizer:
                     continue
                 (self._stepped if self.eager else self._measured).add(key)
                 taken.append((key, record, arrival))
-        # Not on the disk tier: during backward its cache also holds the records the stream reads, and a batch holds
-        # all of its records at once (step()'s batches are sized for a cache nothing else uses).
-        batch = len(taken) > 1 and getattr(self.store, "cache_experts", None) is None
         if not self.eager:
-            size = self._batch_size(len(taken)) if batch else 1
-            for i in range(0, len(taken), size):
-                job = self._pool.submit(self._measure, taken[i : i + size])
-                for key, _, _ in taken[i : i + size]:
+            for batch in self._batches(taken, in_backward=True):
+                job = self._pool.submit(self._measure, batch)
+                for key, _, _ in batch:
                     self._measuring[key] = job
-        elif batch and self.max_grad_norm is None:
-            self._start_batched_steps(taken, clip_coef=None, grad_scale=None)
-        else:
+        elif self.max_grad_norm is None:
+            self._start_batched_steps(taken, clip_coef=None, grad_scale=None, in_backward=True)
+        else:  # each expert clipped by its own norm
             for key, record, arrival in taken:
                 self._start_step(key, record, arrival, clip_coef=None)
         return {key for key, _, _ in taken}
@@ -233,18 +229,24 @@ class ExpertOptimizer:
                                 self._window)
         self.engine.set_pending(key, job)
 
-    def _batch_size(self, ready: int) -> int:
-        """Experts per fused call in `step()`: the ready experts split evenly over the workers; on the disk tier at
-        most what the host cache can hold beside the reads in flight (a batch holds all its records at once)."""
+    def _batch_size(self, ready: int, in_backward: bool = False) -> int:
+        """Experts per job (one fused call): the ready experts split evenly over the workers. A batch holds all its
+        records at once: on the disk tier, at most what the host cache can hold beside the reads in flight after
+        backward (`step()`), and one during backward, where the cache also holds what the stream reads (and the
+        records other jobs were handed)."""
         workers = self.workers
         size = max(1, -(-ready // workers))
         cache = getattr(self.store, "cache_experts", None)
         if cache is not None:
-            size = min(size, max(1, (cache - self.engine.depth - 1) // workers))
+            size = 1 if in_backward else min(size, max(1, (cache - self.engine.depth - 1) // workers))
         return size
 
+    def _batches(self, entries: list, in_backward: bool) -> list[list]:
+        size = self._batch_size(len(entries), in_backward)
+        return [entries[i : i + size] for i in range(0, len(entries), size)]
+
     def _start_batched_steps(self, entries: list[tuple[ExpertKey, ExpertRecord | None, GradArrival | None]],
-                             clip_coef: float | None, grad_scale: float | None) -> None:
+                             clip_coef: float | None, grad_scale: float | None, in_backward: bool = False) -> None:
         """Step `entries` (key, the record and arrival a gradient hook handed over or None; already marked stepped)
         in batches, one fused multi-tensor Adam call per batch (the kernel treats every tensor independently, so the
         result equals one call per expert bit for bit; only the per-call overhead is shared)."""
@@ -254,9 +256,7 @@ class ExpertOptimizer:
             self.engine.wait_for_update(key)  # the previous window's step of an expert no forward used since
         if self._window_lr is None:
             self._window_lr = self.current_lr()
-        size = self._batch_size(len(entries))
-        for i in range(0, len(entries), size):
-            batch = entries[i : i + size]
+        for batch in self._batches(entries, in_backward):
             job = self._pool.submit(self._step_experts, batch, self._window_lr, clip_coef, grad_scale, self._window)
             for key, _, _ in batch:
                 self.engine.set_pending(key, job)

@@ -207,8 +207,8 @@ class MoEGPTExperts(nn.Module):
         self, x_sorted: torch.Tensor, counts: list[int], expert_ids: list[int] | None = None
     ) -> torch.Tensor:
         """x_sorted: (N, C) tokens grouped by expert; counts[i] tokens go to expert `expert_ids[i]` (default i)."""
-        full = full_expert_counts(counts, expert_ids, self.num_experts)
-        if full is not None and not dropout_active(self) and GroupedLinear.usable(x_sorted, [self.fc1_weight, self.fc2_weight], full):
+        full = grouped_expert_counts(x_sorted, [self.fc1_weight, self.fc2_weight], counts, expert_ids, self)
+        if full is not None:
             return self.expert_forward(x_sorted, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias,
                                        linear=GroupedLinear(full, x_sorted))
         # NOTE: unbind once instead of indexing W[e] per expert: each indexing op's backward would materialise a
@@ -241,6 +241,17 @@ def full_expert_counts(counts: list[int], expert_ids: list[int] | None, num_expe
     full = [0] * num_experts
     for e, n in zip(ids, counts):
         full[e] = n
+    return full
+
+
+def grouped_expert_counts(x: torch.Tensor, matrices: list[torch.Tensor], counts: list[int],
+                          expert_ids: list[int] | None, experts: nn.Module) -> list[int] | None:
+    """Rows per expert, all of them in expert order, where `experts` (an experts module, its (E, ...) weight
+    `matrices`) run on these rows as one grouped GEMM per matmul (`GroupedLinear.usable`, no dropout inside the
+    experts: the loop draws one mask per expert); None: one expert after another."""
+    full = full_expert_counts(counts, expert_ids, matrices[0].shape[0])
+    if full is None or dropout_active(experts) or not GroupedLinear.usable(x, matrices, full):
+        return None
     return full
 
 
@@ -303,7 +314,9 @@ class GroupedLinear:
             return False
         size = torch.finfo(dtype).bits // 8
         dims = [x.shape[-1]] + [d for w in weights for d in w.shape[1:]]
-        return x.data_ptr() % 16 == 0 and all(d * size % 16 == 0 for d in dims)
+        # Weights may be views into a larger block (the host tier's store): each expert's matrix aligned too.
+        aligned = all(w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0 for w in weights)
+        return x.data_ptr() % 16 == 0 and aligned and all(d * size % 16 == 0 for d in dims)
 
 
     @staticmethod
