@@ -170,8 +170,8 @@ def overflow_in_backward(engine, value=float("inf")) -> None:
     def overflow(items) -> set:
         engine._grad_hooks.remove(overflow)
         _key, record, arrival = items[0]
-        if arrival.buffer is None:  # landed already (the grouped host path lands on the compute thread)
-            record.grad[0] = value
+        if arrival.parts is not None:  # autograd's own gradients (the host computes)
+            arrival.parts[0].view(-1)[0] = value
             return set()
         if arrival.event is not None:  # an asynchronous download (simulated device): let it arrive first
             arrival.event.synchronize()
@@ -510,7 +510,7 @@ def test_batched_deferred_steps_change_no_bit(tier, clip, tmp_path, monkeypatch)
         results.append((state, dict(engine.store.steps), model.state_dict()))
         experts.close()
     (a, steps_a, sd_a), (b, steps_b, sd_b) = results
-    assert steps_a == steps_b and set(steps_a.values()) == {3}
+    assert steps_a == steps_b and set(steps_a.values()) == {4}
     assert all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
     assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
 
@@ -638,3 +638,58 @@ def test_eager_steps_on_the_disk_tier_hold_one_record_per_worker(tmp_path):
     engine.synchronize()
     assert set(engine.store.steps.values()) == {3}
     experts.close()
+
+
+@pytest.mark.parametrize("tier,autocast", [("host", None), ("host", torch.bfloat16), ("disk", None)])
+def test_stepping_from_autograds_gradient_changes_no_bit(tier, autocast, tmp_path, monkeypatch):
+    """Issue 14: where the host computes, an expert whose store gradient is stale (it counts as zero) is stepped
+    straight from the gradient autograd made, without copying it into the store first (the host tier's largest cost
+    over resident training). Weights, moments, step counts and the other parameters equal those of the same training
+    with every gradient landed in the store first, bit for bit (torch.equal), over 4 eager steps (one a window of
+    2 micro-steps) on fresh random batches, on the grouped host path (fp32 and bf16 autocast) and the disk tier's per-expert loop."""
+    from hf_moe_offload.offload.engine import GradArrival
+
+    if runtime_for(torch.device("cpu")).asynchronous:
+        pytest.skip("gradients are downloaded into ring buffers on an asynchronous runtime, and always landed")
+    original = GradArrival.in_place_of
+    results = []
+    for in_place in (True, False):
+        used = []
+
+        def counted(self, record, _in_place=in_place):
+            parts = original(self, record) if _in_place else None
+            used.append(parts is not None)
+            return parts
+
+        monkeypatch.setattr(GradArrival, "in_place_of", counted)
+        model = small_model(seed=17)
+        engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / f"e{in_place}"),
+                                                            host_cache_experts=6, prefetch_depth=1))
+        last_micro_step = [True]
+        experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, boundary_fn=lambda: last_micro_step[0])
+        assert experts.eager
+        opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), experts)
+        g = torch.Generator().manual_seed(6)
+        for micro_steps in (1, 2, 1, 1):  # a window of 2: the first gradient is landed, the second added to it
+            for i in range(micro_steps):
+                last_micro_step[0] = i == micro_steps - 1
+                x = torch.randint(0, 101, (3, 10), generator=g)
+                with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                    loss = model(x, labels=x).loss
+                (loss / micro_steps).backward()
+            opt.step()
+            opt.zero_grad()
+        engine.synchronize()
+        # The first step lands every gradient (a new store's rows hold real zeros); later ones step in place.
+        assert any(used) if in_place else used and not any(used)
+        state = {}
+        for key in engine.store.keys():
+            record = engine.store.acquire(key)
+            state[key] = [t.clone() for t in (record.param, record.exp_avg, record.exp_avg_sq)]
+            engine.store.release(key)
+        results.append((state, dict(engine.store.steps), model.state_dict()))
+        experts.close()
+    (a, steps_a, sd_a), (b, steps_b, sd_b) = results
+    assert steps_a == steps_b and set(steps_a.values()) == {4}
+    assert all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)

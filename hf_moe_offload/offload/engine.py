@@ -158,15 +158,27 @@ class GradRing:
 
 
 class GradArrival:
-    """One expert's gradient for this micro-step, on its way into the store's fp32 gradient slot."""
+    """One expert's gradient for this micro-step, on its way into the store's fp32 gradient slot: a flat `buffer`
+    downloaded from a device (`event` marks the copy), or, where the host computes, the per-tensor gradients autograd
+    made (`parts`, layout order, `views` splitting the record's flat row the same way)."""
 
-    __slots__ = ("rt", "buffer", "event", "release")
+    __slots__ = ("rt", "buffer", "event", "release", "parts", "views")
 
-    def __init__(self, rt: DeviceRuntime, buffer: torch.Tensor, event: Event | None, release=None):
+    def __init__(self, rt: DeviceRuntime, buffer: torch.Tensor | None, event: Event | None, release=None,
+                 parts: list[torch.Tensor] | None = None, views: Callable | None = None):
         self.rt, self.buffer, self.event, self.release = rt, buffer, event, release
+        self.parts, self.views = parts, views
+
+    @classmethod
+    def on_host(cls, rt: DeviceRuntime, parts: list[torch.Tensor], views: Callable) -> "GradArrival":
+        return cls(rt, None, None, parts=parts, views=views)
 
     def land(self, record: ExpertRecord) -> None:
         """Add it to `record.grad` (fp32) on the calling host thread, once its copy has happened."""
+        if self.parts is not None:
+            record.add_grad_parts(self.parts, self.views)
+            self.parts = None
+            return
         if self.buffer is None:
             return  # landed already
         if self.event is not None:
@@ -176,6 +188,17 @@ class GradArrival:
         self.buffer = None
         if self.release is not None:
             self.release()
+
+    def in_place_of(self, record: ExpertRecord) -> list[torch.Tensor] | None:
+        """The gradient per tensor, to be used instead of landing it (issue 14: the copy into the store's row was
+        the host tier's largest cost over resident training): where it is autograd's own host tensors in the
+        record's dtype and the record's row holds nothing (stale: it counts as zero, so the sum would be this
+        gradient). The row stays stale; None: `land` it."""
+        parts = self.parts
+        if parts is None or not record.grad_stale or any(p.dtype != record.grad.dtype for p in parts):
+            return None
+        self.parts = None
+        return parts
 
 
 # `OffloadEngine.add_grad_hook`: (key, record, arrival) of experts whose gradients are final -> the keys taken over.
@@ -340,14 +363,14 @@ class OffloadedExpertsLayer:
                                     allow_unused=bool(shared))
         if train:
             expert_grads = grads[1 : 1 + len(leaves)]
-            landed = []
+            arrivals = []
             for e in reversed(range(self.num_experts)):
                 if full[e]:
                     key = (self.layer, e)
                     record = engine.store.acquire(key, WEIGHTS_AND_GRAD)
-                    record.add_grad_parts([g[e] for g in expert_grads], self.layout.views)
-                    landed.append((key, record))
-            engine.grads_landed(self.layer, landed)
+                    arrival = GradArrival.on_host(engine.runtime, [g[e] for g in expert_grads], self.layout.views)
+                    arrivals.append((key, record, arrival))
+            engine.grads_arrived(self.layer, arrivals)
         engine.stats.compute_seconds += time.perf_counter() - t0
         engine.layer_backward_done(self.layer)
         return grads[0], list(grads[len(grads) - len(shared):])
@@ -830,29 +853,26 @@ class OffloadEngine:
         """Adds one expert's gradient (per-tensor, layout order, in its own dtype) into its fp32 store slot.
 
         Asynchronous runtimes download it through the `GradRing` (no host sync here); the `GradArrival` goes to a
-        hook (the expert optimizer, which lands it on its worker and steps the expert) or is landed on the engine's
-        host worker, which then releases the record."""
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        hook (the expert optimizer, which lands it on its worker and steps the expert, or steps straight from the
+        host gradient) or is landed on the engine's host worker, which then releases the record."""
         rt = self.runtime
         if rt.asynchronous:
+            flat = torch.cat([g.reshape(-1) for g in grads])
             ring = self._rings.get(flat.dtype)
             if ring is None:
                 ring = self._rings[flat.dtype] = GradRing(rt, self.store.numel, flat.dtype, self.grad_ring_size)
             arrival = ring.send(flat)
             self.stats.d2h_bytes += flat.numel() * flat.element_size()
         else:
-            arrival = GradArrival(rt, flat, None)
-        self.store.has_grad[key] = True
-        self._hand_over(key[0], [(key, record, arrival)])
+            arrival = GradArrival.on_host(rt, list(grads), self.layers[key[0]].layout.views)
+        self.grads_arrived(key[0], [(key, record, arrival)])
 
-    def grads_landed(self, layer: int, records: list[tuple[ExpertKey, ExpertRecord]]) -> None:
-        """These experts of `layer` have their gradients added to their records already (the grouped host path
-        lands them on the compute thread, one copy each, with no flat gradient in between): handed over together,
-        so that the expert optimizer can step them several per fused call."""
-        items = []
-        for key, record in records:
+    def grads_arrived(self, layer: int, items: list[tuple[ExpertKey, ExpertRecord, GradArrival]]) -> None:
+        """These experts of `layer` have their gradients on the way (one expert from the streamed loop, a layer's
+        experts at once from the grouped host path, so that the expert optimizer can step them several per fused
+        call)."""
+        for key, _, _ in items:
             self.store.has_grad[key] = True
-            items.append((key, record, GradArrival(self.runtime, None, None)))
         self._hand_over(layer, items)
 
     def _hand_over(self, layer: int, items: list[tuple[ExpertKey, ExpertRecord, GradArrival]]) -> None:
@@ -914,7 +934,8 @@ class OffloadEngine:
     def add_grad_hook(self, hook: GradHook) -> None:
         """`hook(items)` on the micro-step where these experts' gradients are final (one expert, or a layer's experts
         at once from the grouped host path), items being (key, record, arrival); it returns the keys it takes over:
-        for each, the hook must `arrival.land(record)` and release the record (dirty)."""
+        for each, the hook must `arrival.land(record)` (or use `arrival.in_place_of(record)`) and release the record
+        (dirty)."""
         self._grad_hooks.append(hook)
 
     def add_layer_done_hook(self, hook: Callable[[int], None]) -> None:

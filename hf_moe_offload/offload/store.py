@@ -78,7 +78,8 @@ class ExpertRecord:
     `current_grad()`, add to it through `add_grad()`.
     """
 
-    __slots__ = ("key", "buffer", "param", "grad", "exp_avg", "exp_avg_sq", "compute", "grad_stale", "_versions")
+    __slots__ = ("key", "buffer", "param", "grad", "exp_avg", "exp_avg_sq", "compute", "grad_stale", "_versions",
+                 "_split")
 
     def __init__(self, key: ExpertKey, buffer: torch.Tensor, compute_dtype: torch.dtype,
                  versions: dict[ExpertKey, int] | None = None, compute: torch.Tensor | None = None):
@@ -90,6 +91,7 @@ class ExpertRecord:
         # A weights-only record (frozen experts, `OffloadConfig(train_experts=False)`) has no training state.
         self.grad, self.exp_avg, self.exp_avg_sq = rows[1:] if len(rows) == STATE_ROWS else (None, None, None)
         self.grad_stale = False
+        self._split = None
         self.compute = None
         if compute_dtype != buffer.dtype:
             # The disk tier passes its cache slot's compute buffer: nothing is allocated (or pinned) per read.
@@ -124,6 +126,13 @@ class ExpertRecord:
             else:
                 dst.add_(g)
         self.grad_stale = False
+
+    def state_tensors(self, views: Callable[[torch.Tensor], list[torch.Tensor]]) -> tuple[list[torch.Tensor], ...]:
+        """(weights, exp_avg, exp_avg_sq), each split per tensor by `views` (the layout's): made once per record,
+        as the optimizer steps per tensor every step."""
+        if self._split is None or self._split[0] != views:  # (a bound method: equal, not identical)
+            self._split = (views, (views(self.param), views(self.exp_avg), views(self.exp_avg_sq)))
+        return self._split[1]
 
     def current_grad(self) -> torch.Tensor:
         """The accumulated gradient (a stale one is zeroed first)."""

@@ -39,13 +39,15 @@ logger = logging.getLogger(__name__)
 
 class _Held:
     """A record held by `ExpertOptimizer._landed`; `grad_zeroed` tells the store, on release, that the gradient
-    was zeroed (the disk tier then neither writes nor reads it)."""
+    was zeroed (the disk tier then neither writes nor reads it); `grads`, the gradient per tensor where it was
+    used in place instead of landed (`GradArrival.in_place_of`)."""
 
-    __slots__ = ("record", "grad_zeroed")
+    __slots__ = ("record", "grad_zeroed", "grads")
 
     def __init__(self, record: ExpertRecord):
         self.record = record
         self.grad_zeroed = False
+        self.grads = None
 
 
 def accelerate_sync_gradients() -> bool:
@@ -194,11 +196,12 @@ class ExpertOptimizer:
 
     @contextmanager
     def _landed(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None,
-                rows: tuple[int, ...] | None, dirty: bool | tuple[int, ...]):
+                rows: tuple[int, ...] | None, dirty: bool | tuple[int, ...], in_place: bool = False):
         """`key`'s record (`rows` of it current; None: all) with its final gradient in it (the in-flight download
-        landed), released afterwards (`dirty`; the body sets `held.grad_zeroed` once it zeroed the gradient). A
-        `record` passed in was acquired by the gradient hook that handed it over; None: acquire it here, once the
-        engine's host worker has added the gradient."""
+        landed; with `in_place`, a host gradient the record's row would only have been a copy of is left where it
+        is, in `held.grads`), released afterwards (`dirty`; the body sets `held.grad_zeroed` once it zeroed the
+        gradient). A `record` passed in was acquired by the gradient hook that handed it over; None: acquire it
+        here, once the engine's host worker has added the gradient."""
         if record is None:
             self.engine.wait_for_grad(key)
             record = self.store.acquire(key, rows)
@@ -206,7 +209,9 @@ class ExpertOptimizer:
         try:
             self.store.require(key, rows)  # a handed-over record has the weights and gradient only
             if arrival is not None:
-                arrival.land(record)
+                held.grads = arrival.in_place_of(record) if in_place else None
+                if held.grads is None:
+                    arrival.land(record)
             yield held
         finally:
             self.store.release(key, dirty=dirty, grad_zeroed=held.grad_zeroed)
@@ -267,20 +272,21 @@ class ExpertOptimizer:
         keys = [key for key, _, _ in entries]
         try:
             with ExitStack() as held:
-                helds = [held.enter_context(self._landed(key, record, arrival, None, dirty=True))
+                helds = [held.enter_context(self._landed(key, record, arrival, None, dirty=True, in_place=True))
                          for key, record, arrival in entries]
                 ready = [(k, h) for k, h in zip(keys, helds) if self.store.has_grad[k]]
-                pairs = [(k, h.record) for k, h in ready]
-                if not pairs:
+                if not ready:
                     return
-                grads = [r.current_grad() for _, r in pairs]
+                steps = [(k, h.record, h.grads if h.grads is not None else self._views(k, h.record.current_grad()))
+                         for k, h in ready]
+                grads = [g for _, _, gs in steps for g in gs]
                 if grad_scale is not None:  # the same two roundings as the per-expert path: unscale, then clip
                     torch._foreach_mul_(grads, 1.0 / grad_scale)
                 if clip_coef is not None:
                     torch._foreach_mul_(grads, clip_coef)
-                for _, r in pairs:
+                for _, r, _ in steps:
                     self.store.note_host_write(r)  # no upload may still be reading these weights
-                self._adam_many(pairs, lr)
+                self._adam_many(steps, lr)
                 for k, h in ready:  # stale, not zeroed in a pass: the next gradient is copied in (issue 14)
                     h.record.clear_grad(self.store.lazy_grad_zero)
                     h.grad_zeroed = True
@@ -291,27 +297,30 @@ class ExpertOptimizer:
             with self._lock:
                 self._jobs.append((window, t0, end))
 
-    def _adam_many(self, pairs: list[tuple[ExpertKey, ExpertRecord]], lr: float) -> None:
-        """`_adam` for several experts in two fused calls (the decayed slices, the others)."""
+    def _views(self, key: ExpertKey, row: torch.Tensor) -> list[torch.Tensor]:
+        return self.engine.layers[key[0]].layout.views(row)
+
+    def _adam_many(self, steps: list[tuple[ExpertKey, ExpertRecord, list[torch.Tensor]]], lr: float) -> None:
+        """Adam for several experts (key, record, its gradient per tensor in layout order) in two fused calls (the
+        decayed tensors, the others). Every path steps per tensor, whether the gradient is the record's row or
+        autograd's own tensors: the fused kernel's vectorized body and scalar tail would otherwise round some
+        elements differently where a tensor boundary falls."""
         beta1, beta2 = self.betas
         for decayed in (True, False):
-            slices, steps = [], []
-            for key, record in pairs:
+            params, grads, avgs, avg_sqs, counts = [], [], [], [], []
+            for key, record, expert_grads in steps:
                 layout = self.engine.layers[key[0]].layout
-                lo, hi = (0, layout.decay_numel) if decayed else (layout.decay_numel, layout.numel)
-                if hi > lo:
-                    slices.append((record, lo, hi))
-                    steps.append(torch.tensor(float(self.store.steps[key])))
-            if not slices:
-                continue
-            adam(
-                [r.param[lo:hi] for r, lo, hi in slices], [r.grad[lo:hi] for r, lo, hi in slices],
-                [r.exp_avg[lo:hi] for r, lo, hi in slices], [r.exp_avg_sq[lo:hi] for r, lo, hi in slices],
-                [], steps, fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
-                weight_decay=self.weight_decay if decayed else 0.0, eps=self.eps, maximize=False,
-                decoupled_weight_decay=self.decoupled,
-            )
-        for key, _ in pairs:
+                weights, exp_avgs, exp_avg_sqs = record.state_tensors(layout.views)
+                for spec, p, g, m, v in zip(layout.tensors, weights, expert_grads, exp_avgs, exp_avg_sqs):
+                    if spec.decay == decayed:
+                        params.append(p), grads.append(g), avgs.append(m), avg_sqs.append(v)
+                        counts.append(float(self.store.steps[key]))
+            if params:
+                counts = torch.tensor(counts).unbind()  # one step count per tensor: the kernel increments each
+                adam(params, grads, avgs, avg_sqs, [], counts, fused=True, amsgrad=False, beta1=beta1, beta2=beta2,
+                     lr=lr, weight_decay=self.weight_decay if decayed else 0.0, eps=self.eps, maximize=False,
+                     decoupled_weight_decay=self.decoupled)
+        for key, _, _ in steps:
             self.store.steps[key] += 1
 
     def _step_expert(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None, lr: float,
@@ -342,19 +351,7 @@ class ExpertOptimizer:
                 self._jobs.append((window, t0, end))
 
     def _adam(self, key: ExpertKey, record: ExpertRecord, lr: float) -> None:
-        layout = self.engine.layers[key[0]].layout
-        d = layout.decay_numel
-        step = self.store.steps[key]
-        beta1, beta2 = self.betas
-        for lo, hi, wd in ((0, d, self.weight_decay), (d, layout.numel, 0.0)):
-            if hi <= lo:
-                continue
-            adam(
-                [record.param[lo:hi]], [record.grad[lo:hi]], [record.exp_avg[lo:hi]], [record.exp_avg_sq[lo:hi]],
-                [], [torch.tensor(float(step))], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
-                weight_decay=wd, eps=self.eps, maximize=False, decoupled_weight_decay=self.decoupled,
-            )
-        self.store.steps[key] = step + 1
+        self._adam_many([(key, record, self._views(key, record.grad))], lr)
 
     def _measured_sq_norms(self) -> dict[ExpertKey, float]:
         """Deferred mode: the squared norms measured during backward (waits for the measuring jobs)."""

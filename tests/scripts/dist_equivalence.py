@@ -238,20 +238,15 @@ def run_mode(spec: str) -> dict:
     if engine is not None:
         expert_opt = ExpertOptimizer(engine, lr=LR, weight_decay=WD)
         opt = ExpertAwareOptimizer(opt, expert_opt)
-        adam, adam_many = expert_opt._adam, expert_opt._adam_many
+        adam_many = expert_opt._adam_many
 
-        def counted_adam(key, record, lr):
+        def counted_adam_many(steps, lr):  # every expert step goes through it (one expert, a layer's, step()'s)
             with lock:
-                updates[key] += 1
-            return adam(key, record, lr)
-
-        def counted_adam_many(pairs, lr):  # several experts per fused call (a layer's at once, or step()'s)
-            with lock:
-                for key, _ in pairs:
+                for key, _, _ in steps:
                     updates[key] += 1
-            return adam_many(pairs, lr)
+            return adam_many(steps, lr)
 
-        expert_opt._adam, expert_opt._adam_many = counted_adam, counted_adam_many
+        expert_opt._adam_many = counted_adam_many
     per_step = []
     moved = 0  # experts that ran on two or more ranks within one accumulation window
     for step in range(args.steps):
