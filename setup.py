@@ -17,6 +17,7 @@ setup(
         "peft>=0.14",
         "evaluate>=0.4",
         "safetensors>=0.4",
+        "xxhash",  # the disk tier's row checksums (datasets requires it too)
         "tqdm",
         "psutil",
     ],

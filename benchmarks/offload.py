@@ -5,6 +5,7 @@ expert count that trains within a fixed RSS budget with and without offload (ES-
     python benchmarks/offload.py                   # full table (~5 min on 2 cores)
     python benchmarks/offload.py --quick           # smaller sweep
     python benchmarks/offload.py --step-time-only  # the step-time table only (no JSON)
+    python benchmarks/offload.py --checksums-only  # the disk tier's checksum cost only (no JSON)
 
 Timings are ratios against the resident model measured in the same invocation: the three tiers run the same batches
 interleaved, round after round, and each reports its median round. Writes benchmarks/offload.json.
@@ -138,6 +139,50 @@ def step_time_table(expert_counts, steps: int, batch: int, seq: int, rounds: int
     return rows
 
 
+def checksum_table(expert_counts, steps: int, batch: int, seq: int, rounds: int = 3) -> list[dict]:
+    """The disk tier's cost of checking every row it reads and writes: the same batches with the shipped checksum
+    (XXH3-64), with zlib's CRC32 (the checksum before issue 14) and with none (a constant: nothing is checked),
+    interleaved round after round in this invocation; median round, ratios against no checksum. Swapping the hash
+    function is a benchmark-only patch of the store module."""
+    import zlib
+
+    from hf_moe_offload.offload import store as store_module
+
+    shipped = store_module._row_hash
+    hashes = {"none": lambda buffer: 0, "crc32": lambda buffer: zlib.crc32(store_module.tensor_bytes(buffer)),
+              "xxh3": shipped}
+    rows = []
+    try:
+        for E in expert_counts:
+            base = make_model(E)
+            batches = [torch.randint(0, 512, (batch, seq)) for _ in range(steps)]
+            runs = {}
+            for name, fn in hashes.items():
+                store_module._row_hash = fn
+                model = copy.deepcopy(base)
+                engine = enable_expert_offload(model, OffloadConfig(
+                    mode="disk", offload_dir=tempfile.mkdtemp(prefix="bench-checksum-"),
+                    host_cache_experts=max(4, (E * 2) // 4), prefetch_depth=2))
+                opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+                                           ExpertOptimizer(engine, lr=1e-3))
+                train_steps(model, opt, batches[:1])
+                engine.synchronize()
+                runs[name] = (model, opt, engine, [])
+            for _ in range(rounds):
+                for name, (model, opt, engine, walls) in runs.items():
+                    store_module._row_hash = hashes[name]
+                    walls.append(train_steps(model, opt, batches)[0] / steps)
+                    engine.synchronize()
+            none = statistics.median(runs["none"][3])
+            for name, (_, _, engine, walls) in runs.items():
+                rows.append({"experts_per_layer": E, "checksum": name, "step_s": statistics.median(walls),
+                             "ratio_vs_none": statistics.median(walls) / none})
+                engine.store.close()
+    finally:
+        store_module._row_hash = shipped
+    return rows
+
+
 CAPACITY_CHILD = r"""
 import json, sys, tempfile, psutil, torch
 sys.path.insert(0, {here!r})
@@ -192,31 +237,42 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget-mb", type=int, default=400)
     ap.add_argument("--step-time-only", action="store_true", help="only the step-time table (no JSON written)")
+    ap.add_argument("--checksums-only", action="store_true", help="only the checksum-cost table (no JSON written)")
     ap.add_argument("--capacity-only", action="store_true", help="only the RSS-capacity table (keeps the JSON's "
-                    "step-time rows from the last full run)")
+                    "step-time and checksum rows from the last full run)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     counts = [16, 32] if args.quick else [16, 32, 64]
     steps = 3 if args.quick else 5
+    previous = {}
     if args.capacity_only:
         with open(os.path.join(HERE, "offload.json")) as f:
-            rows = json.load(f)["step_time"]
-    else:
-        rows = step_time_table(counts, steps=steps, batch=8, seq=64, rounds=2 if args.quick else 3)
-    print(f"\nStep time, MoE-GPT 4 layers (2 MoE), d=128, ffn=512, batch 8x64, {platform.processor() or 'cpu'}")
-    print(f"{'E':>4} {'tier':>8} {'step s':>7} {'x resident':>10} {'read MB/step':>12} {'x min':>5} "
-          f"{'write MB/step':>13} {'x min':>5} {'stall':>5} {'hit':>4} {'sys s/step':>10} {'faults/step':>11}")
+            previous = json.load(f)
 
     def fmt(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    for r in rows:
-        print(f"{r['experts_per_layer']:>4} {r['tier']:>8} {r['step_s']:>7.3f} {r['ratio_vs_resident']:>10.2f} "
-              f"{fmt(r.get('disk_read_MB_per_step'), '.1f'):>12} {fmt(r.get('read_vs_minimum'), '.2f'):>5} "
-              f"{fmt(r.get('disk_write_MB_per_step'), '.1f'):>13} {fmt(r.get('write_vs_minimum'), '.2f'):>5} "
-              f"{fmt(r.get('stall_fraction'), '.2f'):>5} {fmt(r.get('cache_hit_rate'), '.2f'):>4} "
-              f"{r['system_s_per_step']:>10.3f} {r['minor_faults_per_step']:>11.0f}")
-    if args.step_time_only:
+    if not args.checksums_only:
+        rows = previous.get("step_time") or step_time_table(counts, steps=steps, batch=8, seq=64,
+                                                            rounds=2 if args.quick else 3)
+        print(f"\nStep time, MoE-GPT 4 layers (2 MoE), d=128, ffn=512, batch 8x64, {platform.processor() or 'cpu'}")
+        print(f"{'E':>4} {'tier':>8} {'step s':>7} {'x resident':>10} {'read MB/step':>12} {'x min':>5} "
+              f"{'write MB/step':>13} {'x min':>5} {'stall':>5} {'hit':>4} {'sys s/step':>10} {'faults/step':>11}")
+        for r in rows:
+            print(f"{r['experts_per_layer']:>4} {r['tier']:>8} {r['step_s']:>7.3f} {r['ratio_vs_resident']:>10.2f} "
+                  f"{fmt(r.get('disk_read_MB_per_step'), '.1f'):>12} {fmt(r.get('read_vs_minimum'), '.2f'):>5} "
+                  f"{fmt(r.get('disk_write_MB_per_step'), '.1f'):>13} {fmt(r.get('write_vs_minimum'), '.2f'):>5} "
+                  f"{fmt(r.get('stall_fraction'), '.2f'):>5} {fmt(r.get('cache_hit_rate'), '.2f'):>4} "
+                  f"{r['system_s_per_step']:>10.3f} {r['minor_faults_per_step']:>11.0f}")
+        if args.step_time_only:
+            return
+    sums = previous.get("checksums") or checksum_table(counts, steps=steps, batch=8, seq=64,
+                                                       rounds=2 if args.quick else 3)
+    print("\nThe disk tier's row checksums: step time with each, against none (same batches, interleaved)")
+    print(f"{'E':>4} {'checksum':>8} {'step s':>7} {'x none':>6}")
+    for r in sums:
+        print(f"{r['experts_per_layer']:>4} {r['checksum']:>8} {r['step_s']:>7.3f} {r['ratio_vs_none']:>6.2f}")
+    if args.checksums_only:
         return
     res_counts = [32, 64, 128] if args.quick else [32, 64, 128, 256]
     off_counts = [64, 256] if args.quick else [64, 256, 512]
@@ -231,7 +287,8 @@ def main() -> None:
                for t in ("resident", "disk")}
     print(f"largest expert count within {args.budget_mb} MiB: resident {largest['resident']}, "
           f"disk tier >= {largest['disk']} (largest tried)")
-    out = {"machine": platform.platform(), "threads": torch.get_num_threads(), "step_time": rows, "capacity": cap,
+    out = {"machine": platform.platform(), "threads": torch.get_num_threads(), "step_time": rows, "checksums": sums,
+           "capacity": cap,
            "largest_within_budget": largest, "budget_mb": args.budget_mb}
     with open(os.path.join(HERE, "offload.json"), "w") as f:
         json.dump(out, f, indent=2)

@@ -48,7 +48,7 @@ class SlowDiskStore(DiskExpertStore):
     def _write_file(self, key, buffer, rows):
         # A write in progress: the rows being written are torn (scribbled over) while the writer pauses. A file
         # written whole is truncated instead, as an interrupted rewrite leaves it.
-        if key in self._crcs:
+        if key in self._hashes:
             with open(self.path(key), "r+b") as f:
                 for r in rows:
                     f.seek(r * NUMEL * 4)

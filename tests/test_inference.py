@@ -484,7 +484,7 @@ def written_disk_store(tmp_path, num_experts: int, value=lambda key: torch.randn
 
 
 def test_while_decoding_each_row_is_checked_on_its_first_read_only(tmp_path, monkeypatch):
-    """A corrupt expert file is still caught while decoding (the first read of each row checks its CRC32); a row
+    """A corrupt expert file is still caught while decoding (the first read of each row checks its checksum); a row
     read and checked before is not checked again until it is written."""
     from hf_moe_offload.offload import store as store_module
     from hf_moe_offload.offload.store import CorruptExpertFileError, WEIGHTS
@@ -493,8 +493,8 @@ def test_while_decoding_each_row_is_checked_on_its_first_read_only(tmp_path, mon
     keys = list(values)
     store.set_decode_cache(DecodeCache(1, 1))
     checks = []
-    original = store_module._crc32
-    monkeypatch.setattr(store_module, "_crc32", lambda b: checks.append(1) or original(b))
+    original = store_module._row_hash
+    monkeypatch.setattr(store_module, "_row_hash", lambda b: checks.append(1) or original(b))
     for _ in range(2):  # cache of one expert: every acquire reads its file
         for k in keys[:3]:
             store.acquire(k, WEIGHTS)
@@ -521,8 +521,8 @@ def test_mapped_weights_are_checked_once_per_write_and_follow_in_place_writes(tm
     assert cached and store.map_weights(cached[0]) is None  # has an entry: acquire it instead
     mapped = next(k for k in keys if k not in cached)
     checks = []
-    original = store_module._crc32
-    monkeypatch.setattr(store_module, "_crc32", lambda b: checks.append(1) or original(b))
+    original = store_module._row_hash
+    monkeypatch.setattr(store_module, "_row_hash", lambda b: checks.append(1) or original(b))
     view = store.map_weights(mapped)
     assert torch.equal(view, values[mapped]) and len(checks) == 1
     assert torch.equal(store.map_weights(mapped), values[mapped]) and len(checks) == 1  # checked once

@@ -1,6 +1,7 @@
 """Reliability (issue 11): no fault loses or silently corrupts training.
 
-- integrity: a CRC32 per expert record, on the disk tier and in checkpoints, checked on every read;
+- integrity: a checksum per expert record, on the disk tier (XXH3-64 per row) and in checkpoints (CRC32), checked
+  on every read;
 - the offload directory is locked while in use, and a killed run's files are detected;
 - re-saving a model is atomic (old or new, never a mix), and an incomplete checkpoint names every missing shard;
 - Trainer checkpoints are complete or invisible, resume restores the experts from any path (or says what is
