@@ -593,6 +593,10 @@ class OffloadEngine:
         # Records in flight must fit the cache: clamp the lookahead (a cache of 1 expert streams with no lookahead).
         self.depth = depth if cache is None else max(0, min(depth, cache - 2))
         self.pin_fraction = pin_fraction
+        # Pins take host-cache slots for good: leave the disk tier's cache room for the records in flight (the one
+        # computing and `depth` read ahead), or the stream evicts pinned records and pinning saves nothing.
+        self.pin_limit = None if cache is None else max(0, cache - self.depth - 1)
+        self._load_scores: dict[ExpertKey, float] = {}  # `update_pins`: each expert's decayed token load
         self.trainable = True  # False: no backward through the experts at all
         self.train_experts = True  # False (frozen experts, e.g. LoRA): backward gives input gradients only
         # OffloadConfig.keep_activations: None = decide at bind(); `keep_activations` is the decision.
@@ -991,24 +995,41 @@ class OffloadEngine:
             self.store.release(key)
 
     # --- pinning (ES-MoE §4.3) ---
+    # ES-MoE pins the experts most loaded in the previous iteration. Each change of a pin costs I/O (on the disk
+    # tier the record leaving the cache is written back and the newcomer read; on a device, an upload), while one
+    # step's loads are noisy (e.g. 16 +- 4 tokens per expert at 64 experts): pinning by the last load alone moved
+    # most pins every step and saved almost nothing. So the load is averaged over recent steps and a pinned expert
+    # keeps its place until another's average is PIN_HYSTERESIS times its own (issue 14: bytes written per step).
+    PIN_LOAD_DECAY = 0.9
+    PIN_HYSTERESIS = 2.0
+
     def update_pins(self) -> None:
-        """Keep the top `pin_fraction` experts of each layer by last-iteration load resident."""
+        """Keep the top `pin_fraction` experts of each layer by recent load resident (see above)."""
         if self.coordinator is not None:  # several ranks: pins must agree with the placement (ES-MoE §4.2-4.3)
             self._set_pins(self.coordinator.pinned_keys())
-        else:
-            self._set_pins(self._top_experts(lambda layer, e: layer.last_counts[e]))
+            return
+        for layer in self.layers:
+            for e, n in enumerate(layer.last_counts):
+                key = (layer.layer, e)
+                self._load_scores[key] = self.PIN_LOAD_DECAY * self._load_scores.get(key, 0.0) + n
+        held = set(self.pinned)
+        self._set_pins(self._top_experts(lambda layer, e: self._load_scores[(layer.layer, e)]
+                                         * (self.PIN_HYSTERESIS if (layer.layer, e) in held else 1.0)))
 
     def _top_experts(self, score: Callable[[OffloadedExpertsLayer, int], float]) -> list[ExpertKey]:
-        """Each layer's `pin_fraction` best-scored experts (an expert scored 0 is never pinned)."""
-        pinned: list[ExpertKey] = []
+        """Each layer's `pin_fraction` best-scored experts (an expert scored 0 is never pinned), best first across
+        layers (`_set_pins` keeps the first `pin_limit`)."""
+        pinned: list[tuple[float, ExpertKey]] = []
         for layer in self.layers:
             k = math.ceil(self.pin_fraction * layer.num_experts) if self.pin_fraction else 0
             scores = [score(layer, e) for e in range(layer.num_experts)]
             top = sorted(range(layer.num_experts), key=lambda e: -scores[e])[:k]
-            pinned += [(layer.layer, e) for e in top if scores[e] > 0]
-        return pinned
+            pinned += [(scores[e], (layer.layer, e)) for e in top if scores[e] > 0]
+        return [key for _, key in sorted(pinned, key=lambda item: -item[0])]
 
     def _set_pins(self, pinned: list[ExpertKey]) -> None:
+        """Pin these (best first), at most `pin_limit` of them."""
+        pinned = list(pinned)[: self.pin_limit]
         self.store.set_pinned(pinned)
         if self.stager is not None:
             self.stager.set_pinned(set(pinned))

@@ -1033,7 +1033,8 @@ class DiskExpertStore(ExpertStore):
                     self._pool.submit(self._background_load, key, entry, want)
 
     def set_pinned(self, keys):
-        keys = list(keys)[: max(0, self.cache_experts - 2)]  # keep room for the experts in flight
+        # The engine leaves room for the records in flight (OffloadEngine.pin_limit); should every slot be pinned,
+        # pinned records are still evicted, last.
         with self._lock:
             self._pinned = set(keys)
 
