@@ -505,7 +505,7 @@ def test_batched_deferred_steps_change_no_bit(tier, clip, tmp_path, monkeypatch)
         state = {}
         for key in engine.store.keys():
             record = engine.store.acquire(key)
-            state[key] = [t.clone() for t in (record.param, record.exp_avg, record.exp_avg_sq, record.grad)]
+            state[key] = [t.clone() for t in (record.param, record.exp_avg, record.exp_avg_sq, record.current_grad())]
             engine.store.release(key)
         results.append((state, dict(engine.store.steps), model.state_dict()))
         experts.close()

@@ -40,10 +40,11 @@ class OffloadConfig:
                 "no gradient and no Adam moments (a quarter of the memory), and backward computes no expert "
                 "weight gradient"})
     keep_activations: bool | None = field(default=None, metadata={
-        "help": "keep each expert's middle activation for backward instead of recomputing it (issue 14). None "
-                "(default): keep where the compute weights are the host tier's own tensors (host tier on the CPU), "
-                "where it costs what the resident model saves; recompute elsewhere (disk tier, GPU: ES-MoE keeps "
-                "only the expert inputs on the device). False forces the recompute"})
+        "help": "keep each expert's middle activation for backward instead of recomputing it (issue 14); the "
+                "weights are not kept but taken from the backward's stream. None (default): keep where the experts "
+                "compute on the CPU (host and disk tier), where it costs what the resident model saves; recompute on "
+                "a device (ES-MoE keeps only the expert inputs there). The disk tier recomputes where the forward "
+                "casts the weights (autocast to another dtype than compute_dtype). False forces the recompute"})
     # --- inference (generation, evaluation: offload/inference.py) ---
     inference: bool | None = field(default=None, metadata={
         "help": "None (default): a call runs in inference mode under torch.no_grad() or model.eval() (the disk "

@@ -32,7 +32,7 @@ from ..precision import autocast_state, restore_autocast
 from ..runtime import HOST, DeviceRuntime, Event, runtime_for
 from .inference import DecodeCache, PlacementCostModel, PreGate
 from .layout import ExpertLayout
-from .store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore, own_tensor
+from .store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore
 from .telemetry import OffloadStats
 
 logger = logging.getLogger(__name__)
@@ -240,8 +240,17 @@ class OffloadedExpertsLayer:
         finally:
             self._recompute_forced -= 1
 
-    def keeps_activations(self) -> bool:
-        return self.engine.keep_activations and not self._recompute_forced
+    def keeps_activations(self, x: torch.Tensor) -> bool:
+        """Whether this call keeps its experts' forward graphs (`OffloadEngine.keep_activations`). Not inside
+        `recomputing()`; not on the disk tier where the forward casts the weights (autocast to another dtype than the
+        streamed copy's): the graphs would hold a copy of every expert's weights, which the disk tier bounds."""
+        if not self.engine.keep_activations or self._recompute_forced:
+            return False
+        if self.engine.store.tier == "host":
+            return True
+        device_type = x.device.type
+        used = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        return used == self.engine.store.compute_dtype
 
     def keys(self, expert_ids: list[int]) -> list[ExpertKey]:
         return [(self.layer, e) for e in expert_ids]
@@ -459,17 +468,32 @@ class OffloadedExpertsLayer:
         return y
 
     def _forward_kept(self, xs: torch.Tensor, w: torch.Tensor, graphs: list) -> torch.Tensor:
-        """One expert's forward with its graph kept for backward (`keep_activations`). The weight leaves are views
-        of the store's own host tensors, which stay put until this expert's backward: nothing updates an expert
-        between its forward and its backward in a micro-step (its step waits for the backward of the layer's last
-        call). They alias the weights through a tensor of their own: the record's rows are views of one buffer and
-        share its autograd version counter, so the gradient landed by another call of the layer (MPMoE partitions)
-        would otherwise count as a change of the saved weights."""
-        leaves = [v.detach().requires_grad_(True) for v in self._weights(own_tensor(w), xs)]
+        """One expert's forward with its graph kept for backward (`keep_activations`): its middle activation (T_M) is
+        saved as a resident model saves it, its weights are not. Saved tensors that are views of the streamed weights
+        `w` are packed as their place in `w` and unpacked from the weights the backward's stream yields for this
+        expert (`run_backward` sets them): the same values, since nothing updates an expert between its forward and
+        its backward in a micro-step (its step waits for the backward of the layer's last call). So a disk-tier slot
+        can hold other experts meanwhile, and the host tier's records need no autograd version check (the gradient
+        landed by another call of the layer, MPMoE partitions, bumps the counter of the record's buffer)."""
+        weights: list[torch.Tensor | None] = [None]
+        base, origin = w.untyped_storage().data_ptr(), w.storage_offset()
+
+        def pack(t: torch.Tensor):
+            if t.untyped_storage().data_ptr() == base:
+                return (t.storage_offset() - origin, t.shape, t.stride())
+            return t
+
+        def unpack(saved):
+            if isinstance(saved, tuple):
+                now = weights[0]
+                return now.as_strided(saved[1], saved[2], now.storage_offset() + saved[0])
+            return saved
+
+        leaves = [v.detach().requires_grad_(True) for v in self._weights(w, xs)]
         xs = xs.detach().requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             ys = self.layout.forward(xs, leaves)
-        graphs.append((xs, leaves, ys))
+        graphs.append((xs, leaves, ys, weights))
         return ys.detach()
 
     def run_backward(self, x, gy, counts, ids, rng_states: list, shared: tuple = (), graphs: list | None = None) -> tuple:
@@ -483,7 +507,8 @@ class OffloadedExpertsLayer:
         for (w, record), i in zip(stream, order):
             e, start, n = segments[i]
             if graphs is not None:
-                xs, leaves, ys = graphs[i]
+                xs, leaves, ys, weights = graphs[i]
+                weights[0] = w  # the kept graph's saved weights are these (see _forward_kept)
                 graphs[i] = None  # freed as soon as it is used, as autograd frees a resident model's saved tensors
             else:
                 leaves = [v.detach().requires_grad_(True) for v in self._weights(w, x)]
@@ -532,7 +557,7 @@ class _StreamedExperts(torch.autograd.Function):
     def forward(ctx, x_sorted, anchor, layer: OffloadedExpertsLayer, counts, ids, grouped, *shared):
         ctx.layer, ctx.counts, ctx.ids, ctx.grouped, ctx.shared = layer, counts, ids, grouped, shared
         ctx.rng_states = []
-        ctx.graphs = [] if layer.keeps_activations() else None
+        ctx.graphs = [] if layer.keeps_activations(x_sorted) else None
         ctx.autocast = autocast_state(x_sorted.device.type)
         ctx.save_for_backward(x_sorted)
         if grouped is not None:
@@ -654,14 +679,13 @@ class OffloadEngine:
             )
         self.device = device
         self.runtime = runtime_for(device)
-        # Kept forward graphs hold the weights they were computed with: only the store's own host tensors stay put
-        # until backward (a disk-tier slot or a device upload slot is reused meanwhile). Keeping costs what a
-        # resident model saves (T_M per expert); on CPU that memory is the host's either way.
-        safe = self.store.tier == "host" and not self.runtime.asynchronous
+        # Kept forward graphs (`_forward_kept`) cost what a resident model saves (T_M per expert); on the CPU that
+        # memory is the host's either way. On a device ES-MoE keeps only the expert inputs there.
+        safe = not self.runtime.asynchronous
         if self.keep_activations_setting and not safe:
             raise ValueError(
-                f"OffloadConfig.keep_activations=True needs the host tier computing on the CPU (here: {self.store.tier} "
-                f"tier on {device}): the kept graphs would hold weights whose buffers are reused before backward. "
+                f"OffloadConfig.keep_activations=True needs the experts computing on the CPU (here: {device}): on a "
+                "device the kept activations would take device memory that ES-MoE leaves to the experts in flight. "
                 "Leave it unset (the engine then recomputes each expert's middle activation in backward)"
             )
         self.keep_activations = safe if self.keep_activations_setting is None else self.keep_activations_setting

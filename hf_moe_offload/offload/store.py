@@ -461,8 +461,8 @@ class DiskExpertStore(ExpertStore):
     Reads go to preallocated (pinned) cache slots with explicit `readinto`, ahead of use via `prefetch` (on the I/O
     threads, which also do the write-backs that make room); dirty rows are written back when evicted and on
     `flush()`. Only the rows a caller asks for are read and only changed rows are written (issue 14): a forward reads
-    an expert's weights, its backward adds the gradient (zero-filled, not read, when the gradient is known to be
-    zero), its optimizer step reads the moments. Eviction follows the engine's schedule (`set_schedule`: forward in
+    an expert's weights, its backward adds the gradient (neither read nor zeroed when it is known to be zero: marked
+    stale), its optimizer step reads the moments. Eviction follows the engine's schedule (`set_schedule`: forward in
     order, backward in reverse, then the next forward): the idle record needed furthest in the future goes (Belady's
     MIN), least recently used first among equals and without a schedule. Records in use (acquired) are never
     evicted; pinned ones only when nothing else can be. Each expert's state is owned by one thread at a time (see
@@ -716,13 +716,14 @@ class DiskExpertStore(ExpertStore):
             finally:
                 os.close(fd)
 
-    def _fill_rows(self, key: ExpertKey, record_buffer: torch.Tensor, rows: set[int], grad_live: bool) -> None:
-        """Make `rows` of the slot current: read them, except a zero gradient, which is zero-filled."""
+    def _fill_rows(self, key: ExpertKey, record_buffer: torch.Tensor, rows: set[int], grad_live: bool) -> bool:
+        """Make `rows` of the slot current: read them, except a zero gradient, which is neither read nor written:
+        -> True when the caller must mark the record's gradient stale (it counts as zero; the next gradient is
+        copied in, or the optimizer steps straight from autograd's: `ExpertRecord.grad_stale`)."""
         read = sorted(rows if grad_live else rows - {GRAD})
-        if GRAD in rows and not grad_live:
-            record_buffer[GRAD].zero_()
         if read:
             self._read_file(key, record_buffer, read)
+        return GRAD in rows and not grad_live
 
     # --- the schedule (Belady's MIN over the engine's known order) ---
     def set_schedule(self, keys):
@@ -842,8 +843,9 @@ class DiskExpertStore(ExpertStore):
         try:
             # The slot's last record may still be read by an upload: the engine releases it only after the copy.
             self.runtime.access(self._slots[slot][0], write=True, stream=HOST)
-            self._fill_rows(key, self._slots[slot], rows, live)
+            stale = self._fill_rows(key, self._slots[slot], rows, live)
             record = self._new_record(key, self._slots[slot], self._compute_slots[slot])
+            record.grad_stale = stale
         except BaseException:
             self._lock.acquire()
             self._abandon(key, entry, slot)
@@ -862,7 +864,8 @@ class DiskExpertStore(ExpertStore):
         self._lock.release()
         done = False
         try:
-            self._fill_rows(key, entry.record.buffer, rows, live)
+            if self._fill_rows(key, entry.record.buffer, rows, live):
+                entry.record.grad_stale = True  # its holders have not acquired the gradient: none of them reads it
             done = True
         finally:
             self._lock.acquire()
@@ -1015,7 +1018,7 @@ class DiskExpertStore(ExpertStore):
             if entry is not None:
                 entry.dirty_rows.discard(GRAD)
                 if entry.refs == 0:
-                    entry.valid.discard(GRAD)  # zero-filled when next needed
+                    entry.valid.discard(GRAD)  # marked stale when next needed
                 elif GRAD in entry.valid:
                     entry.record.clear_grad(lazy=True)
 
