@@ -76,11 +76,12 @@ def minimum_bytes(engine, cache_experts: int) -> tuple[float, float]:
 
 
 def step_time_table(expert_counts, steps: int, batch: int, seq: int, rounds: int = 3) -> list[dict]:
-    """Per expert count: the resident model, the host tier and the disk tier (cache: a quarter of the experts) train
-    the same batches, interleaved (`rounds` x `steps` steps each, tier after tier), after one warm-up step each. The
-    step time is the median over rounds; the ratio is against the resident median of the same invocation."""
+    """Per expert count: the resident model, the host tier and the disk tier (cache: a quarter of the experts; once
+    with its default of keeping each expert's forward graph, once forced to recompute it in backward) train the same
+    batches, interleaved (`rounds` x `steps` steps each, tier after tier), after one warm-up step each. The step time
+    is the median over rounds; the ratio is against the resident median of the same invocation."""
     rows = []
-    tiers = ("resident", "host", "disk")
+    tiers = ("resident", "host", "disk", "disk-recompute")
     for E in expert_counts:
         base = make_model(E)
         batches = [torch.randint(0, 512, (batch, seq)) for _ in range(steps)]
@@ -94,7 +95,8 @@ def step_time_table(expert_counts, steps: int, batch: int, seq: int, rounds: int
             else:
                 tmp = tempfile.mkdtemp(prefix="bench-offload-")
                 engine = enable_expert_offload(model, OffloadConfig(
-                    mode=tier, offload_dir=tmp, host_cache_experts=cache, prefetch_depth=2))
+                    mode=tier.split("-")[0], offload_dir=tmp, host_cache_experts=cache, prefetch_depth=2,
+                    keep_activations=False if tier.endswith("recompute") else None))
                 opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
                                            ExpertOptimizer(engine, lr=1e-3))
             train_steps(model, opt, batches[:1])  # warm-up
@@ -128,7 +130,7 @@ def step_time_table(expert_counts, steps: int, batch: int, seq: int, rounds: int
                     "stall_fraction": st.stall_seconds / st.compute_seconds if st.compute_seconds else 0.0,
                     "cache_hit_rate": st.cache_hits / max(1, st.cache_hits + st.cache_misses),
                 })
-                if tier == "disk":
+                if tier.startswith("disk"):
                     min_read, min_write = minimum_bytes(engine, cache)
                     row.update({"read_vs_minimum": read / min_read if min_read else None,
                                 "write_vs_minimum": written / min_write if min_write else None,
@@ -256,10 +258,10 @@ def main() -> None:
         rows = previous.get("step_time") or step_time_table(counts, steps=steps, batch=8, seq=64,
                                                             rounds=2 if args.quick else 3)
         print(f"\nStep time, MoE-GPT 4 layers (2 MoE), d=128, ffn=512, batch 8x64, {platform.processor() or 'cpu'}")
-        print(f"{'E':>4} {'tier':>8} {'step s':>7} {'x resident':>10} {'read MB/step':>12} {'x min':>5} "
+        print(f"{'E':>4} {'tier':>14} {'step s':>7} {'x resident':>10} {'read MB/step':>12} {'x min':>5} "
               f"{'write MB/step':>13} {'x min':>5} {'stall':>5} {'hit':>4} {'sys s/step':>10} {'faults/step':>11}")
         for r in rows:
-            print(f"{r['experts_per_layer']:>4} {r['tier']:>8} {r['step_s']:>7.3f} {r['ratio_vs_resident']:>10.2f} "
+            print(f"{r['experts_per_layer']:>4} {r['tier']:>14} {r['step_s']:>7.3f} {r['ratio_vs_resident']:>10.2f} "
                   f"{fmt(r.get('disk_read_MB_per_step'), '.1f'):>12} {fmt(r.get('read_vs_minimum'), '.2f'):>5} "
                   f"{fmt(r.get('disk_write_MB_per_step'), '.1f'):>13} {fmt(r.get('write_vs_minimum'), '.2f'):>5} "
                   f"{fmt(r.get('stall_fraction'), '.2f'):>5} {fmt(r.get('cache_hit_rate'), '.2f'):>4} "
