@@ -502,15 +502,26 @@ def test_batched_deferred_steps_change_no_bit(tier, clip, tmp_path, monkeypatch)
         train_steps(model, opt, torch.Generator().manual_seed(5), (3, 10))
         engine.synchronize()
         assert max(sizes) > 1 if batched else max(sizes) == 1, sizes
-        state = {}
-        for key in engine.store.keys():
-            record = engine.store.acquire(key)
-            state[key] = [t.clone() for t in (record.param, record.exp_avg, record.exp_avg_sq, record.current_grad())]
-            engine.store.release(key)
-        results.append((state, dict(engine.store.steps), model.state_dict()))
+        results.append(training_result(engine, model, with_grad=True))
         experts.close()
-    (a, steps_a, sd_a), (b, steps_b, sd_b) = results
-    assert steps_a == steps_b and set(steps_a.values()) == {3}
+    assert_bit_equal_training(*results, steps=3)
+
+
+def training_result(engine, model, with_grad: bool = False) -> tuple[dict, dict, dict]:
+    """(each expert's weights, moments and, `with_grad`, gradient, copied out of the store; step counts; the model's
+    state dict) after training."""
+    state = {}
+    for key in engine.store.keys():
+        record = engine.store.acquire(key)
+        rows = (record.param, record.exp_avg, record.exp_avg_sq) + ((record.current_grad(),) if with_grad else ())
+        state[key] = [t.clone() for t in rows]
+        engine.store.release(key)
+    return state, dict(engine.store.steps), model.state_dict()
+
+
+def assert_bit_equal_training(first: tuple, second: tuple, steps: int) -> None:
+    (a, steps_a, sd_a), (b, steps_b, sd_b) = first, second
+    assert steps_a == steps_b and set(steps_a.values()) == {steps}
     assert all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
     assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
 
@@ -682,14 +693,6 @@ def test_stepping_from_autograds_gradient_changes_no_bit(tier, autocast, tmp_pat
         engine.synchronize()
         # The first step lands every gradient (a new store's rows hold real zeros); later ones step in place.
         assert any(used) if in_place else used and not any(used)
-        state = {}
-        for key in engine.store.keys():
-            record = engine.store.acquire(key)
-            state[key] = [t.clone() for t in (record.param, record.exp_avg, record.exp_avg_sq)]
-            engine.store.release(key)
-        results.append((state, dict(engine.store.steps), model.state_dict()))
+        results.append(training_result(engine, model))
         experts.close()
-    (a, steps_a, sd_a), (b, steps_b, sd_b) = results
-    assert steps_a == steps_b and set(steps_a.values()) == {4}
-    assert all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
-    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
+    assert_bit_equal_training(*results, steps=4)
