@@ -284,14 +284,16 @@ def test_pins_stay_put_under_noisy_loads_and_follow_a_lasting_one(tmp_path, monk
     assert moves["decayed"] * 4 <= moves["last load"], moves
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("keep", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not CPU_INLINE, reason="kept graphs need the host tier computing in place (refused on the simulated device)"))])
-def test_dropout_inside_experts_is_replayed_in_backward(keep, tmp_path):
+    not CPU_INLINE, reason="kept graphs need the experts computing on the CPU (refused on the simulated device)"))])
+def test_dropout_inside_experts_is_replayed_in_backward(keep, tier, tmp_path):
     """activation_dropout > 0: backward recomputes each expert with the forward's RNG state (keep=False), or
-    differentiates the forward's kept graph, masks included (keep=True)."""
+    differentiates the forward's kept graph, masks included (keep=True; on the disk tier with the weights taken
+    from the backward's stream, a cache of 3 of 12 experts)."""
     reference = small_model(activation_dropout=0.3)
     model = copy.deepcopy(reference)
-    cfg = offload_cfg("host", tmp_path)
+    cfg = offload_cfg(tier, tmp_path)
     cfg.keep_activations = keep
     engine = enable_expert_offload(model, cfg)
     reference.train()

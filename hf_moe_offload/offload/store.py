@@ -393,7 +393,7 @@ LOADING, CACHED, WRITING = "loading", "cached", "writing"
 # row. The checksums make a flipped or torn byte an error instead of a weight (issue 11); the key and size catch a file
 # of another expert or another model. Rows are read and written on their own (a row's checksum covers that row only).
 # The checksum is XXH3-64 (issue 14): every byte the tier moves is hashed on the host's cores, and zlib's CRC32 ran at
-# ~4 GB/s there (slower than an NVMe drive), XXH3 at ~45 GB/s.
+# ~4 GB/s there (slower than an NVMe drive), XXH3 at ~60 GB/s (benchmarks/RESULTS.md).
 _TRAILER = struct.Struct("<8sIIQI4x4Q")
 _MAGIC = b"HFMOEXP3"
 _FILE_PATTERN = re.compile(r"^layer\d+_expert\d+\.bin$")

@@ -15,6 +15,7 @@ of the ranks' micro-batches equal the single process's. Rank 0 writes OUT_DIR/re
 """
 
 import argparse
+import gc
 import json
 import os
 
@@ -100,4 +101,8 @@ if trainer.is_world_process_zero():
         model.save_pretrained(os.path.join(args.out, "final"))
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(result, f)
-end_process_groups()  # a live gloo group can abort the exit (SIGABRT)
+# Free the Trainer's DDP wrapper (its last gloo work) while the interpreter is whole, then the group: either left
+# to the interpreter's teardown can abort the exit (SIGABRT, 'terminate called without an active exception').
+del trainer, model
+gc.collect()
+end_process_groups()

@@ -4,6 +4,7 @@ python tests/scripts/trainer_offload.py OUT_DIR --tier disk --max-steps 4 --save
 """
 
 import argparse
+import gc
 import json
 import os
 
@@ -75,4 +76,8 @@ if rank == 0:
     save_offloaded_pretrained(model, os.path.join(args.out, "final"))
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(result, f)
-end_process_groups()  # a live gloo group can abort the exit (SIGABRT)
+# Free the Trainer's DDP wrapper (its last gloo work) while the interpreter is whole, then the group: either left
+# to the interpreter's teardown can abort the exit (SIGABRT, 'terminate called without an active exception').
+del trainer, model
+gc.collect()
+end_process_groups()
