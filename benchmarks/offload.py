@@ -2,13 +2,14 @@
 for the cache (`minimum_bytes`), stall fraction, system CPU time and minor page faults per step, and the largest
 expert count that trains within a fixed RSS budget with and without offload (ES-MoE Fig. 4 analogue).
 
-    python benchmarks/offload.py                   # full table (~5 min on 2 cores)
+    python benchmarks/offload.py                   # full table (~2 min on 2 cores)
     python benchmarks/offload.py --quick           # smaller sweep
     python benchmarks/offload.py --step-time-only  # the step-time table only (no JSON)
     python benchmarks/offload.py --checksums-only  # the disk tier's checksum cost only (no JSON)
 
-Timings are ratios against the resident model measured in the same invocation: the three tiers run the same batches
-interleaved, round after round, and each reports its median round. Writes benchmarks/offload.json.
+Timings are ratios against the resident model measured in the same invocation: the tiers (and the disk tier forced to
+recompute) run the same batches interleaved, round after round, and each reports its median round. Writes
+benchmarks/offload.json.
 """
 
 from __future__ import annotations
