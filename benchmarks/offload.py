@@ -76,52 +76,62 @@ def minimum_bytes(engine, cache_experts: int) -> tuple[float, float]:
     return reads * row, max(0, total - cache_experts) * 3 * row
 
 
+def ready_to_train(base, batches, mode: str, cache: int, **config):
+    """(model, optimizer, engine or None): a copy of `base`, resident (`mode="resident"`) or offloaded with this
+    cache, after one warm-up step (statistics reset)."""
+    model = copy.deepcopy(base)
+    engine = None
+    if mode == "resident":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    else:
+        engine = enable_expert_offload(model, OffloadConfig(
+            mode=mode, offload_dir=tempfile.mkdtemp(prefix="bench-offload-"), host_cache_experts=cache,
+            prefetch_depth=2, **config))
+        opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+                                   ExpertOptimizer(engine, lr=1e-3))
+    train_steps(model, opt, batches[:1])
+    if engine is not None:
+        engine.synchronize()
+        engine.stats.reset()
+    return model, opt, engine
+
+
+def interleaved(runs: dict, batches, rounds: int, before=lambda name: None) -> dict[str, list[tuple]]:
+    """Each run of `runs` (name -> (model, optimizer, engine)) trains `batches`, run after run, `rounds` times
+    (`before(name)` ahead of each): name -> per round (wall s per step, system CPU s, minor faults)."""
+    out = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (model, opt, engine) in runs.items():
+            before(name)
+            wall, system, faults = train_steps(model, opt, batches)
+            if engine is not None:
+                engine.synchronize()
+            out[name].append((wall / len(batches), system, faults))
+    return out
+
+
 def step_time_table(expert_counts, steps: int, batch: int, seq: int, rounds: int = 3) -> list[dict]:
     """Per expert count: the resident model, the host tier and the disk tier (cache: a quarter of the experts; once
     with its default of keeping each expert's forward graph, once forced to recompute it in backward) train the same
     batches, interleaved (`rounds` x `steps` steps each, tier after tier), after one warm-up step each. The step time
     is the median over rounds; the ratio is against the resident median of the same invocation."""
     rows = []
-    tiers = ("resident", "host", "disk", "disk-recompute")
     for E in expert_counts:
         base = make_model(E)
         batches = [torch.randint(0, 512, (batch, seq)) for _ in range(steps)]
         cache = max(4, (E * 2) // 4)  # a quarter of the 2 MoE layers' experts
-        runs = {}
-        for tier in tiers:
-            model = copy.deepcopy(base)
-            engine = None
-            if tier == "resident":
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-            else:
-                tmp = tempfile.mkdtemp(prefix="bench-offload-")
-                engine = enable_expert_offload(model, OffloadConfig(
-                    mode=tier.split("-")[0], offload_dir=tmp, host_cache_experts=cache, prefetch_depth=2,
-                    keep_activations=False if tier.endswith("recompute") else None))
-                opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
-                                           ExpertOptimizer(engine, lr=1e-3))
-            train_steps(model, opt, batches[:1])  # warm-up
-            if engine is not None:
-                engine.synchronize()
-                engine.stats.reset()
-            runs[tier] = {"model": model, "opt": opt, "engine": engine, "wall": [], "system": 0.0, "faults": 0}
-        for _ in range(rounds):
-            for tier in tiers:
-                run = runs[tier]
-                wall, system, faults = train_steps(run["model"], run["opt"], batches)
-                if run["engine"] is not None:
-                    run["engine"].synchronize()
-                run["wall"].append(wall / steps)
-                run["system"] += system
-                run["faults"] += faults
+        runs = {"resident": ready_to_train(base, batches, "resident", cache),
+                "host": ready_to_train(base, batches, "host", cache),
+                "disk": ready_to_train(base, batches, "disk", cache),
+                "disk-recompute": ready_to_train(base, batches, "disk", cache, keep_activations=False)}
+        rounds_of = interleaved(runs, batches, rounds)
         n = rounds * steps
-        res_t = statistics.median(runs["resident"]["wall"])
-        for tier in tiers:
-            run, engine = runs[tier], runs[tier]["engine"]
-            t = statistics.median(run["wall"])
+        res_t = statistics.median(r[0] for r in rounds_of["resident"])
+        for tier, (_, _, engine) in runs.items():
+            t = statistics.median(r[0] for r in rounds_of[tier])
             row = {"experts_per_layer": E, "tier": tier, "step_s": t, "resident_step_s": res_t,
-                   "ratio_vs_resident": t / res_t, "system_s_per_step": run["system"] / n,
-                   "minor_faults_per_step": run["faults"] / n}
+                   "ratio_vs_resident": t / res_t, "system_s_per_step": sum(r[1] for r in rounds_of[tier]) / n,
+                   "minor_faults_per_step": sum(r[2] for r in rounds_of[tier]) / n}
             if engine is not None:
                 st = engine.stats
                 read, written = st.disk_read_bytes / n, st.disk_write_bytes / n
@@ -136,9 +146,8 @@ def step_time_table(expert_counts, steps: int, batch: int, seq: int, rounds: int
                     row.update({"read_vs_minimum": read / min_read if min_read else None,
                                 "write_vs_minimum": written / min_write if min_write else None,
                                 "min_read_MB_per_step": min_read / 2**20, "min_write_MB_per_step": min_write / 2**20})
-            rows.append(row)
-            if engine is not None:
                 engine.store.close()
+            rows.append(row)
     return rows
 
 
@@ -154,32 +163,24 @@ def checksum_table(expert_counts, steps: int, batch: int, seq: int, rounds: int 
     shipped = store_module._row_hash
     hashes = {"none": lambda buffer: 0, "crc32": lambda buffer: zlib.crc32(store_module.tensor_bytes(buffer)),
               "xxh3": shipped}
+
+    def use(name: str) -> None:
+        store_module._row_hash = hashes[name]
+
     rows = []
     try:
         for E in expert_counts:
             base = make_model(E)
             batches = [torch.randint(0, 512, (batch, seq)) for _ in range(steps)]
             runs = {}
-            for name, fn in hashes.items():
-                store_module._row_hash = fn
-                model = copy.deepcopy(base)
-                engine = enable_expert_offload(model, OffloadConfig(
-                    mode="disk", offload_dir=tempfile.mkdtemp(prefix="bench-checksum-"),
-                    host_cache_experts=max(4, (E * 2) // 4), prefetch_depth=2))
-                opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
-                                           ExpertOptimizer(engine, lr=1e-3))
-                train_steps(model, opt, batches[:1])
-                engine.synchronize()
-                runs[name] = (model, opt, engine, [])
-            for _ in range(rounds):
-                for name, (model, opt, engine, walls) in runs.items():
-                    store_module._row_hash = hashes[name]
-                    walls.append(train_steps(model, opt, batches)[0] / steps)
-                    engine.synchronize()
-            none = statistics.median(runs["none"][3])
-            for name, (_, _, engine, walls) in runs.items():
-                rows.append({"experts_per_layer": E, "checksum": name, "step_s": statistics.median(walls),
-                             "ratio_vs_none": statistics.median(walls) / none})
+            for name in hashes:
+                use(name)  # the warm-up writes the files with this checksum
+                runs[name] = ready_to_train(base, batches, "disk", max(4, (E * 2) // 4))
+            walls = {name: statistics.median(r[0] for r in rs)
+                     for name, rs in interleaved(runs, batches, rounds, before=use).items()}
+            for name, (_, _, engine) in runs.items():
+                rows.append({"experts_per_layer": E, "checksum": name, "step_s": walls[name],
+                             "ratio_vs_none": walls[name] / walls["none"]})
                 engine.store.close()
     finally:
         store_module._row_hash = shipped
