@@ -401,10 +401,10 @@ class OffloadedExpertsLayer:
         return self.layout.views(w)
 
     def _forward_weights(self, w: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
-        """`_weights` for a forward that keeps no graph (inference; training's forward, whose backward recomputes).
-        On the inline runtime `w` is the store's own buffer (a host record, a disk-tier cache slot: fixed memory,
-        whatever expert it holds), so its per-tensor views are made once per buffer and reused (decoding calls each
-        expert for one token: making the views cost as much as its GEMMs)."""
+        """`_weights` for a forward (a kept graph takes detached leaves of these). On the inline runtime `w` is the
+        store's own buffer (a host record, a disk-tier cache slot: fixed memory, whatever expert it holds), so its
+        per-tensor views are made once per buffer and reused (decoding calls each expert for one token: making the
+        views cost as much as its GEMMs)."""
         if self.engine.runtime.asynchronous or torch.is_autocast_enabled(x.device.type) or w.dtype != x.dtype:
             return self._weights(w, x)
         key = (w.data_ptr(), w.numel())
@@ -489,7 +489,7 @@ class OffloadedExpertsLayer:
                 return now.as_strided(saved[1], saved[2], now.storage_offset() + saved[0])
             return saved
 
-        leaves = [v.detach().requires_grad_(True) for v in self._weights(w, xs)]
+        leaves = [v.detach().requires_grad_(True) for v in self._forward_weights(w, xs)]
         xs = xs.detach().requires_grad_(True)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             ys = self.layout.forward(xs, leaves)
