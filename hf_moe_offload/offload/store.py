@@ -298,9 +298,9 @@ class HostExpertStore(ExpertStore):
     The records of one layer's experts lie in one (E, rows, P) block (and their compute copies, if any, in one (E, P)
     block), so that `grouped_weights` can hand the layer's weights to a grouped GEMM as (E, out, in) views without a
     copy (issue 14: the host tier at the speed of the grouped resident experts). Each record is still a tensor of its
-    own over its slice of the block (`own_tensor`), with its own autograd version counter: views of one tensor share its
-    counter, and an expert updated by the optimizer while another expert's backward recomputes would otherwise trip
-    autograd's in-place check.
+    own over its slice of the block (`_own_tensor`), with its own autograd version counter: views of one tensor share
+    its counter, and an expert updated by the optimizer while another expert's backward recomputes would otherwise
+    trip autograd's in-place check.
     """
 
     tier = "host"
@@ -324,7 +324,7 @@ class HostExpertStore(ExpertStore):
             copies = torch.empty(len(order), numel, dtype=compute_dtype) if with_copies else None
             for i, e in enumerate(order):
                 self._records[(layer, e)] = self._new_record(
-                    (layer, e), own_tensor(block[i]), own_tensor(copies[i]) if with_copies else None)
+                    (layer, e), _own_tensor(block[i]), _own_tensor(copies[i]) if with_copies else None)
             weights = copies if with_copies else block[:, 0]
             self._grouped[layer] = weights if order == list(range(len(order))) else None
             if weights.is_contiguous():
@@ -351,7 +351,7 @@ class HostExpertStore(ExpertStore):
         return self._grouped.get(layer)
 
 
-def own_tensor(view: torch.Tensor) -> torch.Tensor:
+def _own_tensor(view: torch.Tensor) -> torch.Tensor:
     """`view` as a tensor of its own: the same memory with an autograd version counter of its own (views share their
     base's), so that writes through other tensors of that memory do not count as changes of this one."""
     return view.new_empty(0).set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
