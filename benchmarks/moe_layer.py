@@ -1,6 +1,7 @@
-"""The dropless sequential MoE layer vs transformers' own MoE block and a GShard-style capacity-mask dispatch (CPU).
+"""The dropless sequential MoE layer vs transformers' own MoE block and a GShard-style capacity-mask dispatch.
 
-    python benchmarks/moe_layer.py [--quick]
+    python benchmarks/moe_layer.py [--quick]                 # CPU, fp32, d=256 (writes moe_layer.json)
+    python benchmarks/moe_layer.py --device cuda             # GPU, bf16 weights, d=1024 (writes moe_layer_cuda.json)
 
 For each token count S and expert count E (top-2, d=256): forward+backward time and the bytes saved for backward
 (counted with saved-tensor hooks: what the layer holds between forward and backward) of
@@ -104,13 +105,13 @@ class GShardDispatch(torch.nn.Module):
         top_w, top_e = probs.topk(K, dim=-1)
         top_w = top_w / top_w.sum(-1, keepdim=True)
         combine = x.new_zeros(S, self.E, C)
-        taken = torch.zeros(self.E, dtype=torch.long)
+        taken = torch.zeros(self.E, dtype=torch.long, device=x.device)
         for j in range(K):
             onehot = F.one_hot(top_e[:, j], self.E)
             slot = torch.cumsum(onehot, 0) - 1 + taken
             loc = (slot * onehot).sum(-1)
             keep = loc < C
-            combine[torch.arange(S)[keep], top_e[keep, j], loc[keep]] = top_w[keep, j].to(x.dtype)
+            combine[torch.arange(S, device=x.device)[keep], top_e[keep, j], loc[keep]] = top_w[keep, j].to(x.dtype)
             taken = taken + onehot.sum(0)
         dispatch = combine > 0
         self.mask_bytes = combine.numel() * combine.element_size() + dispatch.numel() * dispatch.element_size()
@@ -125,7 +126,12 @@ def gshard(E: int):
     return block, block
 
 
-def measure(run, block, S: int, reps: int) -> dict:
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure(run, block, S: int, reps: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
     saved = 0
     param_storages = {p.untyped_storage().data_ptr() for p in block.parameters()}
     seen = set()
@@ -140,8 +146,8 @@ def measure(run, block, S: int, reps: int) -> dict:
             saved += t.untyped_storage().nbytes()
         return t
 
-    x = torch.randn(S, H, requires_grad=True)
-    g = torch.randn(S, H)
+    x = torch.randn(S, H, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(S, H, device=device, dtype=dtype)
     run(x).backward(g)  # warm-up
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = run(x)
@@ -149,8 +155,10 @@ def measure(run, block, S: int, reps: int) -> dict:
     times = []
     for _ in range(reps):
         block.zero_grad(set_to_none=True)
+        sync()
         t0 = time.perf_counter()
         run(x).backward(g)
+        sync()
         times.append(time.perf_counter() - t0)
     return {"time_s": sorted(times)[len(times) // 2], "saved_bytes": saved}
 
@@ -158,16 +166,32 @@ def measure(run, block, S: int, reps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args()
+    global H, I, I_QWEN
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 weights on a GPU, as users train there
     torch.manual_seed(0)
-    torch.set_num_threads(2)
-    token_counts = [1024] if args.quick else [1024, 4096]
+    if device == "cuda":
+        H, I = 1024, 4096
+        I_QWEN = (2 * I // 3) // 8 * 8
+        token_counts = [4096] if args.quick else [4096, 16384]
+        reps = 10
+    else:
+        torch.set_num_threads(2)
+        token_counts = [1024] if args.quick else [1024, 4096]
+        reps = 3 if args.quick else 5
     expert_counts = [8, 32] if args.quick else [8, 32, 64]
-    reps = 3 if args.quick else 5
+
+    def on_device(variant):
+        block, run = variant
+        block.to(device=device, dtype=dtype)
+        return block, run
+
     impls = ["eager"]
     try:
-        b, r = qwen3(4, "grouped_mm")
-        r(torch.randn(16, H, requires_grad=True)).sum().backward()
+        b, r = on_device(qwen3(4, "grouped_mm"))
+        r(torch.randn(16, H, device=device, dtype=dtype, requires_grad=True)).sum().backward()
         impls.append("grouped_mm")
     except Exception as err:  # noqa: BLE001 - report why it is left out
         print(f"grouped_mm not measured on this machine: {type(err).__name__}: {err}")
@@ -180,9 +204,10 @@ def main() -> None:
                      "gshard_mask": 3 * S * K * 4 * H * I}
             variants = {"ours": ours(E), "ours_loop": ours_loop(E), **{f"qwen3_{i}": qwen3(E, i) for i in impls},
                         "gshard_mask": gshard(E)}
+            variants = {name: on_device(v) for name, v in variants.items()}
             res = {}
             for name, (block, run) in variants.items():
-                res[name] = measure(run, block, S, reps)
+                res[name] = measure(run, block, S, reps, device, dtype)
             base = res["ours"]["time_s"]
             for name, r in res.items():
                 row = {"tokens": S, "experts": E, "impl": name, "time_s": r["time_s"],
@@ -190,16 +215,17 @@ def main() -> None:
                        "useful_gflops": flops.get(name, 3 * S * K * 6 * H * I_QWEN) / r["time_s"] / 1e9,
                        "mask_MB": variants[name][0].mask_bytes / 2**20 if name == "gshard_mask" else 0.0}
                 rows.append(row)
-    print(f"\nMoE layer fwd+bwd, d={H}, ffn={I} (Qwen3 SwiGLU {I_QWEN}, ~equal FLOPs), top-{K}, "
-          f"{torch.get_num_threads()} threads")
+    where = torch.cuda.get_device_name(0) if device == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"\nMoE layer fwd+bwd, d={H}, ffn={I} (Qwen3 SwiGLU {I_QWEN}, ~equal FLOPs), top-{K}, {dtype}, {where}")
     print(f"{'S':>5} {'E':>3} {'impl':>16} {'time s':>8} {'x ours':>7} {'useful GFLOP/s':>14} {'saved MB':>9} "
           f"{'mask MB':>8}")
     for r in rows:
         print(f"{r['tokens']:>5} {r['experts']:>3} {r['impl']:>16} {r['time_s']:>8.4f} {r['time_vs_ours']:>7.2f} "
               f"{r['useful_gflops']:>14.1f} {r['saved_MB']:>9.1f} {r['mask_MB']:>8.1f}")
-    with open(os.path.join(HERE, "moe_layer.json"), "w") as f:
-        json.dump({"machine": platform.platform(), "threads": torch.get_num_threads(), "rows": rows,
-                   "implementations": impls}, f, indent=2)
+    name = "moe_layer.json" if device == "cpu" else "moe_layer_cuda.json"
+    with open(os.path.join(HERE, name), "w") as f:
+        json.dump({"machine": platform.platform(), "device": where, "dtype": str(dtype),
+                   "threads": torch.get_num_threads(), "rows": rows, "implementations": impls}, f, indent=2)
 
 
 if __name__ == "__main__":

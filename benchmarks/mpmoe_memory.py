@@ -48,7 +48,7 @@ def experts_and_plan(M: int, H: int, E: int, S: int, k: int = 2, act: str = "rel
             p.normal_(0.0, 0.02)
     x = torch.randn(S, M, requires_grad=True)
     ids = torch.stack([torch.randperm(S) % E, (torch.randperm(S) + 1) % E], -1)[:, :k]  # balanced load
-    plan = DispatchPlan.build(torch.rand(S, k), ids, E)
+    plan = DispatchPlan.build(torch.rand(S, k), ids, E, gathers=False)  # the partitions' index_add_ combine
     plan.weights.requires_grad_(True)  # a leaf: the router's gradient path, reusable across steps
     return experts, x, plan
 

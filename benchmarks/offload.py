@@ -42,11 +42,12 @@ from hf_moe_offload import (  # noqa: E402
 )
 
 
-def make_model(num_experts: int, hidden: int = 128, inter: int = 512, layers: int = 4) -> MoEGPTForCausalLM:
+def make_model(num_experts: int, hidden: int = 128, inter: int = 512, layers: int = 4,
+               positions: int = 128) -> MoEGPTForCausalLM:
     torch.manual_seed(0)
     return MoEGPTForCausalLM(MoEGPTConfig(
         vocab_size=512, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=inter,
-        num_experts=num_experts, moe_layer_frequency=2, max_position_embeddings=128, hidden_dropout=0.0,
+        num_experts=num_experts, moe_layer_frequency=2, max_position_embeddings=positions, hidden_dropout=0.0,
         attention_dropout=0.0))
 
 

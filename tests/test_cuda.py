@@ -1,6 +1,10 @@
-"""CUDA paths of the offload engine (side-stream uploads, events, pinned memory, bf16 compute copies).
+"""CUDA paths (side-stream uploads, events, pinned memory, bf16 compute copies, grouped GEMM, CUDA autocast), each
+against the plain model on the same GPU.
 
-Skipped where no GPU exists (CI is CPU-only); run them on a GPU machine with `pytest tests/test_cuda.py`.
+Skipped where no GPU exists (CI is CPU-only); run them on a GPU machine with `pytest tests/test_cuda.py`. The CPU
+tests' own comparisons run here on the GPU through their helpers, with the tolerances their modules state:
+every MoE family offloaded vs stock (test_families.py), autocast bf16/fp16 on every tier and MPMoE strategy
+(test_mixed_precision.py), MPMoE partitions vs the unpartitioned model (test_pipelining.py), and the Trainer.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ import torch
 
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
 
+from test_families import offloaded_equals_stock
+from test_mixed_precision import autocast_trains, trainer_run
 from test_offload import small_model, store_grads_vs_reference
+from test_pipelining import causal_lm_equals_unpartitioned
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -78,3 +85,49 @@ def test_cuda_grouped_gemm_experts_equal_the_loop():
         results.append(y.float())
     scale = max(1.0, results[1].abs().max().item())
     assert (results[0] - results[1]).abs().max().item() <= 2e-2 * scale
+
+
+CORE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe", "granitemoe"]
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """fp32 comparisons at 1e-5 need fp32 GEMMs: TF32 (10-bit mantissa) would differ at ~1e-3."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("family", CORE_FAMILIES)
+def test_cuda_family_offloaded_equals_stock(family, tier, tmp_path):
+    offloaded_equals_stock(family, tier, tmp_path, device="cuda")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("strategy", [None, "S1", "S4"])
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
+def test_cuda_autocast_trains_on_every_tier(tier, strategy, precision, tmp_path):
+    autocast_trains(tier, strategy, precision, tmp_path, device="cuda")
+
+
+@pytest.mark.parametrize("strategy", ["keep", "S1", "S2", "S3", "S4"])
+@pytest.mark.parametrize("factory", ["resident", "offload-host"])
+def test_cuda_micro_batch_pipelining_equals_unpartitioned(factory, strategy, tmp_path):
+    causal_lm_equals_unpartitioned(factory, strategy, 3, tmp_path, device="cuda")
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cuda_trainer_with_expert_optimizer_equals_plain_adamw(tier, tmp_path):
+    """The Trainer on the GPU (accelerate places the model; the engine keeps the experts): fp32 with
+    ExpertOptimizerCallback logs the losses of the resident model with torch AdamW (1e-5; the expert-wise optimizer
+    runs torch's AdamW arithmetic per expert on the CPU, the resident one on the GPU), and bf16 (CUDA autocast)
+    follows it within bf16 rounding (2e-2), stepping every expert every step."""
+    plain, _, _ = trainer_run("device", False, tmp_path, use_cpu=False)
+    losses32, _, _ = trainer_run(tier, False, tmp_path, use_cpu=False)
+    assert len(plain) == 4 and all(abs(a - b) <= 1e-5 for a, b in zip(losses32, plain)), (losses32, plain)
+    losses16, engine, gemms = trainer_run(tier, True, tmp_path, use_cpu=False)
+    assert engine.device.type == "cuda" and gemms.by_dtype[torch.bfloat16] > 0
+    assert set(engine.store.steps.values()) == {4}
+    assert all(abs(a - b) <= 2e-2 for a, b in zip(losses16, plain)), (losses16, plain)

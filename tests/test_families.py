@@ -73,6 +73,11 @@ def expert_grads_of(reference, path) -> list[tuple[tuple[int, int], torch.Tensor
 @pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_offloaded_equals_stock(family, tier, tmp_path):
+    offloaded_equals_stock(family, tier, tmp_path)
+
+
+def offloaded_equals_stock(family: str, tier: str, tmp_path, device: str = "cpu") -> None:
+    """The module docstring's comparison, both models on `device` (tests/test_cuda.py runs it on a GPU)."""
     try:
         reference = tiny_model(family)
     except Unshrinkable as err:
@@ -80,6 +85,8 @@ def test_family_offloaded_equals_stock(family, tier, tmp_path):
     model = copy.deepcopy(reference)
     config = OffloadConfig(mode=tier, offload_dir=str(tmp_path / "experts"), host_cache_experts=2, pin_fraction=0.0)
     engine = enable_expert_offload(model, config)
+    reference.to(device)
+    model.to(device)  # the non-expert weights; the experts stay in the store
     assert model.config._experts_implementation == IMPLEMENTATION
     path = get_moe_path(model)
     assert not any(p.dim() == 3 and p.shape[0] == layer.num_experts for layer in path.layers
@@ -87,7 +94,7 @@ def test_family_offloaded_equals_stock(family, tier, tmp_path):
     gen = torch.Generator().manual_seed(len(family))
     # Gradients of one backward, before any optimizer exists (an attached ExpertOptimizer steps experts as their
     # gradients land).
-    ids = torch.randint(0, VOCAB, (2, 12), generator=gen)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=gen).to(device)
     reference(ids, labels=ids).loss.backward()
     model(ids, labels=ids).loss.backward()
     ref_params = dict(reference.named_parameters())
@@ -108,7 +115,7 @@ def test_family_offloaded_equals_stock(family, tier, tmp_path):
     opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0),
                                ExpertOptimizer(engine, lr=LR, eps=EPS, weight_decay=0.0))
     for step in range(3):
-        ids = torch.randint(0, VOCAB, (2, 12), generator=gen)
+        ids = torch.randint(0, VOCAB, (2, 12), generator=gen).to(device)
         ref_out, out = reference(ids, labels=ids), model(ids, labels=ids)
         torch.testing.assert_close(out.logits, ref_out.logits, **(TOL if step == 0 else WEIGHT_TOL),
                                    msg=lambda m: f"{family} logits after {step} steps: {m}")
@@ -122,7 +129,7 @@ def test_family_offloaded_equals_stock(family, tier, tmp_path):
     got, want = model.state_dict(), reference.state_dict()
     assert got.keys() == want.keys()
     for name, t in want.items():
-        torch.testing.assert_close(got[name], t, **WEIGHT_TOL, msg=lambda m: f"{family} weight {name} after 3 AdamW steps: {m}")
+        torch.testing.assert_close(got[name].cpu(), t.cpu(), **WEIGHT_TOL, msg=lambda m: f"{family} weight {name} after 3 AdamW steps: {m}")
 
 
 def test_unservable_experts_fail_with_the_family_and_the_missing_piece():

@@ -135,3 +135,52 @@ def test_in_inference_the_grouped_gemm_gives_the_loops_outputs_bit_for_bit(famil
                 m.setattr(GroupedLinear, "usable", staticmethod(lambda *a: False))
                 loop = run(x, counts)
         assert torch.equal(grouped, loop)
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_gathering_dispatch_and_combine_equal_index_add(dropped):
+    """The CUDA combine (`DispatchPlan(gathers=True)`: dispatch's backward and the combine sum each token's rows by
+    gathering them through the inverse permutation; no atomic index_add_) gives the index_add_ path's output and
+    gradients (x, routing weights, experts) in fp64 within 1e-12: only the order of a token's k terms differs. Run on
+    the CPU here (the same code); on a GPU by tests/test_cuda.py through the model. `dropped`: some assignments go
+    to no expert (id E), as a capacity limit or another rank's experts leave them."""
+    from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import DispatchPlan, run_moe
+
+    gen = torch.Generator().manual_seed(3)
+    S, H, E, k = 13, 8, 5, 2
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(S)])
+    if dropped:
+        ids[::3, 1] = E
+    w_expert = torch.randn(E, H, H, dtype=torch.float64, generator=gen)
+    x0 = torch.randn(S, H, dtype=torch.float64, generator=gen)
+    r0 = torch.rand(S, k, dtype=torch.float64, generator=gen)
+    g = torch.randn(S, H, dtype=torch.float64, generator=gen)
+
+    def experts(w):
+        def run(x_sorted, counts):
+            return torch.cat([xs @ w[e] for e, xs in enumerate(x_sorted.split(counts))])
+        return run
+
+    results = []
+    for gathers in (False, True):
+        x, r, w = (t.clone().requires_grad_(True) for t in (x0, r0, w_expert))
+        plan = DispatchPlan.build(r, ids, E, gathers=gathers)
+        assert (plan.inverse is not None) == gathers
+        out = run_moe(x, plan, experts(w))
+        out.backward(g)
+        results.append((out, x.grad, r.grad, w.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_expert_bias_gradient_is_each_experts_row_sum():
+    """`_ExpertBias` (CUDA's bias add in the grouped GEMM): forward `y + b[rows]`, gradients by autograd's gradcheck
+    (fp64), the bias gradient computed as one GEMM with the 0/1 membership matrix."""
+    from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import _ExpertBias
+
+    rows = torch.tensor([0, 0, 0, 2, 2, 3])
+    members = F.one_hot(rows, 4).T.to(torch.float64)
+    y = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(_ExpertBias.apply(y, b, rows, members), y + b[rows], atol=0, rtol=0)
+    assert torch.autograd.gradcheck(lambda y, b: _ExpertBias.apply(y, b, rows, members), (y, b))

@@ -34,24 +34,27 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, 101, (3, 11), generator=torch.Generator().manual_seed(step))
 
 
-def train(tier: str, strategy: str | None, precision: str, tmp_path, model=None) -> tuple[list[float], int]:
-    """STEPS AdamW steps; returns (losses, float32 GEMMs counted in the backward passes)."""
+def train(tier: str, strategy: str | None, precision: str, tmp_path, model=None,
+          device: str = "cpu") -> tuple[list[float], int]:
+    """STEPS AdamW steps on `device` (tests/test_cuda.py runs them on a GPU); returns (losses, float32 GEMMs counted
+    in the backward passes)."""
     torch.manual_seed(0)
     model = model if model is not None else small_model()
     engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "experts"),
                                                         host_cache_experts=4, pin_fraction=0.25))
+    model.to(device)  # the non-expert weights (all of them on the device tier)
     if strategy is not None:
         enable_micro_batch_pipelining(model, n=2, strategy=strategy)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dtype = DTYPES.get(precision)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if precision == "fp16" else None
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**8) if precision == "fp16" else None
     opt = inner
     if engine.store is not None:
         opt = ExpertAwareOptimizer(inner, ExpertOptimizer(engine, lr=1e-2, grad_scaler=scaler))
     losses, fp32_gemms = [], 0
     for step in range(STEPS):
-        x = _batch(step)
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        x = _batch(step).to(device)
+        with torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = model(x, labels=x).loss
         with GemmCounter() as gemms:
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -71,21 +74,26 @@ def train(tier: str, strategy: str | None, precision: str, tmp_path, model=None)
 _reference: dict = {}
 
 
-def reference_losses(precision: str, tmp_path) -> list[float]:
-    """The plain model (device tier, no pipelining) in `precision`; computed once per precision."""
-    if precision not in _reference:
-        _reference[precision] = train("device", None, precision, tmp_path / f"ref-{precision}")[0]
-    return _reference[precision]
+def reference_losses(precision: str, tmp_path, device: str = "cpu") -> list[float]:
+    """The plain model (device tier, no pipelining) in `precision`; computed once per precision and device."""
+    if (precision, device) not in _reference:
+        _reference[precision, device] = train("device", None, precision, tmp_path / f"ref-{precision}",
+                                              device=device)[0]
+    return _reference[precision, device]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("strategy", [None, "S1", "S2", "S3", "S4"])
 @pytest.mark.parametrize("tier", ["device", "host", "disk"])
 def test_autocast_trains_on_every_tier_and_strategy(tier, strategy, precision, tmp_path):
-    losses, fp32_gemms = train(tier, strategy, precision, tmp_path)
+    autocast_trains(tier, strategy, precision, tmp_path)
+
+
+def autocast_trains(tier: str, strategy: str | None, precision: str, tmp_path, device: str = "cpu") -> None:
+    losses, fp32_gemms = train(tier, strategy, precision, tmp_path, device=device)
     assert fp32_gemms == 0, f"{fp32_gemms} float32 GEMMs in the backward of an autocast forward"
-    fp32 = reference_losses("fp32", tmp_path)
-    plain = reference_losses(precision, tmp_path)
+    fp32 = reference_losses("fp32", tmp_path, device)
+    plain = reference_losses(precision, tmp_path, device)
     assert max(abs(a - b) for a, b in zip(losses, fp32)) <= LOSS_TOL_VS_FP32[precision], (losses, fp32)
     assert max(abs(a - b) for a, b in zip(losses, plain)) <= LOSS_TOL_VS_PLAIN_AUTOCAST[precision], (losses, plain)
 
@@ -135,6 +143,16 @@ def test_bf16_model_weights_with_fp32_masters(tier, tmp_path):
 def test_trainer_bf16_on_cpu_with_expert_optimizer(tier, tmp_path):
     """`Trainer(bf16=True, use_cpu=True)` (accelerate's CPU autocast) with offloaded experts and
     ExpertOptimizerCallback: trains, steps every expert, and follows the fp32 Trainer run."""
+    losses16, engine, gemms = trainer_run(tier, True, tmp_path, use_cpu=True)
+    assert gemms.by_dtype[torch.bfloat16] > 0  # accelerate's autocast was on
+    assert set(engine.store.steps.values()) == {4}  # every expert stepped at every optimizer step
+    losses32, _, _ = trainer_run(tier, False, tmp_path, use_cpu=True)
+    assert len(losses16) == 4 and all(abs(a - b) <= 2e-2 for a, b in zip(losses16, losses32)), (losses16, losses32)
+
+
+def trainer_run(tier: str, bf16: bool, tmp_path, use_cpu: bool):
+    """4 Trainer steps of the small model (resident with torch AdamW where `tier` is "device", else offloaded with
+    ExpertOptimizerCallback) -> (logged losses, engine or None, GEMMs counted by dtype)."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
@@ -142,27 +160,21 @@ def test_trainer_bf16_on_cpu_with_expert_optimizer(tier, tmp_path):
 
     ids = torch.randint(0, 101, (16, 11), generator=torch.Generator().manual_seed(0))
     data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
-    base = small_model()
-
-    def run(bf16: bool):
-        model = copy.deepcopy(base)
+    model, engine, callbacks = small_model(), None, []
+    if tier != "device":
         engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / f"e{bf16}"),
                                                             host_cache_experts=4))
-        args = TrainingArguments(output_dir=str(tmp_path / f"out{bf16}"), max_steps=4, per_device_train_batch_size=4,
-                                 learning_rate=1e-2, bf16=bf16, use_cpu=True, report_to=[], logging_steps=1,
-                                 save_strategy="no", max_grad_norm=1.0, seed=0, data_seed=0)
-        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ExpertOptimizerCallback()])
-        with GemmCounter() as gemms:
-            trainer.train()
+        callbacks = [ExpertOptimizerCallback()]
+    args = TrainingArguments(output_dir=str(tmp_path / f"out-{tier}-{bf16}"), max_steps=4, per_device_train_batch_size=4,
+                             learning_rate=1e-2, bf16=bf16, use_cpu=use_cpu, report_to=[], logging_steps=1,
+                             save_strategy="no", max_grad_norm=1.0, seed=0, data_seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    with GemmCounter() as gemms:
+        trainer.train()
+    if engine is not None:
         engine.synchronize()
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        return losses, engine, gemms
-
-    losses16, engine, gemms = run(True)
-    assert gemms.by_dtype[torch.bfloat16] > 0  # accelerate's autocast was on
-    assert set(engine.store.steps.values()) == {4}  # every expert stepped at every optimizer step
-    losses32, _, _ = run(False)
-    assert len(losses16) == 4 and all(abs(a - b) <= 2e-2 for a, b in zip(losses16, losses32)), (losses16, losses32)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, engine, gemms
 
 
 @pytest.mark.slow

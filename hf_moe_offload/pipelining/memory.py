@@ -70,7 +70,9 @@ class SavingMeasurement:
 
 def measure_saving(x: torch.Tensor, plan, experts, n: int, strategy: str) -> SavingMeasurement:
     """Run the layer unpartitioned and as (n, strategy), count what is saved for backward (see module docstring).
-    `experts`: resident experts in the sorted signature (`hf_moe_offload.moe_path.sorted_experts(module)`)."""
+    `experts`: resident experts in the sorted signature (`hf_moe_offload.moe_path.sorted_experts(module)`). `plan`:
+    built with `gathers=False`, the partitions' own index_add_ combine (the unpartitioned layer's gathering combine
+    saves no copy of T_DO, a smaller baseline than the one Eq. 5 counts from)."""
     from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import run_moe
 
     params = {p.untyped_storage().data_ptr() for p in experts.expert_parameters()}
