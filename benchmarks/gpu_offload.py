@@ -3,6 +3,8 @@ resident model, under bf16 autocast (how users train on GPUs), in one invocation
 
     python benchmarks/gpu_offload.py           # MoE-GPT d=1024, ffn=4096, 8 layers (4 MoE) x 16 experts (~3 min)
     python benchmarks/gpu_offload.py --quick   # d=512, ffn=2048
+    python benchmarks/gpu_offload.py --batch 32 --tiers host,host-bf16   # 32k tokens per step
+    python benchmarks/gpu_offload.py --tiers host,host-deferred          # expert steps overlapped vs after bwd
 
 Tiers: resident, host (fp32 weights uploaded; autocast casts them on the GPU), host-bf16 (`compute_dtype=bf16`: bf16
 copies uploaded, half the bytes, the same bf16 GEMMs), disk. Each variant trains the same batches, interleaved round after round (median round; ratios against the resident
@@ -37,7 +39,8 @@ from offload import make_model  # noqa: E402
 
 def prepared(base, tier: str, cache: int, optimizer: bool):
     """(model, optimizer or None, engine or None) on the GPU. `tier`: resident, host, host-bf16 (bf16 compute
-    copies: what the uploads carry), disk."""
+    copies: what the uploads carry), host-deferred (every expert step after backward instead of overlapped with it,
+    ES-MoE §4.1), disk."""
     model, engine = copy.deepcopy(base), None
     if tier != "resident":
         engine = enable_expert_offload(model, OffloadConfig(
@@ -47,7 +50,8 @@ def prepared(base, tier: str, cache: int, optimizer: bool):
     opt = None
     if optimizer:
         inner = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        opt = inner if engine is None else ExpertAwareOptimizer(inner, ExpertOptimizer(engine, lr=1e-4))
+        opt = inner if engine is None else ExpertAwareOptimizer(
+            inner, ExpertOptimizer(engine, lr=1e-4, defer_steps=tier.endswith("deferred")))
     return model, opt, engine
 
 
@@ -67,13 +71,15 @@ def step(model, opt, engine, x) -> None:
     torch.cuda.synchronize()
 
 
-def table(hidden: int, inter: int, experts: int, batch: int, seq: int, steps: int, rounds: int) -> list[dict]:
+def table(hidden: int, inter: int, experts: int, batch: int, seq: int, steps: int, rounds: int,
+          tiers: list[str]) -> list[dict]:
     base = make_model(experts, hidden=hidden, inter=inter, layers=8, positions=seq)
     n_experts = experts * 4
     cache = n_experts // 4
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 512, (batch, seq), generator=gen).cuda() for _ in range(steps)]
-    variants = [(tier, opt) for opt in (True, False) for tier in ("resident", "host", "host-bf16", "disk")]
+    variants = [(tier, with_opt) for with_opt in (True, False) for tier in ["resident"] + tiers
+                if with_opt or not tier.endswith("deferred")]  # without an optimizer it is the host tier
     runs, held = {}, {}
     for tier, with_opt in variants:
         before = torch.cuda.memory_allocated()
@@ -118,12 +124,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--experts", type=int, default=16, help="experts per MoE layer (4 MoE layers)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences of 1024 tokens per step")
+    ap.add_argument("--tiers", default="host,host-bf16,disk", help="offloaded variants, against the resident model")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu_offload.py needs a CUDA device")
     hidden, inter = (512, 2048) if args.quick else (1024, 4096)
-    batch, seq, steps, rounds = 8, 1024, 3, 3
-    rows = table(hidden, inter, args.experts, batch, seq, steps, rounds)
+    batch, seq, steps, rounds = args.batch, 1024, 3, 3
+    rows = table(hidden, inter, args.experts, batch, seq, steps, rounds, args.tiers.split(","))
     expert_params = args.experts * 4 * 2 * hidden * inter
     name = torch.cuda.get_device_name(0)
     print(f"\nMoE-GPT d={hidden}, ffn={inter}, 8 layers (4 MoE) x {args.experts} experts "
@@ -141,7 +149,9 @@ def main() -> None:
     out = {"machine": platform.platform(), "gpu": name, "cpus": os.cpu_count(), "torch": torch.__version__,
            "hidden": hidden, "ffn": inter, "experts_per_layer": args.experts, "moe_layers": 4, "batch": batch,
            "seq": seq, "rows": rows}
-    with open(os.path.join(HERE, "gpu_offload.json"), "w") as fh:
+    name = ("gpu_offload.json" if (batch, args.tiers) == (8, "host,host-bf16,disk")
+            else f"gpu_offload_b{batch}_{args.tiers.replace(',', '_')}.json")
+    with open(os.path.join(HERE, name), "w") as fh:
         json.dump(out, fh, indent=2)
 
 

@@ -308,7 +308,7 @@ class GroupedLinear:
             return y
         if y.is_cuda:
             if self.members is None or self.members.dtype != y.dtype:
-                # (E, N): 1 where row r is expert e's (a comparison: F.one_hot checks its input's range with a sync)
+                # (E, N): 1 where row r is expert e's
                 experts = torch.arange(len(self.offs), device=y.device).unsqueeze(1)
                 self.members = (experts == self.rows.unsqueeze(0)).to(y.dtype)
             return _ExpertBias.apply(y, b.to(y.dtype), self.rows, self.members)
