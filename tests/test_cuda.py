@@ -3,7 +3,7 @@ against the plain model on the same GPU.
 
 Skipped where no GPU exists (CI is CPU-only); run them on a GPU machine with `pytest tests/test_cuda.py`. The CPU
 tests' own comparisons run here on the GPU through their helpers, with the tolerances their modules state:
-every MoE family offloaded vs stock (test_families.py), autocast bf16/fp16 on every tier and MPMoE strategy
+the seven core MoE families offloaded vs stock (test_families.py), autocast bf16/fp16 on every tier and MPMoE strategy
 (test_mixed_precision.py), MPMoE partitions vs the unpartitioned model (test_pipelining.py), and the Trainer.
 """
 
