@@ -37,7 +37,7 @@ from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig,
 from offload import make_model  # noqa: E402
 
 
-def prepared(base, tier: str, cache: int, optimizer: bool):
+def prepared(base, tier: str, cache: int, optimizer: bool, workers: int = 2):
     """(model, optimizer or None, engine or None) on the GPU. `tier`: resident, host, host-bf16 (bf16 compute
     copies: what the uploads carry), host-deferred (every expert step after backward instead of overlapped with it,
     ES-MoE §4.1), disk."""
@@ -51,7 +51,7 @@ def prepared(base, tier: str, cache: int, optimizer: bool):
     if optimizer:
         inner = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         opt = inner if engine is None else ExpertAwareOptimizer(
-            inner, ExpertOptimizer(engine, lr=1e-4, defer_steps=tier.endswith("deferred")))
+            inner, ExpertOptimizer(engine, lr=1e-4, defer_steps=tier.endswith("deferred"), workers=workers))
     return model, opt, engine
 
 
@@ -72,7 +72,7 @@ def step(model, opt, engine, x) -> None:
 
 
 def table(hidden: int, inter: int, experts: int, batch: int, seq: int, steps: int, rounds: int,
-          tiers: list[str]) -> list[dict]:
+          tiers: list[str], workers: int = 2) -> list[dict]:
     base = make_model(experts, hidden=hidden, inter=inter, layers=8, positions=seq)
     n_experts = experts * 4
     cache = n_experts // 4
@@ -83,7 +83,7 @@ def table(hidden: int, inter: int, experts: int, batch: int, seq: int, steps: in
     runs, held = {}, {}
     for tier, with_opt in variants:
         before = torch.cuda.memory_allocated()
-        model, opt, engine = prepared(base, tier, cache, with_opt)
+        model, opt, engine = prepared(base, tier, cache, with_opt, workers)
         step(model, opt, engine, batches[0])  # warm-up (allocator, cuBLAS plans, the disk tier's first reads)
         held[tier, with_opt] = torch.cuda.memory_allocated() - before  # its weights, optimizer state, slots
         if engine is not None:
@@ -126,12 +126,13 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=16, help="experts per MoE layer (4 MoE layers)")
     ap.add_argument("--batch", type=int, default=8, help="sequences of 1024 tokens per step")
     ap.add_argument("--tiers", default="host,host-bf16,disk", help="offloaded variants, against the resident model")
+    ap.add_argument("--workers", type=int, default=2, help="ExpertOptimizer worker threads")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu_offload.py needs a CUDA device")
     hidden, inter = (512, 2048) if args.quick else (1024, 4096)
     batch, seq, steps, rounds = args.batch, 1024, 3, 3
-    rows = table(hidden, inter, args.experts, batch, seq, steps, rounds, args.tiers.split(","))
+    rows = table(hidden, inter, args.experts, batch, seq, steps, rounds, args.tiers.split(","), args.workers)
     expert_params = args.experts * 4 * 2 * hidden * inter
     name = torch.cuda.get_device_name(0)
     print(f"\nMoE-GPT d={hidden}, ffn={inter}, 8 layers (4 MoE) x {args.experts} experts "
@@ -148,9 +149,9 @@ def main() -> None:
               f"{f('stall_fraction'):>5}")
     out = {"machine": platform.platform(), "gpu": name, "cpus": os.cpu_count(), "torch": torch.__version__,
            "hidden": hidden, "ffn": inter, "experts_per_layer": args.experts, "moe_layers": 4, "batch": batch,
-           "seq": seq, "rows": rows}
-    name = ("gpu_offload.json" if (batch, args.tiers) == (8, "host,host-bf16,disk")
-            else f"gpu_offload_b{batch}_{args.tiers.replace(',', '_')}.json")
+           "seq": seq, "workers": args.workers, "rows": rows}
+    name = ("gpu_offload.json" if (batch, args.tiers, args.workers) == (8, "host,host-bf16,disk", 2)
+            else f"gpu_offload_b{batch}_{args.tiers.replace(',', '_')}_w{args.workers}.json")
     with open(os.path.join(HERE, name), "w") as fh:
         json.dump(out, fh, indent=2)
 
