@@ -124,7 +124,9 @@ class MoELayer:
         return self.streamed is None and self.parallel is None and self.pipelined is None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        plan = DispatchPlan.build(top_k_weights, top_k_index, self.num_experts)
+        # The inverse permutation serves run_moe's gathering combine; partitions and the exchange combine their own way.
+        plan = DispatchPlan.build(top_k_weights, top_k_index, self.num_experts,
+                                  gathers=self.pipelined is None and self.parallel is None)
         if self.streamed is not None:  # offloaded: inference's mode, use scores, pre-gating of the next layer
             self.streamed.on_route(hidden_states, top_k_index, plan.counts)
         return self.executor(hidden_states, plan, self.experts)

@@ -21,6 +21,12 @@ def autocast_state(device_type: str) -> AutocastState:
             torch.is_autocast_cache_enabled())
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype GEMMs on `x` run in: the autocast dtype of its device where autocast is on, else its own."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+
+
 def restore_autocast(device_type: str, state: AutocastState) -> torch.autocast:
     """A context that re-enters a recorded autocast state (use it around backward-time recomputation)."""
     enabled, dtype, cache = state

@@ -21,6 +21,7 @@ Collectives run on the tensors' device: CPU tensors on gloo, CUDA tensors on NCC
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -251,10 +252,12 @@ def end_process_groups() -> None:
     A process that exits with a live gloo group can abort (SIGABRT, "terminate called without an active exception"):
     gloo's worker threads still hold work objects whose tensors are freed while the interpreter is torn down. The
     barrier keeps a rank that finished early (e.g. while rank 0 saves) from tearing down a group still in use.
-    No-op without an initialised process group. The `Trainer` never destroys its group; `accelerator.end_training()`
-    does, without the barrier.
+    Objects that still hold gloo work (a Trainer's DDP wrapper) must go first: drop your references to the Trainer
+    and model before calling this; it collects them while the interpreter is whole. No-op without an initialised
+    process group. The `Trainer` never destroys its group; `accelerator.end_training()` does, without the barrier.
     """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..models.moe_gpt.modeling_moe_gpt import dropout_active, grouped_expert_counts
-from ..precision import autocast_state, restore_autocast
+from ..precision import autocast_state, compute_dtype, restore_autocast
 from ..runtime import HOST, DeviceRuntime, Event, runtime_for
 from .inference import DecodeCache, PlacementCostModel, PreGate
 from .layout import ExpertLayout
@@ -246,11 +246,7 @@ class OffloadedExpertsLayer:
         streamed copy's): the graphs would hold a copy of every expert's weights, which the disk tier bounds."""
         if not self.engine.keep_activations or self._recompute_forced:
             return False
-        if self.engine.store.tier == "host":
-            return True
-        device_type = x.device.type
-        used = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        return used == self.engine.store.compute_dtype
+        return self.engine.store.tier == "host" or compute_dtype(x) == self.engine.store.compute_dtype
 
     def keys(self, expert_ids: list[int]) -> list[ExpertKey]:
         return [(self.layer, e) for e in expert_ids]
@@ -448,8 +444,7 @@ class OffloadedExpertsLayer:
         their rows filled, in the dtype the device experts produce."""
         rt = self.engine.runtime
         rt.record().synchronize()  # the host reads the inputs the compute stream produced
-        device_type = x.device.type
-        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        out_dtype = compute_dtype(x)
         y = None
         store = self.engine.store
         for e, start, n in segments:

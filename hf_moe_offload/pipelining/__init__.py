@@ -51,7 +51,7 @@ def make_layer_profiler(layer, top_k: int, executor_kwargs: dict | None = None):
         x = torch.randn(S, hidden, dtype=p.dtype, device=p.device, requires_grad=True)
         ids = torch.randint(0, num_experts, (S, top_k), device=p.device)
         w = torch.rand(S, top_k, device=p.device)
-        plan = DispatchPlan.build(w, ids, num_experts)
+        plan = DispatchPlan.build(w, ids, num_experts, gathers=False)  # partitions combine with index_add_
         ex = PartitionedExecutor(n, strategy, **(executor_kwargs or {}))
         best = float("inf")
         for _ in range(2):

@@ -5,7 +5,6 @@ accelerate launch --multi_gpu --num_processes 2 ... ddp_trainer.py OUT --per-dev
 """
 
 import argparse
-import gc
 import json
 import os
 
@@ -42,8 +41,5 @@ if trainer.is_world_process_zero():
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump({"losses": losses, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}, f)
-# Free the Trainer's DDP wrapper (its last gloo work) while the interpreter is whole, then the group: either left
-# to the interpreter's teardown can abort the exit (SIGABRT, 'terminate called without an active exception').
-del trainer, model
-gc.collect()
+del trainer, model  # the DDP wrapper's gloo work goes before the group (see end_process_groups)
 end_process_groups()

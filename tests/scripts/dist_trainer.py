@@ -15,7 +15,6 @@ of the ranks' micro-batches equal the single process's. Rank 0 writes OUT_DIR/re
 """
 
 import argparse
-import gc
 import json
 import os
 
@@ -101,8 +100,5 @@ if trainer.is_world_process_zero():
         model.save_pretrained(os.path.join(args.out, "final"))
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(result, f)
-# Free the Trainer's DDP wrapper (its last gloo work) while the interpreter is whole, then the group: either left
-# to the interpreter's teardown can abort the exit (SIGABRT, 'terminate called without an active exception').
-del trainer, model
-gc.collect()
+del trainer, model  # the DDP wrapper's gloo work goes before the group (see end_process_groups)
 end_process_groups()

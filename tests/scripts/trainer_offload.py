@@ -4,7 +4,6 @@ python tests/scripts/trainer_offload.py OUT_DIR --tier disk --max-steps 4 --save
 """
 
 import argparse
-import gc
 import json
 import os
 
@@ -76,8 +75,5 @@ if rank == 0:
     save_offloaded_pretrained(model, os.path.join(args.out, "final"))
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(result, f)
-# Free the Trainer's DDP wrapper (its last gloo work) while the interpreter is whole, then the group: either left
-# to the interpreter's teardown can abort the exit (SIGABRT, 'terminate called without an active exception').
-del trainer, model
-gc.collect()
+del trainer, model  # the DDP wrapper's gloo work goes before the group (see end_process_groups)
 end_process_groups()
