@@ -7,13 +7,15 @@ For each token count S and expert count E (top-2, d=256): forward+backward time 
 (counted with saved-tensor hooks: what the layer holds between forward and backward) of
 (saved bytes: distinct storages that are not the parameters' own), for
 - ours: `MoEGPTSparseMoeBlock` (argsort dispatch, each matmul of the experts one grouped GEMM over their contiguous
-  slices, `GroupedLinear`, index_add combine); ours_loop: the same with the experts one after another;
+  slices, `GroupedLinear`, a gathering combine); ours_loop: the same with the experts one after another;
 - transformers' `Qwen3MoeSparseMoeBlock` with its `eager` experts and, where it runs on CPU, `grouped_mm`;
 - GShard-style dense dispatch: a (S, E, C) combine/dispatch mask with capacity C = ceil(1.25 * k * S / E), einsum
   dispatch, batched expert matmuls over (E, C) slots, einsum combine (its mask bytes are reported separately).
 Expert FFNs differ (ours and GShard: GELU with biases, 2 matmuls; Qwen3: SwiGLU, 3 matmuls), so Qwen3's expert width
 is set to 2/3 of ours for equal FLOPs, and times are also reported per useful expert FLOP (assignments x FFN FLOPs
-x 3 for forward+backward). Timings are ratios against ours in the same invocation. Writes benchmarks/moe_layer.json.
+x 3 for forward+backward). The variants run interleaved, one fwd+bwd each per round; "x ours" is the median over
+rounds of a variant's time / ours in the same round (the machine's drift falls on every variant alike). Writes
+benchmarks/moe_layer.json.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -131,7 +134,8 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def measure(run, block, S: int, reps: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+def saved_bytes(run, block, x, g) -> int:
+    """Bytes the layer holds between forward and backward (saved-tensor hooks)."""
     saved = 0
     param_storages = {p.untyped_storage().data_ptr() for p in block.parameters()}
     seen = set()
@@ -146,21 +150,37 @@ def measure(run, block, S: int, reps: int, device: str = "cpu", dtype: torch.dty
             saved += t.untyped_storage().nbytes()
         return t
 
-    x = torch.randn(S, H, device=device, dtype=dtype, requires_grad=True)
-    g = torch.randn(S, H, device=device, dtype=dtype)
-    run(x).backward(g)  # warm-up
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = run(x)
     y.backward(g)
-    times = []
-    for _ in range(reps):
-        block.zero_grad(set_to_none=True)
-        sync()
-        t0 = time.perf_counter()
-        run(x).backward(g)
-        sync()
-        times.append(time.perf_counter() - t0)
-    return {"time_s": sorted(times)[len(times) // 2], "saved_bytes": saved}
+    return saved
+
+
+def measure(variants: dict, S: int, reps: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+    """fwd+bwd time of every variant on the same input, the variants interleaved rep by rep (one round times each
+    once, in an order that rotates), so that the machine's drift during the run falls on all of them alike. Returns
+    per variant the median time, the median over rounds of its time / ours in that round, and its saved bytes."""
+    x = torch.randn(S, H, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(S, H, device=device, dtype=dtype)
+    names = list(variants)
+    out = {}
+    for name, (block, run) in variants.items():
+        run(x).backward(g)  # warm-up
+        out[name] = {"saved_bytes": saved_bytes(run, block, x, g), "times": []}
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            block, run = variants[name]
+            block.zero_grad(set_to_none=True)
+            x.grad = None
+            sync()
+            t0 = time.perf_counter()
+            run(x).backward(g)
+            sync()
+            out[name]["times"].append(time.perf_counter() - t0)
+    for name, r in out.items():
+        r["time_s"] = statistics.median(r["times"])
+        r["ratio_vs_ours"] = statistics.median(t / o for t, o in zip(r["times"], out["ours"]["times"]))
+    return out
 
 
 def main() -> None:
@@ -180,7 +200,7 @@ def main() -> None:
     else:
         torch.set_num_threads(2)
         token_counts = [1024] if args.quick else [1024, 4096]
-        reps = 3 if args.quick else 5
+        reps = 3 if args.quick else 9
     expert_counts = [8, 32] if args.quick else [8, 32, 64]
 
     def on_device(variant):
@@ -205,13 +225,10 @@ def main() -> None:
             variants = {"ours": ours(E), "ours_loop": ours_loop(E), **{f"qwen3_{i}": qwen3(E, i) for i in impls},
                         "gshard_mask": gshard(E)}
             variants = {name: on_device(v) for name, v in variants.items()}
-            res = {}
-            for name, (block, run) in variants.items():
-                res[name] = measure(run, block, S, reps, device, dtype)
-            base = res["ours"]["time_s"]
+            res = measure(variants, S, reps, device, dtype)
             for name, r in res.items():
                 row = {"tokens": S, "experts": E, "impl": name, "time_s": r["time_s"],
-                       "time_vs_ours": r["time_s"] / base, "saved_MB": r["saved_bytes"] / 2**20,
+                       "time_vs_ours": r["ratio_vs_ours"], "saved_MB": r["saved_bytes"] / 2**20,
                        "useful_gflops": flops.get(name, 3 * S * K * 6 * H * I_QWEN) / r["time_s"] / 1e9,
                        "mask_MB": variants[name][0].mask_bytes / 2**20 if name == "gshard_mask" else 0.0}
                 rows.append(row)

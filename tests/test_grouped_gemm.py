@@ -184,3 +184,28 @@ def test_expert_bias_gradient_is_each_experts_row_sum():
     b = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
     torch.testing.assert_close(_ExpertBias.apply(y, b, rows, members), y + b[rows], atol=0, rtol=0)
     assert torch.autograd.gradcheck(lambda y, b: _ExpertBias.apply(y, b, rows, members), (y, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segment_bias_equals_index_select_bit_for_bit(dtype):
+    """`_SegmentBias` (the CPU's bias add in the grouped GEMM: in place, one expert's rows at a time, expert 1 with no
+    rows) gives `y + b[rows]` and the same gradients as `index_select` exactly (fresh random inputs; tolerance 0), and
+    passes gradcheck in fp64."""
+    from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import _SegmentBias
+
+    counts = [3, 0, 2, 4]
+    rows = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+    y0, b0, g = torch.randn(9, 5, dtype=dtype), torch.randn(4, 5, dtype=dtype), torch.randn(9, 5, dtype=dtype)
+    outs = []
+    for fn in (lambda y, b: y + b.index_select(0, rows), lambda y, b: _SegmentBias.apply(y, b, counts, rows)):
+        w = torch.ones(9, 5, dtype=dtype, requires_grad=True)  # y is a non-leaf, as grouped_mm's output
+        b = b0.clone().requires_grad_(True)
+        y = y0 * w
+        out = fn(y, b)
+        (out * g).sum().backward()
+        outs.append((out.detach(), w.grad, b.grad))
+    for a, c in zip(*outs):
+        torch.testing.assert_close(a, c, atol=0, rtol=0)
+    y = torch.randn(9, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda y, b: _SegmentBias.apply(y.clone(), b, counts, rows), (y, b))
