@@ -728,7 +728,7 @@ def test_host_store_keeps_each_layer_in_one_block_of_separate_records():
     copies); records keep autograd version counters of their own (an update of one expert must not count as a change
     of another expert's, or of the block's, saved weights); a layer whose experts here are not all of 0..E-1 (an
     expert-parallel shard) has none, and `used` counts that many hits."""
-    from hf_moe_offload.offload.store import HostExpertStore
+    from hf_moe_offload.offload.store import ROW_GAP_BYTES, HostExpertStore
     from hf_moe_offload.offload.telemetry import OffloadStats
 
     stats = OffloadStats()
@@ -744,6 +744,13 @@ def test_host_store_keeps_each_layer_in_one_block_of_separate_records():
     assert torch.equal(block[1], torch.arange(8.0)) and not block[0].any() and not block[2].any()
     assert [r.param._version for r in records] + [block._version] == [versions[0], versions[1] + 2, versions[2],
                                                                       versions[3]]
+    # An expert's rows (weights, gradient, moments: Adam streams through them together) lie a layer's weights plus a
+    # gap apart, never an exact power of two (cache-set conflicts: the fused step ran ~1.5x slower, 16 x 2**21).
+    power = HostExpertStore([(0, e) for e in range(16)], 2**10, torch.float32, OffloadStats())
+    for r in (power.acquire((0, 3)), records[0]):
+        gaps = {r.buffer[i + 1].data_ptr() - r.buffer[i].data_ptr() for i in range(3)}
+        assert gaps == {r.buffer.stride(0) * 4} and r.buffer.stride(0) * 4 - ROW_GAP_BYTES in (16 * 2**12, 3 * 8 * 4)
+        assert r.buffer.stride(0) * 4 & (r.buffer.stride(0) * 4 - 1)  # not a power of two
     halves = HostExpertStore([(0, 0), (0, 1)], 8, torch.bfloat16, OffloadStats())
     record = halves.acquire((0, 1))
     record.param.copy_(torch.arange(8.0))
