@@ -296,13 +296,13 @@ class HostExpertStore(ExpertStore):
     """All experts in (pinned, when CUDA exists) host memory.
 
     The records of one layer's experts lie in one (rows, E, P) block, each row contiguous and `ROW_GAP_BYTES` after
-    the previous (and their compute copies, if any, in one (E, P) block), so that the layer's weights are one contiguous (E, P) tensor: `grouped_weights` hands it to a
-    grouped GEMM as (E, out, in) views without a copy (issue 14: the host tier at the speed of the grouped resident
-    experts), and a CUDA runtime page-locks exactly it in one registration (page-locked row by row, the rows of an
-    (E, rows, P) block uploaded at ~7 GB/s instead of ~40 on an H200: measured). Each record is still a tensor of its
-    own over its slice of the block (`_own_tensor`), with its own autograd version counter: views of one tensor share
-    its counter, and an expert updated by the optimizer while another expert's backward recomputes would otherwise
-    trip autograd's in-place check.
+    the previous (and their compute copies, if any, in one (E, P) block), so that the layer's weights are one
+    contiguous (E, P) tensor: `grouped_weights` hands it to a grouped GEMM as (E, out, in) views without a copy (issue
+    14: the host tier at the speed of the grouped resident experts), and a CUDA runtime page-locks exactly it in one
+    registration (page-locked row by row, the rows of an (E, rows, P) block uploaded at ~7 GB/s instead of ~40 on an
+    H200: measured). Each record is still a tensor of its own over its slice of the block (`_own_tensor`), with its
+    own autograd version counter: views of one tensor share its counter, and an expert updated by the optimizer while
+    another expert's backward recomputes would otherwise trip autograd's in-place check.
     """
 
     tier = "host"
