@@ -31,6 +31,7 @@ from hf_moe_offload.offload.store import HostExpertStore  # noqa: E402
 
 sys.path.insert(0, HERE)
 from offload import make_model  # noqa: E402
+from timing import interleaved_rounds, median_ratio  # noqa: E402
 
 
 class _Engine:
@@ -75,9 +76,8 @@ class _Engine:
 
 
 def throughput(num_experts: int, numel: int, reps: int) -> dict:
-    """Params/s of torch's fused AdamW and of our expert steps in their three modes, on the same tensors. The variants
-    run interleaved, one step of every expert each per round (in a rotating order), so the machine's drift falls on
-    all alike; a ratio is the median over rounds of torch's round time / ours in the same round."""
+    """Params/s of torch's fused AdamW and of our expert steps in their three modes, on the same tensors, interleaved
+    round by round (`timing.interleaved_rounds`; a round steps every expert once per variant)."""
     torch.manual_seed(0)
     keys = [(0, e) for e in range(num_experts)]
     store = HostExpertStore(keys, numel, torch.float32, OffloadStats())
@@ -136,15 +136,8 @@ def throughput(num_experts: int, numel: int, reps: int) -> dict:
 
     variants = {"torch_fused": (None, ref.step), "expert_1w": one_by_one(1), "expert_2w": one_by_one(2),
                 "expert_layer_2w": layer(), "expert_batched_2w": batched()}
-    times = {name: [] for name in variants}
-    names = list(variants)
-    for rep in range(reps + 1):  # the first round is a warm-up
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
-            land_gradients()
-            t0 = time.perf_counter()
-            variants[name][1]()
-            if rep:
-                times[name].append(time.perf_counter() - t0)
+    times = interleaved_rounds({name: run for name, (_, run) in variants.items()}, reps, warmup=1,
+                               setup=lambda name: land_gradients())
     for opt, _ in variants.values():
         if opt is not None:
             opt._pool.shutdown()
@@ -154,8 +147,7 @@ def throughput(num_experts: int, numel: int, reps: int) -> dict:
         out[f"{name}_params_per_s"] = work / statistics.median(ts)
     for name, key in (("expert_1w", "1w"), ("expert_2w", "2w"), ("expert_layer_2w", "layer"),
                       ("expert_batched_2w", "batched")):
-        out[f"ratio_{key}_vs_torch_fused"] = statistics.median(
-            t / o for t, o in zip(times["torch_fused"], times[name]))
+        out[f"ratio_{key}_vs_torch_fused"] = median_ratio(times["torch_fused"], times[name])
     return out
 
 

@@ -7,12 +7,13 @@ resident model, under bf16 autocast (how users train on GPUs), in one invocation
     python benchmarks/gpu_offload.py --tiers host,host-deferred          # expert steps overlapped vs after bwd
 
 Tiers: resident, host (fp32 weights uploaded; autocast casts them on the GPU), host-bf16 (`compute_dtype=bf16`: bf16
-copies uploaded, half the bytes, the same bf16 GEMMs), disk. Each variant trains the same batches, interleaved round after round (median round; ratios against the resident
-median of the same invocation), after one warm-up step. The resident model steps with torch's fused AdamW on the GPU;
-the offloaded ones with ExpertAwareOptimizer: fused AdamW on the GPU for the non-expert weights, the expert-wise Adam
-on the CPU (ES-MoE §4.1) for the experts, overlapped with backward. `fwd+bwd` rows time forward and backward alone
-(no optimizer: the transfer pipeline of ES-MoE §4.1 by itself). Peak GPU memory is `max_memory_allocated` over the
-timed steps, counted for that variant alone (the others stay allocated). Writes benchmarks/gpu_offload.json. Needs a CUDA device.
+copies uploaded, half the bytes, the same bf16 GEMMs), disk. Each variant trains the same batches, interleaved round
+after round (median round; ratios against the resident median of the same invocation), after one warm-up step. The
+resident model steps with torch's fused AdamW on the GPU; the offloaded ones with ExpertAwareOptimizer: fused AdamW on
+the GPU for the non-expert weights, the expert-wise Adam on the CPU (ES-MoE §4.1) for the experts, overlapped with
+backward. `fwd+bwd` rows time forward and backward alone (no optimizer: the transfer pipeline of ES-MoE §4.1 by
+itself). Peak GPU memory is `max_memory_allocated` over the timed steps, counted for that variant alone (the others
+stay allocated). Writes benchmarks/gpu_offload.json. Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ def table(hidden: int, inter: int, experts: int, batch: int, seq: int, steps: in
     for (tier, with_opt), (model, opt, engine) in runs.items():
         t = statistics.median(times[tier, with_opt])
         base_t = statistics.median(times["resident", with_opt])
-        row = {"tier": tier, "phase": "train step" if with_opt else "fwd+bwd", "step_s": t, "ratio_vs_resident": t / base_t,
-               "tokens_per_s": tokens / t, "peak_gpu_MB": peaks[tier, with_opt] / 2**20}
+        row = {"tier": tier, "phase": "train step" if with_opt else "fwd+bwd", "step_s": t,
+               "ratio_vs_resident": t / base_t, "tokens_per_s": tokens / t,
+               "peak_gpu_MB": peaks[tier, with_opt] / 2**20}
         if engine is not None:
             st, n = engine.stats, rounds * steps
             row.update({"h2d_GB_per_step": st.h2d_bytes / n / 1e9, "d2h_GB_per_step": st.d2h_bytes / n / 1e9,

@@ -27,7 +27,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +36,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from hf_moe_offload.models.moe_gpt import MoEGPTConfig, MoEGPTSparseMoeBlock  # noqa: E402
 from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import GroupedLinear  # noqa: E402
+
+sys.path.insert(0, HERE)
+from timing import interleaved_rounds, median_ratio  # noqa: E402
 
 H, I, K = 256, 1024, 2
 I_QWEN = (2 * I // 3) // 8 * 8  # equal FLOPs to 2/3; a multiple of 8 keeps grouped_mm's 16-byte stride rule
@@ -157,29 +159,30 @@ def saved_bytes(run, block, x, g) -> int:
 
 
 def measure(variants: dict, S: int, reps: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
-    """fwd+bwd time of every variant on the same input, the variants interleaved rep by rep (one round times each
-    once, in an order that rotates), so that the machine's drift during the run falls on all of them alike. Returns
-    per variant the median time, the median over rounds of its time / ours in that round, and its saved bytes."""
+    """fwd+bwd time of every variant on the same input, interleaved round by round (`timing.interleaved_rounds`).
+    Returns per variant the median time, the median over rounds of its time / ours, and its saved bytes."""
     x = torch.randn(S, H, device=device, dtype=dtype, requires_grad=True)
     g = torch.randn(S, H, device=device, dtype=dtype)
-    names = list(variants)
     out = {}
     for name, (block, run) in variants.items():
         run(x).backward(g)  # warm-up
-        out[name] = {"saved_bytes": saved_bytes(run, block, x, g), "times": []}
-    for rep in range(reps):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
-            block, run = variants[name]
-            block.zero_grad(set_to_none=True)
-            x.grad = None
-            sync()
-            t0 = time.perf_counter()
+        out[name] = {"saved_bytes": saved_bytes(run, block, x, g)}
+
+    def fresh(name):  # untimed: no gradient to accumulate into, the device idle
+        variants[name][0].zero_grad(set_to_none=True)
+        x.grad = None
+        sync()
+
+    def fwd_bwd(run):
+        def call():
             run(x).backward(g)
             sync()
-            out[name]["times"].append(time.perf_counter() - t0)
+        return call
+
+    times = interleaved_rounds({name: fwd_bwd(run) for name, (_, run) in variants.items()}, reps, setup=fresh)
     for name, r in out.items():
-        r["time_s"] = statistics.median(r["times"])
-        r["ratio_vs_ours"] = statistics.median(t / o for t, o in zip(r["times"], out["ours"]["times"]))
+        r["time_s"] = statistics.median(times[name])
+        r["ratio_vs_ours"] = median_ratio(times[name], times["ours"])
     return out
 
 

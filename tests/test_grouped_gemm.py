@@ -139,10 +139,10 @@ def test_in_inference_the_grouped_gemm_gives_the_loops_outputs_bit_for_bit(famil
 
 @pytest.mark.parametrize("dropped", [False, True])
 def test_gathering_dispatch_and_combine_equal_index_add(dropped):
-    """The CUDA combine (`DispatchPlan(gathers=True)`: dispatch's backward and the combine sum each token's rows by
-    gathering them through the inverse permutation; no atomic index_add_) gives the index_add_ path's output and
-    gradients (x, routing weights, experts) in fp64 within 1e-12: only the order of a token's k terms differs. Run on
-    the CPU here (the same code); on a GPU by tests/test_cuda.py through the model. `dropped`: some assignments go
+    """The gathering combine (`DispatchPlan(gathers=True)`, every device: dispatch's backward and the combine sum each
+    token's rows by gathering them through the inverse permutation; no atomic index_add_) gives the index_add_ path's
+    output and gradients (x, routing weights, experts) in fp64 within 1e-12: only the order of a token's k terms
+    differs. Run on the CPU here; on a GPU by tests/test_cuda.py through the model. `dropped`: some assignments go
     to no expert (id E), as a capacity limit or another rank's experts leave them."""
     from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import DispatchPlan, run_moe
 

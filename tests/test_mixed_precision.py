@@ -9,7 +9,6 @@ Expert parallelism under autocast runs in tests/test_distributed.py (two gloo pr
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest

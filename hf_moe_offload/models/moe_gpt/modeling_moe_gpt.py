@@ -329,16 +329,20 @@ class GroupedLinear:
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w.dtype
         y = F.grouped_mm(x.to(dtype), w.to(dtype), offs=self.offs)
-        if b is not None and not y.is_cuda:  # on CUDA one loop step per expert would be a kernel launch each
-            y = _SegmentBias.apply(y, b.to(y.dtype), self.counts, self.rows)
-        y = _ContiguousGrad.apply(y)
-        if b is None or not y.is_cuda:
-            return y
+        if b is not None:
+            y = self._add_bias(y, b.to(y.dtype))
+        return _ContiguousGrad.apply(y)
+
+    def _add_bias(self, y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """`y + b[rows]`: on the CPU in place, one expert's rows at a time; on CUDA (where that loop would be a kernel
+        launch per expert) out of place, with the membership-matrix gradient."""
+        if not y.is_cuda:
+            return _SegmentBias.apply(y, b, self.counts, self.rows)
         if self.members is None or self.members.dtype != y.dtype:
             # (E, N): 1 where row r is expert e's
             experts = torch.arange(len(self.offs), device=y.device).unsqueeze(1)
             self.members = (experts == self.rows.unsqueeze(0)).to(y.dtype)
-        return _ExpertBias.apply(y, b.to(y.dtype), self.rows, self.members)
+        return _ExpertBias.apply(y, b, self.rows, self.members)
 
     # On the CPU the grouped GEMM wins where experts have few rows each (the loop's per-expert overhead dominates) and
     # loses to one GEMM per expert where they have many (benchmarks/moe_layer.py, d=256: 1.15-1.5x faster at 64-128
