@@ -6,6 +6,7 @@ expert count that trains within a fixed RSS budget with and without offload (ES-
     python benchmarks/offload.py --quick           # smaller sweep
     python benchmarks/offload.py --step-time-only  # the step-time table only (no JSON)
     python benchmarks/offload.py --checksums-only  # the disk tier's checksum cost only (no JSON)
+    python benchmarks/offload.py --compute-path-only  # threads and staged chunks apart from I/O (own JSON)
 
 Timings are ratios against the resident model measured in the same invocation: the tiers (and the disk tier forced to
 recompute) run the same batches interleaved, round after round, and each reports its median round. Writes
@@ -188,6 +189,37 @@ def checksum_table(expert_counts, steps: int, batch: int, seq: int, rounds: int 
     return rows
 
 
+def compute_path_table(experts: int, steps: int, batch: int, seq: int, rounds: int = 4) -> list[dict]:
+    """What the experts' compute path costs on the CPU, apart from the I/O (issue 14): the host tier with its experts
+    on every thread (`compute_threads=2`) and on one (the default on 2 cores), and the disk tier one expert at a time
+    (`stage_experts=1`) and in staged chunks (the default), each with every expert cached (no I/O) and with a
+    quarter cached; all on the same batches, interleaved round after round; median round against resident."""
+    base = make_model(experts)
+    batches = [torch.randint(0, 512, (batch, seq)) for _ in range(steps)]
+    quarter, everything = max(4, (experts * 2) // 4), experts * 2
+    variants = {"resident": ("resident", quarter, {}),
+                "host, 2 threads": ("host", quarter, {"compute_threads": 2}),
+                "host": ("host", quarter, {}),
+                "disk all cached, 1 at a time": ("disk", everything, {"stage_experts": 1}),
+                "disk all cached, staged": ("disk", everything, {}),
+                "disk 1/4 cached, 1 at a time": ("disk", quarter, {"stage_experts": 1}),
+                "disk 1/4 cached, staged": ("disk", quarter, {})}
+    runs = {name: ready_to_train(base, batches, mode, cache, **config) for name, (mode, cache, config)
+            in variants.items()}
+    rounds_of = interleaved(runs, batches, rounds)
+    res_t = statistics.median(r[0] for r in rounds_of["resident"])
+    rows = []
+    for name, (_, _, engine) in runs.items():
+        t = statistics.median(r[0] for r in rounds_of[name])
+        rows.append({"experts_per_layer": experts, "variant": name, "step_s": t, "ratio_vs_resident": t / res_t,
+                     "stage_experts": engine.stage_experts if engine is not None else None,
+                     "pins": engine.pin_limit if engine is not None else None,
+                     "system_s_per_step": sum(r[1] for r in rounds_of[name]) / (rounds * steps)})
+        if engine is not None:
+            engine.store.close()
+    return rows
+
+
 CAPACITY_CHILD = r"""
 import json, sys, tempfile, psutil, torch
 sys.path.insert(0, {here!r})
@@ -245,8 +277,22 @@ def main() -> None:
     ap.add_argument("--checksums-only", action="store_true", help="only the checksum-cost table (no JSON written)")
     ap.add_argument("--capacity-only", action="store_true", help="only the RSS-capacity table (keeps the JSON's "
                     "step-time and checksum rows from the last full run)")
+    ap.add_argument("--compute-path-only", action="store_true", help="only the compute-path table (writes "
+                    "benchmarks/offload_compute_path.json)")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    if args.compute_path_only:
+        rows = compute_path_table(32, steps=4, batch=8, seq=64)
+        print(f"\nThe experts' compute path, MoE-GPT d=128, 32 experts x 2 MoE layers, batch 8x64 "
+              f"(median of interleaved rounds)")
+        print(f"{'variant':>30} {'step s':>7} {'x resident':>10} {'chunk':>5} {'pins':>4} {'sys s/step':>10}")
+        for r in rows:
+            print(f"{r['variant']:>30} {r['step_s']:>7.3f} {r['ratio_vs_resident']:>10.2f} "
+                  f"{r['stage_experts'] if r['stage_experts'] is not None else '-':>5} "
+                  f"{r['pins'] if r['pins'] is not None else '-':>4} {r['system_s_per_step']:>10.3f}")
+        with open(os.path.join(HERE, "offload_compute_path.json"), "w") as f:
+            json.dump({"machine": platform.platform(), "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
+        return
     counts = [16, 32] if args.quick else [16, 32, 64]
     steps = 3 if args.quick else 5
     previous = {}

@@ -552,7 +552,10 @@ def _grouped_host_pair(monkeypatch, seed: int):
     calls = _count_expert_paths(monkeypatch)
     reference = small_model(seed=seed)
     model = copy.deepcopy(reference)
-    return calls, reference, model, enable_expert_offload(model, OffloadConfig(mode="host"))
+    # At the resident model's thread count: a GEMM's rounding depends on how many threads split it, and a training
+    # call's experts otherwise use one fewer (OffloadConfig.compute_threads).
+    config = OffloadConfig(mode="host", compute_threads=torch.get_num_threads())
+    return calls, reference, model, enable_expert_offload(model, config)
 
 
 def _backward_both(reference, model, x, autocast) -> list[torch.Tensor]:

@@ -708,6 +708,141 @@ def test_kept_activations_give_the_recomputed_gradients_bit_for_bit(tier, autoca
     assert all(torch.equal(kept_others[n], recomputed_others[n]) for n in kept_others)
 
 
+# --- issue 14: the disk tier on the CPU runs its training stream in staged chunks, each one grouped GEMM ---
+def _train_state(tier: str, tmp_path, autocast, **config) -> tuple[dict, dict, object, list[int]]:
+    """Train a small model 4 micro-steps (2 windows of 2) on this tier with the eager expert optimizer -> (each
+    expert's weights and moments, step counts, the engine, experts per fused Adam call during backward)."""
+    from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer
+
+    model = small_model(seed=6)
+    cfg = offload_cfg(tier, tmp_path / tier, depth=1, pin=0.25, cache=8)
+    for name, value in config.items():
+        setattr(cfg, name, value)
+    engine = enable_expert_offload(model, cfg)
+    micro = {"n": 0}
+    experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, boundary_fn=lambda: micro["n"] % 2 == 0)
+    batch_sizes = []
+    step_experts = experts._step_experts
+
+    def counting(entries, *args):
+        if micro["in_backward"]:
+            batch_sizes.append(len(entries))
+        return step_experts(entries, *args)
+
+    experts._step_experts = counting
+    opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), experts)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(4):
+        x = torch.randint(0, 101, (3, 12), generator=g)
+        micro["n"] += 1
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = model(x, labels=x).loss
+        micro["in_backward"] = True
+        loss.backward()
+        micro["in_backward"] = False
+        if micro["n"] % 2 == 0:
+            opt.step()
+            opt.zero_grad()
+    engine.synchronize()
+    state = {}
+    for key in engine.store.keys():
+        record = engine.store.acquire(key)
+        state[key] = [t.clone() for t in (record.param, record.exp_avg, record.exp_avg_sq)]
+        engine.store.release(key)
+    experts.close()
+    return state, dict(engine.store.steps), engine, batch_sizes
+
+
+@pytest.mark.skipif(not CPU_INLINE, reason="staged chunks run where the experts compute on the host")
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_disk_tier_staged_chunks_train_exactly_like_the_host_tiers_grouped_gemm(autocast, tmp_path):
+    """The disk tier (a cache of 8 of 12 experts: records evicted and re-read every step) copies the weights of 3
+    experts at a time into its staging block and runs each chunk as one grouped GEMM per matmul, its forward graph
+    kept (fp32) or recomputed (bf16 autocast casts the fp32 weights); the weights, Adam moments and step counts equal
+    the host tier's, which runs each layer as one grouped GEMM over its store (torch.equal: per expert the same
+    GEMMs and the same bias sums). During backward the optimizer steps a chunk's experts several per fused call."""
+    from hf_moe_offload.offload.engine import OffloadedExpertsLayer
+
+    chunks = []
+    original = OffloadedExpertsLayer._stage
+
+    def stage(self, stream, chunk, held=None):
+        chunks.append(len(chunk))
+        return original(self, stream, chunk, held)
+
+    OffloadedExpertsLayer._stage = stage
+    try:
+        disk, disk_steps, engine, batches = _train_state("disk", tmp_path, autocast, stage_experts=3)
+    finally:
+        OffloadedExpertsLayer._stage = original
+    host, host_steps, _, _ = _train_state("host", tmp_path, autocast)
+    assert engine.stage_experts == 3 and engine.stats.evictions > 0
+    assert chunks and max(chunks) == 3  # forward and backward staged, chunks of up to 3
+    assert max(batches) > 1
+    assert disk_steps == host_steps and set(disk_steps.values()) == {2}
+    assert all(torch.equal(x, y) for k in host for x, y in zip(host[k], disk[k]))
+
+
+@pytest.mark.skipif(not CPU_INLINE, reason="staged chunks run where the experts compute on the host")
+def test_stage_experts_needs_room_for_two_chunks(tmp_path):
+    """`stage_experts` is checked against the cache when the engine binds (two chunks and the reads ahead must fit);
+    the default takes a third of what the reads ahead leave and makes room for it beside the pins."""
+    with pytest.raises(ValueError, match="stage_experts"):
+        OffloadConfig(mode="disk", offload_dir=str(tmp_path), stage_experts=0)
+    model = small_model()
+    cfg = offload_cfg("disk", tmp_path / "a", depth=1, cache=6)
+    cfg.stage_experts = 3
+    enable_expert_offload(model, cfg)
+    x = torch.randint(0, 101, (2, 8))
+    with pytest.raises(ValueError, match="needs a host cache of at least 8 experts"):
+        model(x, labels=x)
+    model = small_model()
+    engine = enable_expert_offload(model, offload_cfg("disk", tmp_path / "b", depth=1, cache=12))
+    model(x, labels=x).loss.backward()
+    room = 12 - 1 - 1
+    assert engine.stage_experts == room // 3 and engine.pin_limit == room - 2 * engine.stage_experts
+    model = small_model()
+    cfg = offload_cfg("host", tmp_path / "c")
+    cfg.stage_experts = 2
+    enable_expert_offload(model, cfg)
+    with pytest.raises(ValueError, match="applies to the disk tier"):
+        model(x, labels=x)
+
+
+@pytest.mark.skipif(not CPU_INLINE, reason="the thread count changes where the experts compute on the host")
+@pytest.mark.parametrize("setting,expected", [(None, 1), (2, 2)])
+def test_training_experts_compute_with_compute_threads(setting, expected, tmp_path):
+    """A training call's experts (forward and backward) run with `compute_threads` intra-op threads (default: one
+    fewer than torch's), and torch's setting is back afterwards; inference calls keep torch's."""
+    from hf_moe_offload.offload.layout import ExpertLayout
+
+    seen = []
+    original = ExpertLayout.grouped_forward
+
+    def recording(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return original(self, *args, **kwargs)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    ExpertLayout.grouped_forward = recording
+    try:
+        model = small_model()
+        cfg = offload_cfg("host", tmp_path)
+        cfg.compute_threads, cfg.keep_activations = setting, False  # recompute: backward runs a forward too
+        enable_expert_offload(model, cfg)
+        x = torch.randint(0, 101, (3, 12))
+        model(x, labels=x).loss.backward()
+        assert seen and set(seen) == {expected} and torch.get_num_threads() == 2
+        seen.clear()
+        with torch.no_grad():
+            model(x)
+        assert set(seen) == {2}
+    finally:
+        ExpertLayout.grouped_forward = original
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(CPU_INLINE, reason="refused only on an asynchronous device (the simulated device runs this)")
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_keep_activations_is_refused_on_a_device(tier, tmp_path):

@@ -144,6 +144,8 @@ def enable_expert_offload(
     engine.model_dtype = model_dtype
     engine.train_experts = config.train_experts
     engine.keep_activations_setting = config.keep_activations
+    engine.stage_setting = config.stage_experts
+    engine.compute_threads = config.compute_threads
     engine.inference_setting = config.inference
     engine.compute_on_host_setting = config.compute_on_host
     engine.pregate_setting = config.pregate

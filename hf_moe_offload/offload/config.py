@@ -45,6 +45,16 @@ class OffloadConfig:
                 "compute on the CPU (host and disk tier), where it costs what the resident model saves; recompute on "
                 "a device (ES-MoE keeps only the expert inputs there). The disk tier recomputes where the forward "
                 "casts the weights (autocast to another dtype than compute_dtype). False forces the recompute"})
+    stage_experts: int | None = field(default=None, metadata={
+        "help": "disk tier computing on the CPU, training: experts per chunk of the stream whose weights are copied "
+                "into one staging block and run as one grouped GEMM per matmul, as the host tier runs a whole layer "
+                "(issue 14). None (default): a third of the host cache beside the reads ahead, at most 8; 1: one "
+                "expert at a time. Each chunk's records stay in the cache from its backward until its optimizer "
+                "step, so the cache must hold two chunks beside prefetch_depth + 1 (the pins get what is left)"})
+    compute_threads: int | None = field(default=None, metadata={
+        "help": "experts computing on the CPU (host and disk tier), training: intra-op threads of their forward and "
+                "backward. None (default): one fewer than torch.get_num_threads() (at least 1), leaving a core to "
+                "the expert optimizer's steps and the disk tier's I/O, which run alongside"})
     # --- inference (generation, evaluation: offload/inference.py) ---
     inference: bool | None = field(default=None, metadata={
         "help": "None (default): a call runs in inference mode under torch.no_grad() or model.eval() (the disk "
@@ -74,6 +84,10 @@ class OffloadConfig:
             raise ValueError(f"OffloadConfig.mode must be one of auto, {', '.join(TIERS)}; got {self.mode!r}")
         if self.prefetch_depth < 1:
             raise ValueError(f"OffloadConfig.prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        if self.stage_experts is not None and self.stage_experts < 1:
+            raise ValueError(f"OffloadConfig.stage_experts must be >= 1 or None, got {self.stage_experts}")
+        if self.compute_threads is not None and self.compute_threads < 1:
+            raise ValueError(f"OffloadConfig.compute_threads must be >= 1 or None, got {self.compute_threads}")
         if self.io_threads < 1:
             raise ValueError(f"OffloadConfig.io_threads must be >= 1, got {self.io_threads}")
         if not 0.0 <= self.pin_fraction <= 1.0:

@@ -300,7 +300,9 @@ class OffloadedExpertsLayer:
         if torch.is_grad_enabled() and self.engine.trainable:
             self.outstanding += 1
             shared = [p for p in self.shared_parameters if p.requires_grad]
-            return _StreamedExperts.apply(x_sorted, self._anchor, self, tuple(counts), tuple(ids), grouped, *shared)
+            with self.engine.training_threads():
+                return _StreamedExperts.apply(x_sorted, self._anchor, self, tuple(counts), tuple(ids), grouped,
+                                              *shared)
         with torch.no_grad():
             if grouped is not None:
                 return self._grouped_forward(x_sorted, grouped, None)
@@ -308,16 +310,32 @@ class OffloadedExpertsLayer:
 
     # --- every expert at once: the host tier on the CPU ---
     def grouped_counts(self, x: torch.Tensor, counts: list[int], ids: list[int]) -> list[int] | None:
-        """Rows per expert, all E in expert order, when this call runs each matmul as one grouped GEMM over the
-        store's weights under the resident experts' rule (`grouped_expert_counts`); None: expert by expert. Only where
-        the store keeps the layer's weights as one (E, P) tensor (the host tier) and the host computes (inline
-        runtime): a device would need every expert uploaded at once."""
-        weights = None if self.engine.runtime.asynchronous else self.engine.store.grouped_weights(self.layer)
-        if weights is None or weights.shape[0] != self.num_experts:
+        """Rows per expert, all E in expert order, when this call runs each matmul as one grouped GEMM under the
+        resident experts' rule (`grouped_expert_counts`); None: expert by expert. Only where the host computes (inline
+        runtime: a device would need every expert uploaded at once), over the store's weights where it keeps the
+        layer's as one (E, P) tensor (the host tier), else over the engine's staging block, chunk by chunk (the disk
+        tier in a training call: `staged`)."""
+        engine = self.engine
+        if engine.runtime.asynchronous:
+            return None
+        weights = engine.store.grouped_weights(self.layer)
+        if weights is not None:
+            if weights.shape[0] != self.num_experts:
+                return None
+            views = self._grouped_views(weights)
+        elif self.staged and torch.is_grad_enabled() and engine.trainable and not engine.inference:
+            weights = engine.staging_block()
+            views = self.layout.grouped_views(weights)
+        else:
             return None
         if weights.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             return None
-        return grouped_expert_counts(x, self.layout.matrices(self._grouped_views(weights)), counts, ids, self.module)
+        return grouped_expert_counts(x, self.layout.matrices(views), counts, ids, self.module, self.num_experts)
+
+    @property
+    def staged(self) -> bool:
+        """Whether a grouped call of this layer runs over the engine's staging block (`_staged_forward`)."""
+        return self.engine.stage_experts > 1 and self.engine.store.grouped_weights(self.layer) is None
 
     def _grouped_views(self, weights: torch.Tensor) -> list[torch.Tensor]:
         """The layer's (E, ...) expert tensors as views of the store's (E, P) weights, made once per store."""
@@ -335,6 +353,8 @@ class OffloadedExpertsLayer:
 
     def _grouped_forward(self, x: torch.Tensor, full: list[int], graphs: list | None) -> torch.Tensor:
         """`run_forward` as one grouped GEMM per matmul; with `graphs`, the forward graph is kept for backward."""
+        if self.staged:
+            return self._staged_forward(x, full, graphs)
         t0 = time.perf_counter()
         tensors = self._grouped_tensors(used=sum(1 for n in full if n))
         if graphs is None:
@@ -354,6 +374,8 @@ class OffloadedExpertsLayer:
     def _grouped_backward(self, x, gy, full: list[int], shared: tuple, graphs: list | None) -> tuple:
         """`run_backward` for a call `_grouped_forward` ran: one autograd pass over all experts (the kept graph, or a
         grouped recompute), then each expert's gradient to the store, in the loop's reverse order."""
+        if self.staged:
+            return self._staged_backward(x, gy, full, shared, graphs)
         t0 = time.perf_counter()
         if graphs:
             xs, leaves, ys = graphs.pop()
@@ -379,6 +401,127 @@ class OffloadedExpertsLayer:
         engine.stats.compute_seconds += time.perf_counter() - t0
         engine.layer_backward_done(self.layer)
         return grads[0], list(grads[len(grads) - len(shared):])
+
+    # --- the disk tier on the CPU: the stream in chunks, each one grouped GEMM per matmul ---
+    # The disk tier holds a quarter of the experts, so no (E, P) block of a layer's weights exists. Run one expert at a
+    # time, a training step of the benchmark's MoE-GPT (32 rows per expert) took 1.44x the resident step with every
+    # expert cached, against 1.04x for the host tier's grouped GEMM (issue 14): the loop's per-expert work, not I/O.
+    # So a training call copies each chunk's weights, as the stream yields them, into the engine's staging block and
+    # runs the chunk's rows as one grouped GEMM per matmul; its records go back to the cache as soon as they are
+    # copied. Backward re-stages each chunk (the stream in reverse) and differentiates the chunk's kept graph, whose
+    # saved weights were packed as their place in the block (`_forward_kept`'s trick, a chunk at a time), then hands
+    # the chunk's gradients over at once (the expert optimizer steps them several per fused call).
+    def _chunks(self, full: list[int]) -> list[list[tuple[int, int, int]]]:
+        """The segments (expert, first row, rows) of the experts with rows, `engine.stage_experts` per chunk."""
+        segments = self._segments(full, range(len(full)))
+        k = self.engine.stage_experts
+        return [segments[i : i + k] for i in range(0, len(segments), k)]
+
+    def _stage(self, stream: Iterator, chunk: list, held: list | None = None) -> torch.Tensor:
+        """Copy the chunk's weights into the staging block as `stream` yields them (in the chunk's order, or in
+        reverse with `held`: a backward stream, whose (record, position) pairs go to `held`) -> the block's rows."""
+        block = self.engine.staging_block()
+        positions = range(len(chunk)) if held is None else reversed(range(len(chunk)))
+        for i in positions:
+            item = next(stream)
+            if held is not None:
+                w, record = item
+                held.append((i, record))
+            else:
+                w = item
+            block[i].copy_(w)
+        return block[: len(chunk)]
+
+    def _staged_forward(self, x: torch.Tensor, full: list[int], graphs: list | None) -> torch.Tensor:
+        chunks = self._chunks(full)
+        stream = self.engine.stream(self.layer, [e for chunk in chunks for e, _, _ in chunk], phase="forward")
+        y = None
+        try:
+            for chunk in chunks:
+                block = self._stage(stream, chunk)
+                lo, hi = chunk[0][1], chunk[-1][1] + chunk[-1][2]
+                counts = [n for _, _, n in chunk]
+                if graphs is None:
+                    out = self.layout.grouped_forward(x[lo:hi], counts, self.layout.grouped_views(block))
+                else:
+                    out = self._staged_kept(x[lo:hi], counts, block, graphs)
+                if y is None:
+                    y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out.dtype)
+                y[lo:hi] = out
+        finally:
+            stream.close()  # hands back the last chunk's records
+        return y if y is not None else x[:0].clone()
+
+    def _staged_kept(self, xs: torch.Tensor, counts: list[int], block: torch.Tensor, graphs: list) -> torch.Tensor:
+        """A chunk's grouped forward with its graph kept; saved views of the staging block are packed as their
+        place in it and unpacked from the block the backward re-stages (`holder[0]`)."""
+        holder: list[torch.Tensor | None] = [None]
+        base = block.untyped_storage().data_ptr()
+
+        def pack(t: torch.Tensor):
+            if t.untyped_storage().data_ptr() == base:
+                return (t.storage_offset(), t.shape, t.stride())
+            return t
+
+        def unpack(saved):
+            if isinstance(saved, tuple):
+                return holder[0].as_strided(saved[1], saved[2], saved[0])
+            return saved
+
+        leaves = [v.detach().requires_grad_(True) for v in self.layout.grouped_views(block)]
+        xs = xs.detach().requires_grad_(True)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            ys = self.layout.grouped_forward(xs, counts, leaves)
+        graphs.append((xs, leaves, ys, holder))
+        return ys.detach()
+
+    def _staged_backward(self, x, gy, full: list[int], shared: tuple, graphs: list | None) -> tuple:
+        engine = self.engine
+        train = engine.train_experts
+        chunks = self._chunks(full)
+        order = [e for chunk in reversed(chunks) for e, _, _ in reversed(chunk)]
+        stream = engine.stream(self.layer, order, keep=True, phase="backward")
+        gx = torch.zeros_like(x)
+        g_shared = [None] * len(shared)
+        held: list[tuple[int, ExpertRecord]] = []  # records handed over by the stream, not yet handed on
+        try:
+            for c in reversed(range(len(chunks))):
+                chunk = chunks[c]
+                block = self._stage(stream, chunk, held)
+                lo, hi = chunk[0][1], chunk[-1][1] + chunk[-1][2]
+                if graphs:
+                    xs, leaves, ys, holder = graphs[c]
+                    holder[0] = block  # the kept graph's saved weights are these rows (see _staged_kept)
+                    graphs[c] = None  # freed once used, as autograd frees a resident model's saved tensors
+                else:
+                    leaves = [v.detach().requires_grad_(True) for v in self.layout.grouped_views(block)]
+                    xs = x[lo:hi].detach().requires_grad_(True)
+                    with torch.enable_grad():
+                        ys = self.layout.grouped_forward(xs, [n for _, _, n in chunk], leaves)
+                grads = torch.autograd.grad(ys, [xs, *(leaves if train else []), *shared], gy[lo:hi].to(ys.dtype),
+                                            allow_unused=bool(shared))
+                gx[lo:hi] = grads[0]
+                for j, g in enumerate(grads[len(grads) - len(shared):]):
+                    if g is not None:
+                        g_shared[j] = g if g_shared[j] is None else g_shared[j] + g
+                items = [((self.layer, chunk[i][0]), record) for i, record in held]
+                if train:
+                    expert_grads = grads[1 : 1 + len(leaves)]
+                    arrivals = [(key, record, GradArrival.on_host(engine.runtime, [g[i] for g in expert_grads],
+                                                                  self.layout.views))
+                                for (key, record), (i, _) in zip(items, held)]
+                    held = []
+                    engine.grads_arrived(self.layer, arrivals)
+                else:
+                    held = []
+                    for key, record in items:
+                        engine.release_record(key, record)
+        finally:
+            for i, _ in held:  # interrupted: hand back what the stream handed over
+                engine.store.release((self.layer, chunk[i][0]))
+            stream.close()
+        engine.layer_backward_done(self.layer)
+        return gx, g_shared
 
     # --- the two streamed loops ---
     def _segments(self, counts, ids) -> list[tuple[int, int, int]]:
@@ -562,7 +705,7 @@ class _StreamedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         (x_sorted,) = ctx.saved_tensors
-        with restore_autocast(x_sorted.device.type, ctx.autocast):
+        with restore_autocast(x_sorted.device.type, ctx.autocast), ctx.layer.engine.training_threads():
             if ctx.grouped is not None:
                 gx, g_shared = ctx.layer._grouped_backward(x_sorted, gy.contiguous(), ctx.grouped, ctx.shared,
                                                            ctx.graphs)
@@ -613,6 +756,11 @@ class OffloadEngine:
         # Records in flight must fit the cache: clamp the lookahead (a cache of 1 expert streams with no lookahead).
         self.depth = depth if cache is None else max(0, min(depth, cache - 2))
         self.pin_fraction = pin_fraction
+        # The disk tier on the CPU: experts per staged chunk (`OffloadedExpertsLayer._staged_forward`; set at bind).
+        self.stage_setting: int | None = None  # OffloadConfig.stage_experts
+        self.compute_threads: int | None = None  # OffloadConfig.compute_threads (`training_threads`)
+        self.stage_experts = 1
+        self._staging: torch.Tensor | None = None
         # Pins take host-cache slots for good: leave the disk tier's cache room for the records in flight (the one
         # computing and `depth` read ahead), or the stream evicts pinned records and pinning saves nothing.
         self.pin_limit = None if cache is None else max(0, cache - self.depth - 1)
@@ -684,6 +832,7 @@ class OffloadEngine:
                 "Leave it unset (the engine then recomputes each expert's middle activation in backward)"
             )
         self.keep_activations = safe if self.keep_activations_setting is None else self.keep_activations_setting
+        self._bind_staging(cache=getattr(self.store, "cache_experts", None))
         self.store.bind_runtime(self.runtime)
         self.stager = DeviceStager(self.runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1),
                                    self.stats)
@@ -706,6 +855,61 @@ class OffloadEngine:
             )
         self.map_files = can_map if self.mmap_setting is None else self.mmap_setting
         logger.info("expert offload: computing on %s (runtime %s)", device, self.runtime.name)
+
+    @contextmanager
+    def training_threads(self):
+        """The experts of a training call computing on the CPU use `compute_threads` intra-op threads (default: one
+        fewer than torch's, at least 1): the expert optimizer's steps and the disk tier's reads and write-backs run
+        alongside on their own threads (ES-MoE §4.1's overlap), and with every core in the experts' OpenMP teams
+        they wait on each other. On the 2-core box one thread made the host tier 0.95-0.97x resident instead of
+        1.02x and the disk tier with every expert cached 1.16x instead of 1.38x (issue 14, benchmarks/RESULTS.md).
+        An asynchronous device computes elsewhere: nothing changes there."""
+        before = torch.get_num_threads()
+        wanted = self.compute_threads if self.compute_threads is not None else max(1, before - 1)
+        if self.runtime is None or self.runtime.asynchronous or wanted == before:
+            yield
+            return
+        torch.set_num_threads(wanted)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    # A staged chunk's records are held from its backward's stream until the optimizer has stepped them, while the
+    # next chunk's are acquired: 2 chunks and the reads ahead, beside the pins. The chunk's gain levels off by ~8
+    # experts (measured on the CPU box, benchmarks/RESULTS.md) while each pin saves an expert's I/O every step.
+    STAGE_MAX = 8
+
+    def _bind_staging(self, cache: int | None) -> None:
+        """Choose `stage_experts` (the disk tier computing on the host: `OffloadConfig.stage_experts`, by default
+        a third of the cache left beside the reads ahead, at most `STAGE_MAX`) and make room for it beside the pins."""
+        if cache is None or self.runtime.asynchronous:
+            if self.stage_setting not in (None, 1):
+                raise ValueError(
+                    f"OffloadConfig.stage_experts={self.stage_setting} applies to the disk tier computing on the CPU "
+                    f"(here: {self.store.tier} tier on {self.device}); leave it unset"
+                )
+            return
+        room = cache - self.depth - 1
+        k = min(self.STAGE_MAX, room // 3) if self.stage_setting is None else self.stage_setting
+        if 2 * k > room and k > 1:
+            raise ValueError(
+                f"OffloadConfig.stage_experts={k} needs a host cache of at least {2 * k + self.depth + 1} experts "
+                f"(two chunks and prefetch_depth={self.depth} reads ahead); the cache holds {cache}: lower "
+                "stage_experts or raise host_cache_experts/host_cache_bytes"
+            )
+        self.stage_experts = max(1, k)
+        if self.stage_experts > 1:
+            self.pin_limit = max(0, room - 2 * self.stage_experts)
+
+    def staging_block(self) -> torch.Tensor:
+        """(stage_experts, P) in the store's compute dtype, each row 64-byte aligned: the weights of a staged chunk."""
+        if self._staging is None:
+            numel, dtype = self.store.numel, self.store.compute_dtype
+            stride = -(-numel * dtype.itemsize // 64) * 64 // dtype.itemsize
+            self._staging = torch.empty(self.stage_experts * stride, dtype=dtype).as_strided(
+                (self.stage_experts, numel), (stride, 1))
+        return self._staging
 
     # --- inference (offload/inference.py) ---
     def inference_for(self, module: nn.Module) -> bool:

@@ -234,20 +234,26 @@ class ExpertOptimizer:
                                 self._window)
         self.engine.set_pending(key, job)
 
-    def _batch_size(self, ready: int, in_backward: bool = False) -> int:
+    def _batch_size(self, ready: int) -> int:
         """Experts per job (one fused call): the ready experts split evenly over the workers. A batch holds all its
         records at once: on the disk tier, at most what the host cache can hold beside the reads in flight after
-        backward (`step()`), and one during backward, where the cache also holds what the stream reads (and the
-        records other jobs were handed)."""
-        workers = self.workers
-        size = max(1, -(-ready // workers))
+        backward (`step()`)."""
+        size = max(1, -(-ready // self.workers))
         cache = getattr(self.store, "cache_experts", None)
         if cache is not None:
-            size = 1 if in_backward else min(size, max(1, (cache - self.engine.depth - 1) // workers))
+            size = min(size, max(1, (cache - self.engine.depth - 1) // self.workers))
         return size
 
     def _batches(self, entries: list, in_backward: bool) -> list[list]:
-        size = self._batch_size(len(entries), in_backward)
+        """During backward on the disk tier the cache also holds what the stream reads: the experts handed over
+        with their records (held already: a staged chunk's) are split evenly over the workers; one a job must acquire
+        goes alone."""
+        if in_backward and getattr(self.store, "cache_experts", None) is not None:
+            held = [entry for entry in entries if entry[1] is not None]
+            size = max(1, -(-len(held) // self.workers))
+            return [held[i : i + size] for i in range(0, len(held), size)] + [
+                [entry] for entry in entries if entry[1] is None]
+        size = self._batch_size(len(entries))
         return [entries[i : i + size] for i in range(0, len(entries), size)]
 
     def _start_batched_steps(self, entries: list[tuple[ExpertKey, ExpertRecord | None, GradArrival | None]],

@@ -245,11 +245,13 @@ def full_expert_counts(counts: list[int], expert_ids: list[int] | None, num_expe
 
 
 def grouped_expert_counts(x: torch.Tensor, matrices: list[torch.Tensor], counts: list[int],
-                          expert_ids: list[int] | None, experts: nn.Module) -> list[int] | None:
+                          expert_ids: list[int] | None, experts: nn.Module,
+                          num_experts: int | None = None) -> list[int] | None:
     """Rows per expert, all of them in expert order, where `experts` (an experts module, its (E, ...) weight
     `matrices`) run on these rows as one grouped GEMM per matmul (`GroupedLinear.usable`, no dropout inside the
-    experts: the loop draws one mask per expert); None: one expert after another."""
-    full = full_expert_counts(counts, expert_ids, matrices[0].shape[0])
+    experts: the loop draws one mask per expert); None: one expert after another. `num_experts`: E where `matrices`
+    hold a chunk of the experts (the disk tier's staging block)."""
+    full = full_expert_counts(counts, expert_ids, matrices[0].shape[0] if num_experts is None else num_experts)
     if full is None or dropout_active(experts) or not GroupedLinear.usable(x, matrices, full):
         return None
     return full
