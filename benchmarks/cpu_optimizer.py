@@ -97,27 +97,17 @@ def throughput(num_experts: int, numel: int, reps: int) -> dict:
             store.acquire(k).add_grad(noise)
             store.has_grad[k] = True
 
-    def one_by_one(workers):
-        # Each expert handed over alone, as the per-expert loop's backward does.
+    def handed(workers: int, together: bool):
+        # Eager mode: each expert handed over alone, as the per-expert loop's backward does, or (`together`) a layer's
+        # experts at once, as on the grouped host path and the disk tier's staged chunks, stepped several per fused
+        # call on the workers.
         engine = _Engine(store, numel)
         opt = ExpertOptimizer(engine, lr=1e-3, weight_decay=0.01, workers=workers, boundary_fn=lambda: True)
-
-        def run():
-            for k in keys:
-                opt._take_final([(k, store.acquire(k), None)])
-            engine.synchronize()
-            opt._stepped.clear()
-        return opt, run
-
-    def layer():
-        # Eager mode on the grouped host path: a layer's gradients become final together and its experts are handed
-        # to the optimizer at once, stepped several per fused call on the 2 workers.
-        engine = _Engine(store, numel)
-        opt = ExpertOptimizer(engine, lr=1e-3, weight_decay=0.01, workers=2, boundary_fn=lambda: True)
         assert opt.eager
 
         def run():
-            assert len(opt._take_final([(k, store.acquire(k), None) for k in keys])) == len(keys)
+            for group in [keys] if together else [[k] for k in keys]:
+                assert len(opt._take_final([(k, store.acquire(k), None) for k in group])) == len(group)
             engine.synchronize()
             opt._stepped.clear()
         return opt, run
@@ -134,8 +124,8 @@ def throughput(num_experts: int, numel: int, reps: int) -> dict:
             engine.synchronize()
         return opt, run
 
-    variants = {"torch_fused": (None, ref.step), "expert_1w": one_by_one(1), "expert_2w": one_by_one(2),
-                "expert_layer_2w": layer(), "expert_batched_2w": batched()}
+    variants = {"torch_fused": (None, ref.step), "expert_1w": handed(1, False), "expert_2w": handed(2, False),
+                "expert_layer_2w": handed(2, True), "expert_batched_2w": batched()}
     times = interleaved_rounds({name: run for name, (_, run) in variants.items()}, reps, warmup=1,
                                setup=lambda name: land_gradients())
     for opt, _ in variants.values():

@@ -604,6 +604,16 @@ def test_disk_tier_evicts_the_expert_needed_furthest_in_the_schedule(tmp_path):
         store.close()
 
 
+def _store_state(engine) -> dict:
+    """Each expert's weights and Adam moments in the store (copies)."""
+    state = {}
+    for key in engine.store.keys():
+        record = engine.store.acquire(key)
+        state[key] = [t.clone() for t in (record.param, record.exp_avg, record.exp_avg_sq)]
+        engine.store.release(key)
+    return state
+
+
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_disk_tier_row_io_and_schedule_change_no_bit(clip, tmp_path, monkeypatch):
     """The disk tier with a cache of 3 of 12 experts (row-level I/O, zero gradients never read, Belady eviction,
@@ -634,12 +644,7 @@ def test_disk_tier_row_io_and_schedule_change_no_bit(clip, tmp_path, monkeypatch
         engine.synchronize()
         if tier == "disk":
             assert engine.stats.evictions > 0
-        state = {}
-        for key in engine.store.keys():
-            record = engine.store.acquire(key)
-            state[key] = [t.clone() for t in (record.param, record.exp_avg, record.exp_avg_sq)]
-            engine.store.release(key)
-        results.append((state, dict(engine.store.steps)))
+        results.append((_store_state(engine), dict(engine.store.steps)))
         experts.close()
     (host, steps_host), (disk, steps_disk) = results
     assert steps_host == steps_disk and set(steps_host.values()) == {3}
@@ -744,11 +749,7 @@ def _train_state(tier: str, tmp_path, autocast, **config) -> tuple[dict, dict, o
             opt.step()
             opt.zero_grad()
     engine.synchronize()
-    state = {}
-    for key in engine.store.keys():
-        record = engine.store.acquire(key)
-        state[key] = [t.clone() for t in (record.param, record.exp_avg, record.exp_avg_sq)]
-        engine.store.release(key)
+    state = _store_state(engine)
     experts.close()
     return state, dict(engine.store.steps), engine, batch_sizes
 

@@ -325,7 +325,7 @@ class OffloadedExpertsLayer:
             views = self._grouped_views(weights)
         elif self.staged and torch.is_grad_enabled() and engine.trainable and not engine.inference:
             weights = engine.staging_block()
-            views = self.layout.grouped_views(weights)
+            views = self._grouped_views(weights)
         else:
             return None
         if weights.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
@@ -334,11 +334,13 @@ class OffloadedExpertsLayer:
 
     @property
     def staged(self) -> bool:
-        """Whether a grouped call of this layer runs over the engine's staging block (`_staged_forward`)."""
-        return self.engine.stage_experts > 1 and self.engine.store.grouped_weights(self.layer) is None
+        """Whether a grouped call of this layer runs over the engine's staging block (`_staged_forward`): only the
+        disk tier computing on the host stages (`OffloadEngine._bind_staging`)."""
+        return self.engine.stage_experts > 1
 
     def _grouped_views(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        """The layer's (E, ...) expert tensors as views of the store's (E, P) weights, made once per store."""
+        """The layer's (E, ...) expert tensors as views of the store's (E, P) weights (or of the engine's staging
+        block), made once per block."""
         if self._grouped is None or self._grouped[0] is not weights:
             self._grouped = (weights, self.layout.grouped_views(weights))
         return self._grouped[1]
@@ -385,27 +387,40 @@ class OffloadedExpertsLayer:
             with torch.enable_grad():
                 ys = self.layout.grouped_forward(xs, full, leaves)
         engine = self.engine
-        train = engine.train_experts
-        grads = torch.autograd.grad(ys, [xs, *(leaves if train else []), *shared], gy.to(ys.dtype),
-                                    allow_unused=bool(shared))
-        if train:
-            expert_grads = grads[1 : 1 + len(leaves)]
-            arrivals = []
-            for e in reversed(range(self.num_experts)):
-                if full[e]:
-                    key = (self.layer, e)
-                    record = engine.store.acquire(key, WEIGHTS_AND_GRAD)
-                    arrival = GradArrival.on_host(engine.runtime, [g[e] for g in expert_grads], self.layout.views)
-                    arrivals.append((key, record, arrival))
-            engine.grads_arrived(self.layer, arrivals)
+        g_shared = [None] * len(shared)
+        gx, expert_grads = self._differentiate(ys, xs, leaves, gy, shared, g_shared)
+        if expert_grads:
+            self._hand_over(expert_grads, [(e, (self.layer, e), engine.store.acquire((self.layer, e), WEIGHTS_AND_GRAD))
+                                           for e in reversed(range(self.num_experts)) if full[e]])
         engine.stats.compute_seconds += time.perf_counter() - t0
         engine.layer_backward_done(self.layer)
-        return grads[0], list(grads[len(grads) - len(shared):])
+        return gx, g_shared
+
+    def _differentiate(self, ys, xs, leaves: list, gy, shared: tuple, g_shared: list) -> tuple:
+        """One autograd pass over a forward graph (an expert's, a staged chunk's, a layer's) -> (the input gradient,
+        the expert tensors' gradients in layout order, none when the experts are frozen); the `shared` parameters'
+        gradients are added into `g_shared`."""
+        train = self.engine.train_experts
+        grads = torch.autograd.grad(ys, [xs, *(leaves if train else []), *shared], gy.to(ys.dtype),
+                                    allow_unused=bool(shared))
+        for j, g in enumerate(grads[len(grads) - len(shared):]):
+            if g is not None:
+                g_shared[j] = g if g_shared[j] is None else g_shared[j] + g
+        return grads[0], grads[1 : 1 + len(leaves)] if train else ()
+
+    def _hand_over(self, expert_grads: tuple, held: list[tuple[int, ExpertKey, ExpertRecord]]) -> None:
+        """The gradients of several experts computed at once, (k, ...) per tensor, to the store: `held` names each
+        expert's row i, key and record (acquired with its gradient row); handed over together (the expert optimizer
+        steps them several per fused call)."""
+        rt = self.engine.runtime
+        self.engine.grads_arrived(self.layer, [
+            (key, record, GradArrival.on_host(rt, [g[i] for g in expert_grads], self.layout.views))
+            for i, key, record in held])
 
     # --- the disk tier on the CPU: the stream in chunks, each one grouped GEMM per matmul ---
     # The disk tier holds a quarter of the experts, so no (E, P) block of a layer's weights exists. Run one expert at a
-    # time, a training step of the benchmark's MoE-GPT (32 rows per expert) took 1.44x the resident step with every
-    # expert cached, against 1.04x for the host tier's grouped GEMM (issue 14): the loop's per-expert work, not I/O.
+    # time, a training step of the benchmark's MoE-GPT (32 rows per expert) took 1.18x the resident step with every
+    # expert cached (no I/O), staged 0.94x (`benchmarks/offload.py --compute-path-only`, issue 14).
     # So a training call copies each chunk's weights, as the stream yields them, into the engine's staging block and
     # runs the chunk's rows as one grouped GEMM per matmul; its records go back to the cache as soon as they are
     # copied. Backward re-stages each chunk (the stream in reverse) and differentiates the chunk's kept graph, whose
@@ -453,31 +468,14 @@ class OffloadedExpertsLayer:
         return y if y is not None else x[:0].clone()
 
     def _staged_kept(self, xs: torch.Tensor, counts: list[int], block: torch.Tensor, graphs: list) -> torch.Tensor:
-        """A chunk's grouped forward with its graph kept; saved views of the staging block are packed as their
-        place in it and unpacked from the block the backward re-stages (`holder[0]`)."""
-        holder: list[torch.Tensor | None] = [None]
-        base = block.untyped_storage().data_ptr()
-
-        def pack(t: torch.Tensor):
-            if t.untyped_storage().data_ptr() == base:
-                return (t.storage_offset(), t.shape, t.stride())
-            return t
-
-        def unpack(saved):
-            if isinstance(saved, tuple):
-                return holder[0].as_strided(saved[1], saved[2], saved[0])
-            return saved
-
+        """A chunk's grouped forward with its graph kept (`_kept_graph` over the staging block, which the backward
+        re-stages with the same experts in the same rows)."""
         leaves = [v.detach().requires_grad_(True) for v in self.layout.grouped_views(block)]
-        xs = xs.detach().requires_grad_(True)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            ys = self.layout.grouped_forward(xs, counts, leaves)
-        graphs.append((xs, leaves, ys, holder))
-        return ys.detach()
+        graphs.append(_kept_graph(lambda inputs: self.layout.grouped_forward(inputs, counts, leaves), xs, leaves, block))
+        return graphs[-1][2].detach()
 
     def _staged_backward(self, x, gy, full: list[int], shared: tuple, graphs: list | None) -> tuple:
         engine = self.engine
-        train = engine.train_experts
         chunks = self._chunks(full)
         order = [e for chunk in reversed(chunks) for e, _, _ in reversed(chunk)]
         stream = engine.stream(self.layer, order, keep=True, phase="backward")
@@ -491,30 +489,19 @@ class OffloadedExpertsLayer:
                 lo, hi = chunk[0][1], chunk[-1][1] + chunk[-1][2]
                 if graphs:
                     xs, leaves, ys, holder = graphs[c]
-                    holder[0] = block  # the kept graph's saved weights are these rows (see _staged_kept)
+                    holder[0] = block  # the kept graph's saved weights are these rows (see _kept_graph)
                     graphs[c] = None  # freed once used, as autograd frees a resident model's saved tensors
                 else:
                     leaves = [v.detach().requires_grad_(True) for v in self.layout.grouped_views(block)]
                     xs = x[lo:hi].detach().requires_grad_(True)
                     with torch.enable_grad():
                         ys = self.layout.grouped_forward(xs, [n for _, _, n in chunk], leaves)
-                grads = torch.autograd.grad(ys, [xs, *(leaves if train else []), *shared], gy[lo:hi].to(ys.dtype),
-                                            allow_unused=bool(shared))
-                gx[lo:hi] = grads[0]
-                for j, g in enumerate(grads[len(grads) - len(shared):]):
-                    if g is not None:
-                        g_shared[j] = g if g_shared[j] is None else g_shared[j] + g
-                items = [((self.layer, chunk[i][0]), record) for i, record in held]
-                if train:
-                    expert_grads = grads[1 : 1 + len(leaves)]
-                    arrivals = [(key, record, GradArrival.on_host(engine.runtime, [g[i] for g in expert_grads],
-                                                                  self.layout.views))
-                                for (key, record), (i, _) in zip(items, held)]
-                    held = []
-                    engine.grads_arrived(self.layer, arrivals)
+                gx[lo:hi], expert_grads = self._differentiate(ys, xs, leaves, gy[lo:hi], shared, g_shared)
+                done, held = [(i, (self.layer, chunk[i][0]), record) for i, record in held], []
+                if expert_grads:
+                    self._hand_over(expert_grads, done)
                 else:
-                    held = []
-                    for key, record in items:
+                    for _, key, record in done:
                         engine.release_record(key, record)
         finally:
             for i, _ in held:  # interrupted: hand back what the stream handed over
@@ -613,26 +600,9 @@ class OffloadedExpertsLayer:
         its backward in a micro-step (its step waits for the backward of the layer's last call). So a disk-tier slot
         can hold other experts meanwhile, and the host tier's records need no autograd version check (the gradient
         landed by another call of the layer, MPMoE partitions, bumps the counter of the record's buffer)."""
-        weights: list[torch.Tensor | None] = [None]
-        base, origin = w.untyped_storage().data_ptr(), w.storage_offset()
-
-        def pack(t: torch.Tensor):
-            if t.untyped_storage().data_ptr() == base:
-                return (t.storage_offset() - origin, t.shape, t.stride())
-            return t
-
-        def unpack(saved):
-            if isinstance(saved, tuple):
-                now = weights[0]
-                return now.as_strided(saved[1], saved[2], now.storage_offset() + saved[0])
-            return saved
-
         leaves = [v.detach().requires_grad_(True) for v in self._forward_weights(w, xs)]
-        xs = xs.detach().requires_grad_(True)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            ys = self.layout.forward(xs, leaves)
-        graphs.append((xs, leaves, ys, weights))
-        return ys.detach()
+        graphs.append(_kept_graph(lambda inputs: self.layout.forward(inputs, leaves), xs, leaves, w))
+        return graphs[-1][2].detach()
 
     def run_backward(self, x, gy, counts, ids, rng_states: list, shared: tuple = (), graphs: list | None = None) -> tuple:
         """-> (input gradient, gradients of the `shared` parameters); expert gradients go to the store. With
@@ -645,8 +615,8 @@ class OffloadedExpertsLayer:
         for (w, record), i in zip(stream, order):
             e, start, n = segments[i]
             if graphs is not None:
-                xs, leaves, ys, weights = graphs[i]
-                weights[0] = w  # the kept graph's saved weights are these (see _forward_kept)
+                xs, leaves, ys, holder = graphs[i]
+                holder[0] = w  # the kept graph's saved weights are these (see _kept_graph)
                 graphs[i] = None  # freed as soon as it is used, as autograd frees a resident model's saved tensors
             else:
                 leaves = [v.detach().requires_grad_(True) for v in self._weights(w, x)]
@@ -656,19 +626,39 @@ class OffloadedExpertsLayer:
                     if rng_states:
                         _set_rng(x.device, rng_states[i])
                     ys = self.layout.forward(xs, leaves)
-            train = self.engine.train_experts
-            grads = torch.autograd.grad(ys, [xs, *(leaves if train else []), *shared],
-                                        gy[start : start + n].to(ys.dtype), allow_unused=bool(shared))
-            gx[start : start + n] = grads[0]
-            for j, g in enumerate(grads[len(grads) - len(shared):]):
-                if g is not None:
-                    g_shared[j] = g if g_shared[j] is None else g_shared[j] + g
-            if train:
-                self.engine.accumulate_grad((self.layer, e), record, grads[1 : 1 + len(leaves)])
+            gx[start : start + n], expert_grads = self._differentiate(ys, xs, leaves, gy[start : start + n], shared,
+                                                                      g_shared)
+            if expert_grads:
+                self.engine.accumulate_grad((self.layer, e), record, expert_grads)
             else:
                 self.engine.release_record((self.layer, e), record)
         self.engine.layer_backward_done(self.layer)
         return gx, g_shared
+
+
+def _kept_graph(forward: Callable, xs: torch.Tensor, leaves: list[torch.Tensor], w: torch.Tensor) -> tuple:
+    """Run `forward(xs)` over weight `leaves` that are views of `w` with the graph kept for backward, but not `w`:
+    saved tensors that are views of `w` are packed as their place in it and unpacked from `holder[0]`, which the
+    backward sets to the same weights at the same places (`w` itself, or the buffer they were streamed or staged
+    into again). -> (input leaf, leaves, output, holder)."""
+    holder: list[torch.Tensor | None] = [None]
+    base, origin = w.untyped_storage().data_ptr(), w.storage_offset()
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == base:
+            return (t.storage_offset() - origin, t.shape, t.stride())
+        return t
+
+    def unpack(saved):
+        if isinstance(saved, tuple):
+            now = holder[0]
+            return now.as_strided(saved[1], saved[2], now.storage_offset() + saved[0])
+        return saved
+
+    xs = xs.detach().requires_grad_(True)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        ys = forward(xs)
+    return xs, leaves, ys, holder
 
 
 def _rng_devices(device: torch.device) -> list:
@@ -761,9 +751,7 @@ class OffloadEngine:
         self.compute_threads: int | None = None  # OffloadConfig.compute_threads (`training_threads`)
         self.stage_experts = 1
         self._staging: torch.Tensor | None = None
-        # Pins take host-cache slots for good: leave the disk tier's cache room for the records in flight (the one
-        # computing and `depth` read ahead), or the stream evicts pinned records and pinning saves nothing.
-        self.pin_limit = None if cache is None else max(0, cache - self.depth - 1)
+        self._cache = cache
         self._load_scores: dict[ExpertKey, float] = {}  # `update_pins`: each expert's decayed token load
         self.trainable = True  # False: no backward through the experts at all
         self.train_experts = True  # False (frozen experts, e.g. LoRA): backward gives input gradients only
@@ -832,7 +820,7 @@ class OffloadEngine:
                 "Leave it unset (the engine then recomputes each expert's middle activation in backward)"
             )
         self.keep_activations = safe if self.keep_activations_setting is None else self.keep_activations_setting
-        self._bind_staging(cache=getattr(self.store, "cache_experts", None))
+        self._bind_staging()
         self.store.bind_runtime(self.runtime)
         self.stager = DeviceStager(self.runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1),
                                    self.stats)
@@ -876,13 +864,15 @@ class OffloadEngine:
             torch.set_num_threads(before)
 
     # A staged chunk's records are held from its backward's stream until the optimizer has stepped them, while the
-    # next chunk's are acquired: 2 chunks and the reads ahead, beside the pins. The chunk's gain levels off by ~8
-    # experts (measured on the CPU box, benchmarks/RESULTS.md) while each pin saves an expert's I/O every step.
+    # next chunk's are acquired: 2 chunks and the reads ahead, beside the pins, each of which saves an expert's I/O
+    # every step. A grouped call has a fixed cost: on the CPU box chunks of 2 ran slower than one expert at a time,
+    # chunks of 8 fastest of 2 / 4 / 8 (scratch runs, benchmarks/RESULTS.md).
     STAGE_MAX = 8
 
-    def _bind_staging(self, cache: int | None) -> None:
+    def _bind_staging(self) -> None:
         """Choose `stage_experts` (the disk tier computing on the host: `OffloadConfig.stage_experts`, by default
-        a third of the cache left beside the reads ahead, at most `STAGE_MAX`) and make room for it beside the pins."""
+        a third of the cache left beside the reads ahead, at most `STAGE_MAX`; `pin_limit` makes room for it)."""
+        cache = self._cache
         if cache is None or self.runtime.asynchronous:
             if self.stage_setting not in (None, 1):
                 raise ValueError(
@@ -899,8 +889,16 @@ class OffloadEngine:
                 "stage_experts or raise host_cache_experts/host_cache_bytes"
             )
         self.stage_experts = max(1, k)
-        if self.stage_experts > 1:
-            self.pin_limit = max(0, room - 2 * self.stage_experts)
+
+    @property
+    def pin_limit(self) -> int | None:
+        """Pins take host-cache slots for good: leave the disk tier's cache room for the records in flight (the one
+        computing, `depth` read ahead, and two staged chunks), or the stream evicts pinned records and pinning saves
+        nothing. None: no bound (the host tier)."""
+        if self._cache is None:
+            return None
+        chunks = 2 * self.stage_experts if self.stage_experts > 1 else 0
+        return max(0, self._cache - self.depth - 1 - chunks)
 
     def staging_block(self) -> torch.Tensor:
         """(stage_experts, P) in the store's compute dtype, each row 64-byte aligned: the weights of a staged chunk."""

@@ -248,13 +248,13 @@ class ExpertOptimizer:
         """During backward on the disk tier the cache also holds what the stream reads: the experts handed over
         with their records (held already: a staged chunk's) are split evenly over the workers; one a job must acquire
         goes alone."""
+        def split(items: list, size: int) -> list[list]:
+            return [items[i : i + size] for i in range(0, len(items), size)]
+
         if in_backward and getattr(self.store, "cache_experts", None) is not None:
             held = [entry for entry in entries if entry[1] is not None]
-            size = max(1, -(-len(held) // self.workers))
-            return [held[i : i + size] for i in range(0, len(held), size)] + [
-                [entry] for entry in entries if entry[1] is None]
-        size = self._batch_size(len(entries))
-        return [entries[i : i + size] for i in range(0, len(entries), size)]
+            return split(held, max(1, -(-len(held) // self.workers))) + split([e for e in entries if e[1] is None], 1)
+        return split(entries, self._batch_size(len(entries)))
 
     def _start_batched_steps(self, entries: list[tuple[ExpertKey, ExpertRecord | None, GradArrival | None]],
                              clip_coef: float | None, grad_scale: float | None, in_backward: bool = False) -> None:

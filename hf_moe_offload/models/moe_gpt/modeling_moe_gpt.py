@@ -385,6 +385,8 @@ class GroupedLinear:
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    # hf_moe_offload.precision.compute_dtype's twin: this file is pushed as the Hub model's remote code, which may
+    # import only from its own folder.
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
