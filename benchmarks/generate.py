@@ -114,7 +114,7 @@ def load(variant: str, ckpt: str, work: str, config, cache: int):
                      "ours disk, cache + pre-gating": (True, False)}[variant]
     return load_offloaded_pretrained(ckpt, OffloadConfig(mode="disk", offload_dir=tempfile.mkdtemp(dir=work),
                                                          host_cache_experts=cache, pregate=pregate,
-                                                         mmap_inference=mmap, train_experts=False))
+                                                         mmap_weights=mmap, train_experts=False))
 
 
 def run_once(model, prompt: torch.Tensor, new_tokens: int) -> dict:

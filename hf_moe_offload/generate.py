@@ -62,7 +62,7 @@ def load_for_inference(model_path: str, offload: str, offload_dir: str | None, h
     disk = offload == "disk"
     config = OffloadConfig(mode=offload, offload_dir=offload_dir if disk else None,
                            host_cache_experts=host_cache_experts if disk else None,
-                           train_experts=False, pregate=pregate, mmap_inference=mmap if disk else None)
+                           train_experts=False, pregate=pregate, mmap_weights=mmap if disk else None)
     # Weights only, in the model's dtype: a bf16 model's store holds bf16 experts and nothing else.
     return load_offloaded_pretrained(model_path, config, dtype=dtype).eval()
 

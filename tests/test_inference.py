@@ -48,7 +48,7 @@ def greedy(model, ids, mask, n: int = 10) -> torch.Tensor:
                               pad_token_id=0, use_cache=True)
 
 
-# (tier, pre-gating, mmap_inference): the host tier; the disk tier's default on the CPU (uncached experts computed
+# (tier, pre-gating, mmap_weights): the host tier; the disk tier's default on the CPU (uncached experts computed
 # from their mapped files), with pre-gating (its guesses become the kernel's read-ahead); the disk tier reading
 # every expert through its cache (as on a GPU), without and with pre-gating.
 VARIANTS = {"host": ("host", None, None), "disk-mapped": ("disk", None, None), "disk-mapped-pregate": ("disk", True, None),
@@ -64,7 +64,7 @@ def test_greedy_generation_equals_the_resident_model(family, variant, tmp_path):
     cache = 4  # of 24 experts: every token misses some
     engine = enable_expert_offload(offloaded, OffloadConfig(
         mode=tier, offload_dir=str(tmp_path / "experts"), host_cache_experts=cache if tier == "disk" else None,
-        pregate=pregate, mmap_inference=mmap, train_experts=False))
+        pregate=pregate, mmap_weights=mmap, train_experts=False))
     ids, mask = left_padded_batch(resident.config.vocab_size, seed=hash((family, variant)) % 1000)
     expected = greedy(resident, ids, mask)
     got = greedy(offloaded, ids, mask)
@@ -90,7 +90,7 @@ def test_the_decode_cache_never_holds_more_than_its_slots_and_reads_only_weights
     model = make_model("qwen3_moe")
     cache = 5
     engine = enable_expert_offload(model, OffloadConfig(mode="disk", offload_dir=str(tmp_path / "e"),
-                                                        host_cache_experts=cache, mmap_inference=False))
+                                                        host_cache_experts=cache, mmap_weights=False))
     store = engine.store
     peak = []
     for layer in model.model.layers:  # checked at every layer of every decoded token
@@ -620,9 +620,9 @@ def test_decoding_from_mapped_files_after_training_uses_the_updated_experts(tmp_
     experts.close()
 
 
-def test_mmap_inference_is_refused_where_it_cannot_apply():
+def test_mmap_weights_is_refused_where_it_cannot_apply():
     model = make_model("moe_gpt")
-    enable_expert_offload(model, OffloadConfig(mode="host", mmap_inference=True, train_experts=False))
+    enable_expert_offload(model, OffloadConfig(mode="host", mmap_weights=True, train_experts=False))
     ids, mask = left_padded_batch(model.config.vocab_size, seed=2)
-    with pytest.raises(ValueError, match="mmap_inference=True needs the disk tier"):
+    with pytest.raises(ValueError, match="mmap_weights=True needs the disk tier"):
         greedy(model, ids, mask, n=1)

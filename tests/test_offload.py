@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
+import sys
 
 import pytest
 import torch
@@ -47,9 +48,9 @@ def expert_modules(model) -> list[MoEGPTExperts]:
     return [m for m in model.modules() if isinstance(m, MoEGPTExperts)]
 
 
-def offload_cfg(tier: str, tmp_path, depth: int = 2, pin: float = 0.25, cache: int = 3) -> OffloadConfig:
+def offload_cfg(tier: str, tmp_path, depth: int = 2, pin: float = 0.25, cache: int = 3, **extra) -> OffloadConfig:
     return OffloadConfig(mode=tier, offload_dir=str(tmp_path / "experts"), host_cache_experts=cache,
-                         prefetch_depth=depth, pin_fraction=pin)
+                         prefetch_depth=depth, pin_fraction=pin, **extra)
 
 
 def store_grads_vs_reference(engine, reference) -> float:
@@ -175,13 +176,15 @@ def test_upload_order_forward_then_reverse_backward_with_lookahead(tmp_path, mon
 
 
 def test_disk_prefetch_order_forward_then_reverse_across_layers(tmp_path):
-    """Disk tier: reads are requested (`prefetch`) before they are needed, in the known order: forward layer by layer
-    in expert order, backward from the last layer to the first, each layer in reverse expert order, with `depth`
-    experts requested ahead, and the previous layer's first backward experts requested as soon as a layer's backward
-    is done (ES-MoE §4.1: application-level prefetch, never page-fault driven)."""
+    """Disk tier reading through its cache (as on a GPU): reads are requested (`prefetch`) before they are needed, in
+    the known order: forward layer by layer in expert order, backward from the last layer to the first, each layer in
+    reverse expert order, with `depth` experts requested ahead, and the previous layer's first backward experts
+    requested as soon as a layer's backward is done (ES-MoE §4.1: application-level prefetch, never page-fault
+    driven)."""
     model = small_model(num_experts=5, num_hidden_layers=2)
     depth = 2
-    engine = enable_expert_offload(model, offload_cfg("disk", tmp_path, depth=depth, pin=0.0, cache=4))
+    engine = enable_expert_offload(model, offload_cfg("disk", tmp_path, depth=depth, pin=0.0, cache=4,
+                                                      mmap_weights=False))
     store, events = engine.store, []
     orig = store.acquire, store.release, store.prefetch
 
@@ -538,10 +541,11 @@ def test_frozen_experts_are_stored_as_weights_only(tier, tmp_path):
 
 
 # --- issue 14: the disk tier moves only what each phase needs, and evicts by the known schedule ---
-def _row_store(tmp_path, keys, cache: int) -> DiskExpertStore:
+def _row_store(tmp_path, keys, cache: int, io_threads: int = 2) -> DiskExpertStore:
     from hf_moe_offload.offload import OffloadStats
 
-    store = DiskExpertStore(keys, 10, torch.float32, OffloadStats(), str(tmp_path / "rows"), cache_experts=cache)
+    store = DiskExpertStore(keys, 10, torch.float32, OffloadStats(), str(tmp_path / "rows"), cache_experts=cache,
+                            io_threads=io_threads)
     for i, k in enumerate(keys):
         store.write_param(k, torch.full((10,), float(i)))
     store.flush()
@@ -615,11 +619,14 @@ def _store_state(engine) -> dict:
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_disk_tier_row_io_and_schedule_change_no_bit(clip, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mapped", [True, False])
+def test_disk_tier_row_io_and_schedule_change_no_bit(clip, mapped, tmp_path, monkeypatch):
     """The disk tier with a cache of 3 of 12 experts (row-level I/O, zero gradients never read, Belady eviction,
-    every expert evicted and re-read each step) trains to exactly the host tier's weights, moments and step counts
-    (torch.equal), over 3 windows of 2 accumulated micro-steps, eager (no clipping) and deferred (global clipping).
-    Both compute expert by expert (the host tier's grouped GEMM rounds some sums in another order)."""
+    every expert evicted and re-read each step, write-behind) trains to exactly the host tier's weights, moments and
+    step counts (torch.equal), over 3 windows of 2 accumulated micro-steps, eager (no clipping: the backward of a
+    window's last micro-step reads the moments with the weights) and deferred (global clipping); its forwards computing
+    from the mapped files (the default on the CPU) or reading through the cache. Both tiers compute expert by expert
+    (the host tier's grouped GEMM rounds some sums in another order)."""
     from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer
     from hf_moe_offload.offload.engine import OffloadedExpertsLayer
 
@@ -628,7 +635,8 @@ def test_disk_tier_row_io_and_schedule_change_no_bit(clip, tmp_path, monkeypatch
     results = []
     for tier in ("host", "disk"):
         model = small_model(seed=4)
-        engine = enable_expert_offload(model, offload_cfg(tier, tmp_path / tier, depth=1, pin=0.25, cache=3))
+        extra = {"mmap_weights": mapped} if tier == "disk" and CPU_INLINE else {}
+        engine = enable_expert_offload(model, offload_cfg(tier, tmp_path / tier, depth=1, pin=0.25, cache=3, **extra))
         micro = {"n": 0}
         experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, max_grad_norm=clip,
                                   boundary_fn=lambda: micro["n"] % 2 == 0)
@@ -644,11 +652,98 @@ def test_disk_tier_row_io_and_schedule_change_no_bit(clip, tmp_path, monkeypatch
         engine.synchronize()
         if tier == "disk":
             assert engine.stats.evictions > 0
+            assert (engine.stats.disk_mapped_bytes > 0) == (mapped and CPU_INLINE)
         results.append((_store_state(engine), dict(engine.store.steps)))
         experts.close()
     (host, steps_host), (disk, steps_disk) = results
     assert steps_host == steps_disk and set(steps_host.values()) == {3}
     assert all(torch.equal(x, y) for k in host for x, y in zip(host[k], disk[k]))
+
+
+def _mapped_rss_kb(path: str) -> int:
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:
+                inside = line.rstrip().endswith(path)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not CPU_INLINE or not sys.platform.startswith("linux"),
+                    reason="forwards compute from mapped files where the experts compute on the CPU; smaps is Linux's")
+def test_training_forward_maps_uncached_experts_and_backward_reads_the_moments_ahead(tmp_path):
+    """Disk tier on the CPU, a cache of 4 of 10 experts: a training forward copies no uncached expert into the cache
+    (it computes from the mapped file, and its pages leave the process's resident memory after use); the backward of a
+    window's last micro-step reads each expert's moments with its weights (the optimizer's step then reads nothing),
+    the backward of an earlier micro-step does not."""
+    from hf_moe_offload import ExpertOptimizer
+
+    model = small_model(num_experts=10, num_hidden_layers=1, seed=3, hidden_size=64, intermediate_size=1024)
+    engine = enable_expert_offload(model, offload_cfg("disk", tmp_path, depth=2, pin=0.0, cache=4))
+    row_kb = engine.store.numel * 4 // 1024  # 514 kB of weights per expert
+    micro = {"n": 0}
+    experts = ExpertOptimizer(engine, lr=1e-2, boundary_fn=lambda: micro["n"] % 2 == 0)
+    store, acquired, required = engine.store, [], []
+    acquire, require = store.acquire, store.require
+
+    def tracked_acquire(key, rows=None):
+        acquired.append((key, None if rows is None else tuple(rows)))
+        return acquire(key, rows)
+
+    def tracked_require(key, rows=None):
+        before = store.stats.disk_read_bytes
+        require(key, rows)
+        required.append(store.stats.disk_read_bytes - before)
+
+    store.acquire, store.require = tracked_acquire, tracked_require
+    x = torch.randint(0, 101, (4, 16))
+    for step in range(2):
+        for n in (1, 2):  # micro-steps: the window ends on the second
+            micro["n"] = n
+            acquired.clear()
+            required.clear()
+            reads, mapped = store.stats.disk_read_bytes, store.stats.disk_mapped_bytes
+            out = model(x, labels=x)
+            used = [e for e, c in enumerate(engine.layers[0].last_counts) if c]
+            # Only experts the cache held were acquired; every other one was mapped, none read.
+            assert store.stats.disk_read_bytes == reads
+            assert store.stats.disk_mapped_bytes - mapped == (len(used) - len(acquired)) * store.numel * 4
+            # Left in the process: what the kernel's fault-around mapped beyond the row (24-80 kB seen), not the row.
+            assert all(_mapped_rss_kb(store.path((0, e))) < row_kb // 4 for e in used)
+            acquired.clear()
+            out.loss.backward()
+            engine.synchronize()
+            backward_rows = {rows for _, rows in acquired}
+            if n == 2:
+                assert backward_rows == {None} and required and not any(required)
+                experts.step()
+            else:
+                assert None not in backward_rows and not required
+    assert set(store.steps.values()) == {2}
+    experts.close()
+
+
+def test_write_behind_cleans_only_records_evicted_before_their_next_use(tmp_path):
+    """`write_behind` writes back (on the I/O threads) a dirty record the schedule needs again only after more than
+    `cache_experts` other acquisitions, not one needed sooner; the bytes on disk are the record's."""
+    keys = [(0, e) for e in range(6)]
+    store = _row_store(tmp_path, keys, cache=2, io_threads=1)
+    a, b = keys[0], keys[1]
+    for key in (a, b):
+        record = store.acquire(key)
+        record.param.fill_(7.0 + key[1])
+        store.release(key, dirty=True)
+    # a is next needed after 4 other acquisitions (evicted first by a cache of 2), b right away.
+    store.set_schedule([b, keys[2], keys[3], keys[4], keys[5], a])
+    store.write_behind()
+    store._pool.submit(lambda: None).result()  # the write-behind job ran before this one (one I/O queue)
+    assert store.dirty_keys() == [b] and 0 < store.stats.disk_write_bytes <= 4 * 10 * 4  # a's rows only
+    with open(store.path(a), "rb") as f:  # the weights row starts the file
+        assert torch.equal(torch.frombuffer(bytearray(f.read(10 * 4)), dtype=torch.float32), torch.full((10,), 7.0))
+    store.close()
 
 
 # --- issue 14: on the CPU each expert's forward graph is kept instead of recomputed ---

@@ -149,7 +149,7 @@ def enable_expert_offload(
     engine.inference_setting = config.inference
     engine.compute_on_host_setting = config.compute_on_host
     engine.pregate_setting = config.pregate
-    engine.mmap_setting = config.mmap_inference
+    engine.mmap_setting = config.mmap_weights
     if config.pregate is not False and mode == "disk":  # the host tier has nothing to read early (README)
         engine.pregate = PreGate([_router(model, route) for route in path.layers], stats)
     for streamed, route in zip(engine.layers, path.layers):

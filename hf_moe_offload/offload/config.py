@@ -72,11 +72,11 @@ class OffloadConfig:
         "help": "inference on a GPU: run a missed expert with few tokens on the host instead of uploading it, when a "
                 "cost model measured at start says it is faster (Fiddler). None (default): on CUDA; True also on the "
                 "simulated device"})
-    mmap_inference: bool | None = field(default=None, metadata={
-        "help": "inference, disk tier on the CPU: compute an expert that is not in the cache straight from its "
-                "memory-mapped file instead of copying it into the cache (the page cache is the host's cache; its "
-                "checksum is still matched on first use). None (default): on where it applies; False: read through "
-                "the cache, as on a GPU"})
+    mmap_weights: bool | None = field(default=None, metadata={
+        "help": "disk tier on the CPU: a forward (inference, or training: only its backward needs the expert's "
+                "record) computes an expert that is not in the cache straight from its memory-mapped file instead of "
+                "copying it into the cache (the page cache is the host's cache; its checksum is still matched on "
+                "first use). None (default): on where it applies; False: read through the cache, as on a GPU"})
     device: str | torch.device | None = None
 
     def __post_init__(self) -> None:

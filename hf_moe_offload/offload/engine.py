@@ -271,11 +271,11 @@ class OffloadedExpertsLayer:
             ids = engine.pregate.guess(nxt, hidden_states, top_k_index.shape[-1])
             keys = [k for k in ((nxt, e) for e in ids) if k in engine.store]
             if keys and engine.pregate.acting:
-                engine.prefetch(keys[: engine.decode_cache.budget], WEIGHTS)
+                engine.prefetch(keys[: engine.decode_cache.budget], WEIGHTS, engine.map_files)
 
     def prefetch(self, counts: list[int]) -> None:
         """Called with the dispatch plan before the token permutation, so the first reads overlap it."""
-        self.engine.read_ahead(self.keys([e for e, n in enumerate(counts) if n]), WEIGHTS)
+        self.engine.read_ahead(self.keys([e for e, n in enumerate(counts) if n]), WEIGHTS, self.engine.map_files)
 
     @property
     def training(self) -> bool:
@@ -787,10 +787,13 @@ class OffloadEngine:
         # OffloadConfig.compute_on_host allows, or given.
         self.compute_on_host_setting: bool | None = None
         self.cost_model: PlacementCostModel | None = None
-        # OffloadConfig.mmap_inference (None: decided at bind()); `map_files`: inference computes an uncached
-        # expert from its memory-mapped file (the disk tier computing on the CPU).
+        # OffloadConfig.mmap_weights (None: decided at bind()); `map_files`: a forward (inference, or training)
+        # computes an uncached expert from its memory-mapped file (the disk tier computing on the CPU).
         self.mmap_setting: bool | None = None
         self.map_files = False
+        # Set by the expert optimizer: whether it steps each expert in the backward that makes its gradient final
+        # (`backward_rows`).
+        self.steps_in_backward: Callable[[], bool] | None = None
 
     # --- device binding ---
     def bind(self, device: torch.device) -> None:
@@ -833,12 +836,13 @@ class OffloadEngine:
         if wanted and self.runtime.asynchronous and self.cost_model is None:
             self.cost_model = PlacementCostModel.measure(self.runtime, self.store.numel, self.store.compute_dtype)
         # On the CPU the host is the device: an expert's file in the page cache is as close to the compute as a cache
-        # slot, so inference computes from the mapped file instead of copying it into a slot. A device needs the
-        # weights in its own memory (uploaded from page-locked slots): there the cache stays.
+        # slot, so a forward computes from the mapped file instead of copying it into a slot (a training backward
+        # still reads the record: the optimizer updates it). A device needs the weights in its own memory (uploaded
+        # from page-locked slots): there the cache stays.
         can_map = getattr(self.store, "mappable", False) and not self.runtime.asynchronous
         if self.mmap_setting and not can_map:
             raise ValueError(
-                f"OffloadConfig.mmap_inference=True needs the disk tier computing on the CPU with rows in the compute "
+                f"OffloadConfig.mmap_weights=True needs the disk tier computing on the CPU with rows in the compute "
                 f"dtype (here: {self.store.tier} tier on {device}); leave it unset"
             )
         self.map_files = can_map if self.mmap_setting is None else self.mmap_setting
@@ -989,18 +993,20 @@ class OffloadEngine:
         which the caller must hand back through `accumulate_grad` (backward). `phase` ("forward" of training,
         "backward", "inference") tells the store what comes next (`_schedule`)."""
         keys = [(layer, e) for e in expert_ids]
-        # Only the rows this phase uses (issue 14): weights, and in a training backward the gradient slot too.
-        rows = WEIGHTS_AND_GRAD if keep and self.train_experts else WEIGHTS
+        # Only the rows this phase uses (issue 14): weights; in a training backward `backward_rows`.
+        rows = self.backward_rows(layer) if keep else WEIGHTS
+        # A forward computes uncached experts from their mapped files: nothing for it to acquire or release.
+        mapping = self.map_files and not keep
         if self.store.wants_schedule and not self.inference:  # decoding: the decode cache's scores instead
             self.store.set_schedule(self._schedule(layer, keys, phase))
-        self.read_ahead(keys, rows)
+        self.read_ahead(keys, rows, mapping)
+        if phase == "forward" and mapping:
+            self.store.write_behind()  # the I/O threads have nothing else to do until the backward
         inflight: deque = deque()
         nxt = 0
         t_start = time.perf_counter()
         stager = self.stager
         stager.settle_stall_time()
-
-        mapping = self.inference and self.map_files
 
         def issue() -> None:
             nonlocal nxt
@@ -1016,7 +1022,7 @@ class OffloadEngine:
                 inflight.append((key, record, *stager.upload(key, record)))
             self.stats.stall_seconds += time.perf_counter() - t0
             if nxt + self.depth < len(keys):
-                self.prefetch(keys[nxt : nxt + self.depth + 1], rows)
+                self.prefetch(keys[nxt : nxt + self.depth + 1], rows, mapping)
 
         try:
             while nxt < len(keys) or inflight:
@@ -1033,6 +1039,8 @@ class OffloadEngine:
                         yield weights
                 finally:
                     stager.done(slot)
+                    if record is None and not self.inference:
+                        self.store.unmap_weights(key)
                     if not handed_over and record is not None:
                         self._release_after(key, ready)
         finally:
@@ -1041,19 +1049,32 @@ class OffloadEngine:
                     self._release_after(key, ready)
             self.stats.compute_seconds += time.perf_counter() - t_start
 
-    def read_ahead(self, keys: list[ExpertKey], rows) -> None:
+    def read_ahead(self, keys: list[ExpertKey], rows, mapped: bool) -> None:
         """Start reading the first `depth + 1` of `keys`, the experts a streamed loop is about to acquire. In inference
         the first one is left to the thread that computes it: handing it to an I/O thread and waiting costs two thread
         switches and overlaps next to nothing while decoding (few tokens)."""
-        self.prefetch(keys[1 if self.inference else 0 : self.depth + 1], rows)
+        self.prefetch(keys[1 if self.inference else 0 : self.depth + 1], rows, mapped)
 
-    def prefetch(self, keys: list[ExpertKey], rows) -> None:
-        """Start reading `keys` into the store's cache; in inference from mapped files, the kernel's read-ahead of
-        their weights instead (a copy into the cache would not be used)."""
-        if self.inference and self.map_files:
+    def prefetch(self, keys: list[ExpertKey], rows, mapped: bool) -> None:
+        """Start reading `keys` into the store's cache; for a forward computing from `mapped` files, the kernel's
+        read-ahead of their weights instead (a copy into the cache would not be used)."""
+        if mapped:
             self.store.advise(keys)
         else:
             self.store.prefetch(keys, rows)
+
+    def backward_rows(self, layer: int) -> tuple[int, ...] | None:
+        """The rows a training backward of `layer` reads (None: all): the weights and the gradient's slot; also the
+        Adam moments where the expert optimizer steps each expert in this backward (the layer's last call of the
+        micro-step ends its window: `steps_in_backward`). ES-MoE §4.1: the step's reads then run ahead on the I/O
+        threads with the weights', instead of on the optimizer's worker once the gradient is in, while the record
+        holds its slot."""
+        if not self.train_experts:
+            return WEIGHTS
+        if (self.steps_in_backward is not None and self.coordinator is None and self.layers[layer].outstanding <= 1
+                and self.steps_in_backward()):
+            return None
+        return WEIGHTS_AND_GRAD
 
     def _schedule(self, layer: int, current: list[ExpertKey], phase: str) -> list[ExpertKey]:
         """The acquisitions to come (ES-MoE's known order), for the disk tier's eviction: this call's experts, the
@@ -1153,8 +1174,7 @@ class OffloadEngine:
         if prev >= 0:
             counts = self.layers[prev].last_counts
             ids = [e for e in reversed(range(len(counts))) if counts[e]]
-            self.store.prefetch([(prev, e) for e in ids[: self.depth + 1]],
-                                WEIGHTS_AND_GRAD if self.train_experts else WEIGHTS)
+            self.store.prefetch([(prev, e) for e in ids[: self.depth + 1]], self.backward_rows(prev))
 
     def add_grad_hook(self, hook: GradHook) -> None:
         """`hook(items)` on the micro-step where these experts' gradients are final (one expert, or a layer's experts

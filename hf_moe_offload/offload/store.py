@@ -27,8 +27,11 @@ import fcntl
 import logging
 import math
 import os
+import ctypes
+import mmap
 import re
 import struct
+import sys
 import threading
 import weakref
 from collections import Counter, OrderedDict, deque
@@ -46,6 +49,21 @@ logger = logging.getLogger(__name__)
 ExpertKey = tuple[int, int]  # (MoE layer index, expert index)
 SLOTS = ("param", "grad", "exp_avg", "exp_avg_sq")
 
+
+def _libc_madvise():
+    """madvise(2) where libc exports it (Linux), else None (`DiskExpertStore.unmap_weights` is then a no-op)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise()
+_MADV_DONTNEED = 4
 
 STATE_ROWS = 4  # rows of a trainable expert's record: param, grad, exp_avg, exp_avg_sq
 PARAM, GRAD, EXP_AVG, EXP_AVG_SQ = range(STATE_ROWS)
@@ -279,6 +297,10 @@ class ExpertStore:
 
     def set_pinned(self, keys: Iterable[ExpertKey]) -> None:
         """ES-MoE §4.3: keep these resident in host memory (disk tier's cache)."""
+
+    def write_behind(self) -> None:
+        """Start writing back, in the background, cached records that the schedule says will be evicted before
+        their next use (no-op where nothing is written back)."""
 
     def grouped_weights(self, layer: int, used: int = 0) -> torch.Tensor | None:
         """The weights of all of `layer`'s experts as one (E, P) tensor, where a tier keeps them so (the host tier);
@@ -682,14 +704,17 @@ class DiskExpertStore(ExpertStore):
         return found
 
     def map_weights(self, key: ExpertKey) -> torch.Tensor | None:
-        """Inference on the CPU: `key`'s weights as a view of its memory-mapped file (private: never written through),
-        without copying them into the cache, or None when the expert has an entry (the cache is current for it:
-        acquire it). Its row's checksum is matched at its first use since it was last written, like a read's. Safe
-        while no training step runs: only an entry's write-back writes a file, and an expert without an entry has none
-        in flight (see `_Entry`); a step in flight must be waited for first (the engine's `wait_for_update`)."""
+        """A forward on the CPU (inference, or a training forward: only backward needs the record): `key`'s weights as
+        a view of its memory-mapped file (private: never written through), without copying them into the cache, or
+        None when the expert has an entry (the cache is current for it: acquire it). A use in the schedule's order,
+        like an acquire. Its row's checksum is matched at its first use since it was last written, like a read's.
+        Safe: only an entry's write-back writes a file, and an expert without an entry has none in flight (see
+        `_Entry`); its update in flight must be waited for first (the engine's `wait_for_update`), and nothing updates
+        it between a forward and its backward."""
         with self._lock:
             if key in self._entries:
                 return None
+            self._advance(key)
             mapped, row = self._mapping(key)
             checked = self._checked.setdefault(key, set())
             if PARAM not in checked:
@@ -701,6 +726,19 @@ class DiskExpertStore(ExpertStore):
             self.stats.disk_mapped_bytes += self.numel * self.row_dtype.itemsize
             self.stats.disk_mapped_experts += 1
             return row
+
+    def unmap_weights(self, key: ExpertKey) -> None:
+        """Done with `key`'s mapped weights for now: drop their pages from this process (MADV_DONTNEED; the page cache
+        keeps them, the next use maps them again from there). A training step uses every expert's weights: left
+        mapped, they would all count in the process's resident memory, which the disk tier bounds by its cache."""
+        found = self._maps.get(key)
+        if found is None or _madvise is None:
+            return
+        row = found[1]
+        first = -(-row.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE  # the whole pages inside the row
+        end = (row.data_ptr() + row.numel() * row.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > first:
+            _madvise(first, end - first, _MADV_DONTNEED)
 
     def advise(self, keys: Iterable[ExpertKey]) -> None:
         """The read-ahead of mapped weights: ask the kernel to start reading the weights rows of `keys` without a
@@ -901,6 +939,22 @@ class DiskExpertStore(ExpertStore):
             except Exception as err:  # the acquire that needs it reads again and raises in the caller
                 logger.debug("prefetch of expert %s failed: %s", key, err)
 
+    def _behind(self, key: ExpertKey, entry: _Entry) -> bool:
+        """Lock held: whether `write_behind` writes `entry` back now: dirty, idle, not pinned, and not needed again
+        within the next `cache_experts` acquisitions of the schedule (a cache of that many slots evicts it first)."""
+        return (entry.state is CACHED and entry.refs == 0 and entry.dirty and key not in self._pinned
+                and self._next_use(key) - self._cursor > self.cache_experts)
+
+    def _write_behind(self, keys: list[ExpertKey]) -> None:
+        with self._lock:
+            try:
+                for key in keys:
+                    entry = self._entries.get(key)
+                    if entry is not None and self._behind(key, entry):
+                        self._write_back(key, entry)
+            except Exception as err:  # still dirty: the eviction writes it again and raises in the caller
+                logger.debug("write-behind of expert %s failed: %s", key, err)
+
     def _write_back_idle(self, keys: Iterable[ExpertKey] | None, wait_in_use: bool) -> None:
         """Write back every dirty record among `keys` (all when None). In-use records are waited for
         (`wait_in_use`) or left dirty for a later write-back."""
@@ -1045,6 +1099,18 @@ class DiskExpertStore(ExpertStore):
                     self._pool.submit(self._background_load, key, entry, want)
                 elif entry.state is CACHED and want - entry.valid:
                     self._pool.submit(self._background_load, key, entry, want)
+
+    def write_behind(self):
+        # A training forward computes from mapped files and leaves the I/O threads idle, while each eviction in the
+        # backward that follows would first write its victim back on the thread that needs the slot (often the one
+        # computing). Records stepped at the end of the last backward are written now instead. Only under the
+        # training schedule: a record cleaned and dirtied again before its eviction would be written twice.
+        with self._lock:
+            if not self._schedule or self._decode is not None:
+                return
+            keys = [key for key, entry in self._entries.items() if self._behind(key, entry)]
+        if keys:
+            self._pool.submit(self._write_behind, keys)
 
     def set_pinned(self, keys):
         # The engine leaves room for the records in flight (OffloadEngine.pin_limit); should every slot be pinned,

@@ -126,6 +126,7 @@ class ExpertOptimizer:
         self._step_called: dict[int, float] = {}
         engine.add_grad_hook(self._on_grads)
         engine.add_layer_done_hook(self._on_layer_done)
+        engine.steps_in_backward = lambda: self.eager and self.boundary_fn()  # the backward reads the moments too
 
     # --- modes ---
     @property
