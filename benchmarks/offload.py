@@ -52,15 +52,15 @@ def make_model(num_experts: int, hidden: int = 128, inter: int = 512, layers: in
         attention_dropout=0.0))
 
 
-def train_steps(model, opt, batches) -> tuple[float, float, int]:
-    """-> (wall seconds, system CPU seconds, minor page faults) of the process over these steps."""
+def train_steps(model, opt, batches) -> tuple[float, float, int, float]:
+    """-> (wall seconds, system CPU seconds, minor page faults, user CPU seconds) of the process over these steps."""
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     for x in batches:
         model(x, labels=x).loss.backward()
         opt.step()
         opt.zero_grad()
     wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-    return wall, r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt
+    return wall, r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt, r1.ru_utime - r0.ru_utime
 
 
 def minimum_bytes(engine, cache_experts: int) -> tuple[float, float]:
@@ -100,23 +100,30 @@ def ready_to_train(base, batches, mode: str, cache: int, **config):
 
 def interleaved(runs: dict, batches, rounds: int, before=lambda name: None) -> dict[str, list[tuple]]:
     """Each run of `runs` (name -> (model, optimizer, engine)) trains `batches`, run after run, `rounds` times
-    (`before(name)` ahead of each): name -> per round (wall s per step, system CPU s, minor faults)."""
+    (`before(name)` ahead of each): name -> per round (wall s per step, system CPU s, minor faults, user CPU s)."""
     out = {name: [] for name in runs}
     for _ in range(rounds):
         for name, (model, opt, engine) in runs.items():
             before(name)
-            wall, system, faults = train_steps(model, opt, batches)
+            wall, system, faults, user = train_steps(model, opt, batches)
             if engine is not None:
                 engine.synchronize()
-            out[name].append((wall / len(batches), system, faults))
+            out[name].append((wall / len(batches), system, faults, user))
     return out
 
 
+def cores_busy(rounds: list[tuple], steps: int) -> float:
+    """The process's CPU time (user + system) over its wall time, over `interleaved` rounds of `steps` steps."""
+    return sum(r[1] + r[3] for r in rounds) / sum(r[0] * steps for r in rounds)
+
+
 def step_time_table(expert_counts, steps: int, batch: int, seq: int, rounds: int = 3) -> list[dict]:
-    """Per expert count: the resident model, the host tier and the disk tier (cache: a quarter of the experts; once
-    with its default of keeping each expert's forward graph, once forced to recompute it in backward) train the same
-    batches, interleaved (`rounds` x `steps` steps each, tier after tier), after one warm-up step each. The step time
-    is the median over rounds; the ratio is against the resident median of the same invocation."""
+    """Per expert count: the resident model, the host tier and the disk tier (cache: a quarter of the experts; with
+    its defaults: forwards from the mapped files, each expert's forward graph kept; once reading the forwards'
+    weights through the cache as on a GPU; once recomputing the graphs in backward) train the same batches,
+    interleaved (`rounds` x `steps` steps each, tier after tier), after one warm-up step each. The step time is the
+    median over rounds; the ratio is against the resident median of the same invocation. `cores_busy`: the process's
+    CPU time (user + system) over its wall time."""
     rows = []
     for E in expert_counts:
         base = make_model(E)
@@ -125,6 +132,7 @@ def step_time_table(expert_counts, steps: int, batch: int, seq: int, rounds: int
         runs = {"resident": ready_to_train(base, batches, "resident", cache),
                 "host": ready_to_train(base, batches, "host", cache),
                 "disk": ready_to_train(base, batches, "disk", cache),
+                "disk-via-cache": ready_to_train(base, batches, "disk", cache, mmap_weights=False),
                 "disk-recompute": ready_to_train(base, batches, "disk", cache, keep_activations=False)}
         rounds_of = interleaved(runs, batches, rounds)
         n = rounds * steps
@@ -133,19 +141,22 @@ def step_time_table(expert_counts, steps: int, batch: int, seq: int, rounds: int
             t = statistics.median(r[0] for r in rounds_of[tier])
             row = {"experts_per_layer": E, "tier": tier, "step_s": t, "resident_step_s": res_t,
                    "ratio_vs_resident": t / res_t, "system_s_per_step": sum(r[1] for r in rounds_of[tier]) / n,
-                   "minor_faults_per_step": sum(r[2] for r in rounds_of[tier]) / n}
+                   "minor_faults_per_step": sum(r[2] for r in rounds_of[tier]) / n,
+                   "cores_busy": cores_busy(rounds_of[tier], steps)}
             if engine is not None:
                 st = engine.stats
-                read, written = st.disk_read_bytes / n, st.disk_write_bytes / n
+                read, written, mapped = st.disk_read_bytes / n, st.disk_write_bytes / n, st.disk_mapped_bytes / n
                 row.update({
                     "disk_read_MB_per_step": read / 2**20,
+                    "disk_mapped_MB_per_step": mapped / 2**20,
                     "disk_write_MB_per_step": written / 2**20,
                     "stall_fraction": st.stall_seconds / st.compute_seconds if st.compute_seconds else 0.0,
                     "cache_hit_rate": st.cache_hits / max(1, st.cache_hits + st.cache_misses),
                 })
                 if tier.startswith("disk"):
                     min_read, min_write = minimum_bytes(engine, cache)
-                    row.update({"read_vs_minimum": read / min_read if min_read else None,
+                    # The minimum counts the forwards' weights, which a mapped forward takes from the page cache.
+                    row.update({"read_vs_minimum": (read + mapped) / min_read if min_read else None,
                                 "write_vs_minimum": written / min_write if min_write else None,
                                 "min_read_MB_per_step": min_read / 2**20, "min_write_MB_per_step": min_write / 2**20})
                 engine.store.close()
@@ -214,7 +225,8 @@ def compute_path_table(experts: int, steps: int, batch: int, seq: int, rounds: i
         rows.append({"experts_per_layer": experts, "variant": name, "step_s": t, "ratio_vs_resident": t / res_t,
                      "stage_experts": engine.stage_experts if engine is not None else None,
                      "pins": engine.pin_limit if engine is not None else None,
-                     "system_s_per_step": sum(r[1] for r in rounds_of[name]) / (rounds * steps)})
+                     "system_s_per_step": sum(r[1] for r in rounds_of[name]) / (rounds * steps),
+                     "cores_busy": cores_busy(rounds_of[name], steps)})
         if engine is not None:
             engine.store.close()
     return rows
@@ -285,11 +297,13 @@ def main() -> None:
         rows = compute_path_table(32, steps=4, batch=8, seq=64)
         print(f"\nThe experts' compute path, MoE-GPT d=128, 32 experts x 2 MoE layers, batch 8x64 "
               f"(median of interleaved rounds)")
-        print(f"{'variant':>30} {'step s':>7} {'x resident':>10} {'chunk':>5} {'pins':>4} {'sys s/step':>10}")
+        print(f"{'variant':>30} {'step s':>7} {'x resident':>10} {'chunk':>5} {'pins':>4} {'sys s/step':>10} "
+              f"{'cores busy':>10}")
         for r in rows:
             print(f"{r['variant']:>30} {r['step_s']:>7.3f} {r['ratio_vs_resident']:>10.2f} "
                   f"{r['stage_experts'] if r['stage_experts'] is not None else '-':>5} "
-                  f"{r['pins'] if r['pins'] is not None else '-':>4} {r['system_s_per_step']:>10.3f}")
+                  f"{r['pins'] if r['pins'] is not None else '-':>4} {r['system_s_per_step']:>10.3f} "
+                  f"{r['cores_busy']:>10.2f}")
         with open(os.path.join(HERE, "offload_compute_path.json"), "w") as f:
             json.dump({"machine": platform.platform(), "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
         return
@@ -307,14 +321,17 @@ def main() -> None:
         rows = previous.get("step_time") or step_time_table(counts, steps=steps, batch=8, seq=64,
                                                             rounds=2 if args.quick else 3)
         print(f"\nStep time, MoE-GPT 4 layers (2 MoE), d=128, ffn=512, batch 8x64, {platform.processor() or 'cpu'}")
-        print(f"{'E':>4} {'tier':>14} {'step s':>7} {'x resident':>10} {'read MB/step':>12} {'x min':>5} "
-              f"{'write MB/step':>13} {'x min':>5} {'stall':>5} {'hit':>4} {'sys s/step':>10} {'faults/step':>11}")
+        print(f"{'E':>4} {'tier':>14} {'step s':>7} {'x resident':>10} {'read MB/step':>12} {'mapped':>6} "
+              f"{'x min':>5} {'write MB/step':>13} {'x min':>5} {'stall':>5} {'hit':>4} {'sys s/step':>10} "
+              f"{'faults/step':>11} {'cores busy':>10}")
         for r in rows:
             print(f"{r['experts_per_layer']:>4} {r['tier']:>14} {r['step_s']:>7.3f} {r['ratio_vs_resident']:>10.2f} "
-                  f"{fmt(r.get('disk_read_MB_per_step'), '.1f'):>12} {fmt(r.get('read_vs_minimum'), '.2f'):>5} "
+                  f"{fmt(r.get('disk_read_MB_per_step'), '.1f'):>12} {fmt(r.get('disk_mapped_MB_per_step'), '.1f'):>6} "
+                  f"{fmt(r.get('read_vs_minimum'), '.2f'):>5} "
                   f"{fmt(r.get('disk_write_MB_per_step'), '.1f'):>13} {fmt(r.get('write_vs_minimum'), '.2f'):>5} "
                   f"{fmt(r.get('stall_fraction'), '.2f'):>5} {fmt(r.get('cache_hit_rate'), '.2f'):>4} "
-                  f"{r['system_s_per_step']:>10.3f} {r['minor_faults_per_step']:>11.0f}")
+                  f"{r['system_s_per_step']:>10.3f} {r['minor_faults_per_step']:>11.0f} "
+                  f"{fmt(r.get('cores_busy'), '.2f'):>10}")
         if args.step_time_only:
             return
     sums = previous.get("checksums") or checksum_table(counts, steps=steps, batch=8, seq=64,

@@ -211,7 +211,9 @@ def card_values(record: dict) -> dict[str, str]:
                   if train.get("method", "full") == "full" else "experts frozen (LoRA): streamed, never updated")]
         if tele:
             rows += [
-                ("disk read / written", f"{_fmt(tele.get('disk_read_MB'))} MB / {_fmt(tele.get('disk_write_MB'))} MB"),
+                ("disk read / mapped / written", f"{_fmt(tele.get('disk_read_MB'))} MB / "
+                                                 f"{_fmt(tele.get('disk_mapped_MB'))} MB / "
+                                                 f"{_fmt(tele.get('disk_write_MB'))} MB"),
                 ("host→device / device→host", f"{_fmt(tele.get('h2d_MB'))} MB / {_fmt(tele.get('d2h_MB'))} MB"),
                 ("cache hit rate", _fmt(tele.get("cache_hit_rate"))),
                 ("stall time (compute waiting for an expert)", f"{_fmt(tele.get('stall_s'))} s of "

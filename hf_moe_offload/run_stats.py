@@ -216,6 +216,7 @@ class OffloadTotalsCallback(TrainerCallback):
             "mode": self.mode,
             "disk_read_MB": round(t.disk_read_bytes / 2**20, 2),
             "disk_write_MB": round(t.disk_write_bytes / 2**20, 2),
+            "disk_mapped_MB": round(t.disk_mapped_bytes / 2**20, 2),  # forwards computed from the mapped files
             "h2d_MB": round(t.h2d_bytes / 2**20, 2),
             "d2h_MB": round(t.d2h_bytes / 2**20, 2),
             "cache_hits": d["cache_hits"],

@@ -211,8 +211,9 @@ def print_figures(record: dict) -> None:
         before = f"; {m['initial_accuracy']:.3f} before fine-tuning" if m.get("initial_accuracy") is not None else ""
         lines.append(f"eval         accuracy {m['eval_accuracy']:.3f}{ci}{base}{before}")
     if tele:
-        moved = (f"disk read {tele['disk_read_MB']:,.0f} MB, written {tele['disk_write_MB']:,.0f} MB, cache hit rate "
-                 f"{tele['cache_hit_rate']:.2f}" if tele.get("mode") == "disk"
+        mapped = f" (+ {tele['disk_mapped_MB']:,.0f} MB mapped)" if tele.get("disk_mapped_MB") else ""
+        moved = (f"disk read {tele['disk_read_MB']:,.0f} MB{mapped}, written {tele['disk_write_MB']:,.0f} MB, cache "
+                 f"hit rate {tele['cache_hit_rate']:.2f}" if tele.get("mode") == "disk"
                  else f"host->device {tele['h2d_MB']:,.0f} MB, device->host {tele['d2h_MB']:,.0f} MB")
         lines.append(f"telemetry    {moved}; stall {tele['stall_s']:.1f} s of {tele['streamed_compute_s']:.1f} s "
                      "in streamed expert loops")
