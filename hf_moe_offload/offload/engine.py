@@ -1039,7 +1039,7 @@ class OffloadEngine:
                         yield weights
                 finally:
                     stager.done(slot)
-                    if record is None and not self.inference:
+                    if record is None and not self.inference:  # decoding reuses its hot experts' pages
                         self.store.unmap_weights(key)
                     if not handed_over and record is not None:
                         self._release_after(key, ready)

@@ -10,25 +10,26 @@ expert is one contiguous block in memory and one file on disk. Callers see a sma
 page-fault driven), `set_schedule(keys)` (that order, for the disk tier's eviction), `flush()`, and the
 `Mapping`-like `keys()` / `read_param(key)` / `write_param(key, ...)`.
 
-Each phase asks only for the rows it uses (issue 14): forward the weights, backward the weights and the gradient, the
-expert's optimizer step all four. The disk tier reads and writes just those rows, never reads a gradient that is
+Each phase asks only for the rows it uses (issue 14): forward the weights, backward the weights and the gradient (and
+the moments where the optimizer steps the expert in that backward), the expert's optimizer step all four. The disk tier reads and writes just those rows, never reads a gradient that is
 known to be zero (`release(..., grad_zeroed=True)` / `clear_grad`) and never writes one back.
 
 While the engine decodes (`set_decode_cache`), the disk tier evicts by decoding's scores instead of the schedule
 (offload/inference.py), and a row whose checksum a read already matched since it was written is not checked again.
-Where the experts compute on the CPU, decoding can use an expert that is not cached straight from its memory-mapped
-file (`map_weights`): the page cache is then the host's cache and nothing is copied.
+Where the experts compute on the CPU, a forward (decoding, or training's) can use an expert that is not cached
+straight from its memory-mapped file (`map_weights`): the page cache is then the host's cache and nothing is copied;
+the I/O threads meanwhile write back what the backward would evict (`write_behind`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
 import math
-import os
-import ctypes
 import mmap
+import os
 import re
 import struct
 import sys
@@ -731,10 +732,11 @@ class DiskExpertStore(ExpertStore):
         """Done with `key`'s mapped weights for now: drop their pages from this process (MADV_DONTNEED; the page cache
         keeps them, the next use maps them again from there). A training step uses every expert's weights: left
         mapped, they would all count in the process's resident memory, which the disk tier bounds by its cache."""
-        found = self._maps.get(key)
+        with self._lock:
+            found = self._maps.get(key)
         if found is None or _madvise is None:
             return
-        row = found[1]
+        row = found[1]  # held here: the mapping stays valid even if a rewrite of the file drops it meanwhile
         first = -(-row.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE  # the whole pages inside the row
         end = (row.data_ptr() + row.numel() * row.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > first:
