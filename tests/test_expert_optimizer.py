@@ -17,7 +17,7 @@ from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig,
 from hf_moe_offload.offload.checkpoint import SafetensorsReader
 from hf_moe_offload.runtime import runtime_for
 
-from test_offload import expert_modules, small_model
+from test_offload import CPU_INLINE, expert_modules, small_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "trainer_offload.py")
@@ -56,10 +56,12 @@ def assert_same_weights(model, reference, atol=ATOL_WEIGHTS):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("tier,workers", [("host", None), ("disk", None), ("disk", 2), ("host", 0)])
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_matches_torch_adamw_with_accumulation_schedule_clipping(tier, clip, tmp_path):
-    """5 optimizer steps x 3 accumulated micro-steps, weight decay, warmup+cosine, global clipping (deferred)."""
+def test_matches_torch_adamw_with_accumulation_schedule_clipping(tier, workers, clip, tmp_path):
+    """5 optimizer steps x 3 accumulated micro-steps, weight decay, warmup+cosine, global clipping (deferred); the
+    expert steps on worker threads or on the thread that hands the gradients over (`workers=0`, the default where
+    the disk tier computes on the CPU)."""
     reference = small_model()
     model = copy.deepcopy(reference)
     engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "e"), host_cache_experts=3,
@@ -69,7 +71,7 @@ def test_matches_torch_adamw_with_accumulation_schedule_clipping(tier, clip, tmp
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
     sched = warmup_cosine(opt)
     boundary = {"now": False}
-    experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, max_grad_norm=clip,
+    experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, max_grad_norm=clip, workers=workers,
                               lr_fn=lambda: opt.param_groups[0]["lr"], boundary_fn=lambda: boundary["now"])
     wrapped = ExpertAwareOptimizer(opt, experts)
     for _ in range(5):
@@ -634,6 +636,37 @@ def test_host_tier_grouped_gemm_trains_like_torch_adamw(precision, clip, monkeyp
     if precision in GROUPED_WEIGHTS_TOL:
         assert_same_weights(model, reference, atol=GROUPED_WEIGHTS_TOL[precision])
     experts.close()
+
+
+def test_workers_default_and_inline_steps_run_on_the_backward_thread(tmp_path):
+    """Unset, `workers` is 0 where the disk tier's experts compute on the CPU (each step runs on the thread that
+    hands its gradient over: in an eager window, the backward's), 2 on the host tier or on a device; 0 steps inline
+    whatever the tier; a negative count is refused."""
+    import threading
+
+    with pytest.raises(ValueError, match="workers must be >= 0"):
+        ExpertOptimizer(enable_expert_offload(small_model(), OffloadConfig(mode="host")), workers=-1)
+    cases = [("disk", None, 0 if CPU_INLINE else 2), ("host", None, 2), ("host", 0, 0)]
+    for tier, setting, expected in cases:
+        model = small_model()
+        engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / tier),
+                                                            host_cache_experts=4, prefetch_depth=1))
+        experts = ExpertOptimizer(engine, lr=1e-2, workers=setting)
+        threads = set()
+        step = experts._adam_many
+
+        def recording(*args, **kwargs):
+            threads.add(threading.current_thread())
+            return step(*args, **kwargs)
+
+        experts._adam_many = recording
+        x = torch.randint(0, 101, (2, 9))
+        model(x, labels=x).loss.backward()  # eager: every expert is stepped during this backward
+        engine.synchronize()
+        assert experts.workers == expected, tier
+        assert set(engine.store.steps.values()) == {1}
+        assert (threads == {threading.main_thread()}) == (expected == 0), (tier, threads)
+        experts.close()
 
 
 def test_eager_steps_on_the_disk_tier_hold_one_record_per_worker(tmp_path):

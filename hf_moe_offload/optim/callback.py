@@ -55,9 +55,10 @@ def _has_offloaded_experts(model) -> bool:
 
 class ExpertOptimizerCallback(TrainerCallback):
     """See the module docstring. `resume_from_checkpoint` overrides the checkpoint the experts are restored from
-    (by default: the one the Trainer resumes from)."""
+    (by default: the one the Trainer resumes from). `workers`: `ExpertOptimizer`'s (None: its default)."""
 
-    def __init__(self, clip_mode: str = "global", workers: int = 2, resume_from_checkpoint: str | None = None):
+    def __init__(self, clip_mode: str = "global", workers: int | None = None,
+                 resume_from_checkpoint: str | None = None):
         self.clip_mode = clip_mode
         self.workers = workers
         self.resume_from_checkpoint = resume_from_checkpoint

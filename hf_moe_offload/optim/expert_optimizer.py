@@ -2,7 +2,8 @@
 
 Each expert's Adam/AdamW step runs on the host, on worker threads, as soon as that expert's gradient is final: on
 the micro-step that closes a gradient-accumulation window, the engine hands every finished expert here during
-backward, so host updates overlap the rest of backward. On other micro-steps gradients only accumulate in the
+backward, so host updates overlap the rest of backward. (Where the disk tier's experts compute on the CPU, the step
+runs on the thread that hands the gradient over by default: see `ExpertOptimizer.workers`.) On other micro-steps gradients only accumulate in the
 store. The next forward of expert e waits for e's own update only (no delayed update, no staleness).
 
 Semantics are those of `torch.optim.AdamW` / `Adam` (the same fused kernel, on per-expert views): betas, eps,
@@ -35,6 +36,22 @@ from ..offload.engine import GradArrival, OffloadEngine
 from ..offload.store import GRAD, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord
 
 logger = logging.getLogger(__name__)
+
+
+class _InlineExecutor:
+    """`ExpertOptimizer(workers=0)`: a job runs at once on the thread that submits it; its Future comes back done
+    (an error is kept in it, as a worker's would be, and raised where the result is waited for)."""
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as err:
+            future.set_exception(err)
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
 
 
 class _Held:
@@ -82,7 +99,7 @@ class ExpertOptimizer:
         decoupled_weight_decay: bool = True,
         max_grad_norm: float | None = None,
         clip_mode: str = "global",
-        workers: int = 2,
+        workers: int | None = None,
         lr_fn: Callable[[], float] | None = None,
         boundary_fn: Callable[[], bool] | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
@@ -107,8 +124,11 @@ class ExpertOptimizer:
         self.boundary_fn = boundary_fn or accelerate_sync_gradients
         self.grad_scaler = grad_scaler
         self.defer_steps = defer_steps
-        self.workers = workers
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="expert-adam")
+        if workers is not None and workers < 0:
+            raise ValueError(f"workers must be >= 0 (0: steps run on the thread that hands the gradients over), "
+                             f"got {workers}")
+        self.workers_setting = workers
+        self._executor: ThreadPoolExecutor | _InlineExecutor | None = None  # made at the first job (`_pool`)
         self._lock = threading.Lock()
         self._stepped: set[ExpertKey] = set()  # experts already stepped in this window
         self._measured: set[ExpertKey] = set()  # deferred mode: experts whose norm is being / was taken
@@ -127,6 +147,28 @@ class ExpertOptimizer:
         engine.add_grad_hook(self._on_grads)
         engine.add_layer_done_hook(self._on_layer_done)
         engine.steps_in_backward = lambda: self.eager and self.boundary_fn()  # the backward reads the moments too
+
+    # --- workers ---
+    @property
+    def workers(self) -> int:
+        """Threads stepping experts; 0: each job runs on the thread that submits it (in backward, the one computing).
+        Unset, 0 where the disk tier's experts compute on the CPU, else 2. There the host is the device and the
+        store's I/O threads already share the other cores with the compute: the optimizer's workers, stepping each
+        expert as its gradient arrives, queued behind the I/O while the backward waited for both (the disk tier with a
+        quarter cached, 2 cores: 1.87x resident stepping on the compute thread, 2.11x on 1 worker, 2.26x on 2;
+        issue 14, benchmarks/RESULTS.md). On a device the workers overlap the device's backward (ES-MoE §4.1)."""
+        if self.workers_setting is not None:
+            return self.workers_setting
+        runtime = self.engine.runtime  # None until the first forward binds the engine
+        return 0 if self.store.tier == "disk" and runtime is not None and not runtime.asynchronous else 2
+
+    @property
+    def _pool(self) -> ThreadPoolExecutor | _InlineExecutor:
+        if self._executor is None:
+            workers = self.workers
+            self._executor = (_InlineExecutor() if workers == 0
+                              else ThreadPoolExecutor(max_workers=workers, thread_name_prefix="expert-adam"))
+        return self._executor
 
     # --- modes ---
     @property
@@ -239,10 +281,11 @@ class ExpertOptimizer:
         """Experts per job (one fused call): the ready experts split evenly over the workers. A batch holds all its
         records at once: on the disk tier, at most what the host cache can hold beside the reads in flight after
         backward (`step()`)."""
-        size = max(1, -(-ready // self.workers))
+        workers = max(1, self.workers)
+        size = max(1, -(-ready // workers))
         cache = getattr(self.store, "cache_experts", None)
         if cache is not None:
-            size = min(size, max(1, (cache - self.engine.depth - 1) // self.workers))
+            size = min(size, max(1, (cache - self.engine.depth - 1) // workers))
         return size
 
     def _batches(self, entries: list, in_backward: bool) -> list[list]:
@@ -254,7 +297,8 @@ class ExpertOptimizer:
 
         if in_backward and getattr(self.store, "cache_experts", None) is not None:
             held = [entry for entry in entries if entry[1] is not None]
-            return split(held, max(1, -(-len(held) // self.workers))) + split([e for e in entries if e[1] is None], 1)
+            per_job = max(1, -(-len(held) // max(1, self.workers)))
+            return split(held, per_job) + split([e for e in entries if e[1] is None], 1)
         return split(entries, self._batch_size(len(entries)))
 
     def _start_batched_steps(self, entries: list[tuple[ExpertKey, ExpertRecord | None, GradArrival | None]],
@@ -506,7 +550,8 @@ class ExpertOptimizer:
 
     def close(self) -> None:
         self.engine.synchronize()
-        self._pool.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
 
 class ExpertAwareOptimizer:
