@@ -471,7 +471,8 @@ class OffloadedExpertsLayer:
         """A chunk's grouped forward with its graph kept (`_kept_graph` over the staging block, which the backward
         re-stages with the same experts in the same rows)."""
         leaves = [v.detach().requires_grad_(True) for v in self.layout.grouped_views(block)]
-        graphs.append(_kept_graph(lambda inputs: self.layout.grouped_forward(inputs, counts, leaves), xs, leaves, block))
+        graphs.append(_kept_graph(lambda inputs: self.layout.grouped_forward(inputs, counts, leaves), xs, leaves,
+                                  block))
         return graphs[-1][2].detach()
 
     def _staged_backward(self, x, gy, full: list[int], shared: tuple, graphs: list | None) -> tuple:
@@ -791,9 +792,9 @@ class OffloadEngine:
         # computes an uncached expert from its memory-mapped file (the disk tier computing on the CPU).
         self.mmap_setting: bool | None = None
         self.map_files = False
-        # Set by the expert optimizer: whether it steps each expert in the backward that makes its gradient final
-        # (`backward_rows`).
-        self.steps_in_backward: Callable[[], bool] | None = None
+        # `add_grad_hook(..., steps_now=)`: whether a hook steps the experts it takes in the backward that hands them
+        # over (`backward_rows`).
+        self._steps_now: list[Callable[[], bool]] = []
 
     # --- device binding ---
     def bind(self, device: torch.device) -> None:
@@ -1040,7 +1041,7 @@ class OffloadEngine:
                 finally:
                     stager.done(slot)
                     if record is None and not self.inference:  # decoding reuses its hot experts' pages
-                        self.store.unmap_weights(key)
+                        self.store.unmap_weights(weights)
                     if not handed_over and record is not None:
                         self._release_after(key, ready)
         finally:
@@ -1066,13 +1067,12 @@ class OffloadEngine:
     def backward_rows(self, layer: int) -> tuple[int, ...] | None:
         """The rows a training backward of `layer` reads (None: all): the weights and the gradient's slot; also the
         Adam moments where the expert optimizer steps each expert in this backward (the layer's last call of the
-        micro-step ends its window: `steps_in_backward`). ES-MoE §4.1: the step's reads then run ahead on the I/O
+        micro-step ends its window: `add_grad_hook`'s `steps_now`). ES-MoE §4.1: the step's reads then run ahead on the I/O
         threads with the weights', instead of on the optimizer's worker once the gradient is in, while the record
         holds its slot."""
         if not self.train_experts:
             return WEIGHTS
-        if (self.steps_in_backward is not None and self.coordinator is None and self.layers[layer].outstanding <= 1
-                and self.steps_in_backward()):
+        if self.coordinator is None and self.layers[layer].outstanding <= 1 and any(f() for f in self._steps_now):
             return None
         return WEIGHTS_AND_GRAD
 
@@ -1176,12 +1176,15 @@ class OffloadEngine:
             ids = [e for e in reversed(range(len(counts))) if counts[e]]
             self.store.prefetch([(prev, e) for e in ids[: self.depth + 1]], self.backward_rows(prev))
 
-    def add_grad_hook(self, hook: GradHook) -> None:
+    def add_grad_hook(self, hook: GradHook, steps_now: Callable[[], bool] | None = None) -> None:
         """`hook(items)` on the micro-step where these experts' gradients are final (one expert, or a layer's experts
         at once from the grouped host path), items being (key, record, arrival); it returns the keys it takes over:
         for each, the hook must `arrival.land(record)` (or use `arrival.in_place_of(record)`) and release the record
-        (dirty)."""
+        (dirty). `steps_now()`: whether the hook updates those experts right away (the backward then reads their Adam
+        moments with their weights: `backward_rows`)."""
         self._grad_hooks.append(hook)
+        if steps_now is not None:
+            self._steps_now.append(steps_now)
 
     def add_layer_done_hook(self, hook: Callable[[int], None]) -> None:
         self._layer_done_hooks.append(hook)

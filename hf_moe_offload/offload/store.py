@@ -11,8 +11,9 @@ page-fault driven), `set_schedule(keys)` (that order, for the disk tier's evicti
 `Mapping`-like `keys()` / `read_param(key)` / `write_param(key, ...)`.
 
 Each phase asks only for the rows it uses (issue 14): forward the weights, backward the weights and the gradient (and
-the moments where the optimizer steps the expert in that backward), the expert's optimizer step all four. The disk tier reads and writes just those rows, never reads a gradient that is
-known to be zero (`release(..., grad_zeroed=True)` / `clear_grad`) and never writes one back.
+the moments where the optimizer steps the expert in that backward), the expert's optimizer step all four. The disk
+tier reads and writes just those rows, never reads a gradient that is known to be zero (`release(...,
+grad_zeroed=True)` / `clear_grad`) and never writes one back.
 
 While the engine decodes (`set_decode_cache`), the disk tier evicts by decoding's scores instead of the schedule
 (offload/inference.py), and a row whose checksum a read already matched since it was written is not checked again.
@@ -728,15 +729,14 @@ class DiskExpertStore(ExpertStore):
             self.stats.disk_mapped_experts += 1
             return row
 
-    def unmap_weights(self, key: ExpertKey) -> None:
-        """Done with `key`'s mapped weights for now: drop their pages from this process (MADV_DONTNEED; the page cache
-        keeps them, the next use maps them again from there). A training step uses every expert's weights: left
-        mapped, they would all count in the process's resident memory, which the disk tier bounds by its cache."""
-        with self._lock:
-            found = self._maps.get(key)
-        if found is None or _madvise is None:
+    @staticmethod
+    def unmap_weights(row: torch.Tensor) -> None:
+        """Done with mapped weights `row` (from `map_weights`) for now: drop their pages from this process
+        (MADV_DONTNEED; the page cache keeps them, the next use maps them again from there). A training step uses
+        every expert's weights: left mapped, they would all count in the process's resident memory, which the disk
+        tier bounds by its cache."""
+        if _madvise is None:
             return
-        row = found[1]  # held here: the mapping stays valid even if a rewrite of the file drops it meanwhile
         first = -(-row.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE  # the whole pages inside the row
         end = (row.data_ptr() + row.numel() * row.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > first:

@@ -3,8 +3,9 @@
 Each expert's Adam/AdamW step runs on the host, on worker threads, as soon as that expert's gradient is final: on
 the micro-step that closes a gradient-accumulation window, the engine hands every finished expert here during
 backward, so host updates overlap the rest of backward. (Where the disk tier's experts compute on the CPU, the step
-runs on the thread that hands the gradient over by default: see `ExpertOptimizer.workers`.) On other micro-steps gradients only accumulate in the
-store. The next forward of expert e waits for e's own update only (no delayed update, no staleness).
+runs on the thread that hands the gradient over by default: see `ExpertOptimizer.workers`.) On other micro-steps
+gradients only accumulate in the store. The next forward of expert e waits for e's own update only (no delayed
+update, no staleness).
 
 Semantics are those of `torch.optim.AdamW` / `Adam` (the same fused kernel, on per-expert views): betas, eps,
 decoupled or L2 weight decay (matrices only, as transformers' Trainer groups parameters), bias correction with a
@@ -144,9 +145,8 @@ class ExpertOptimizer:
         self._window = 0
         self._jobs: list[tuple[int, float, float]] = []  # (window, start, end) of each expert step
         self._step_called: dict[int, float] = {}
-        engine.add_grad_hook(self._on_grads)
+        engine.add_grad_hook(self._on_grads, steps_now=lambda: self.eager and self.boundary_fn())
         engine.add_layer_done_hook(self._on_layer_done)
-        engine.steps_in_backward = lambda: self.eager and self.boundary_fn()  # the backward reads the moments too
 
     # --- workers ---
     @property
@@ -277,11 +277,10 @@ class ExpertOptimizer:
                                 self._window)
         self.engine.set_pending(key, job)
 
-    def _batch_size(self, ready: int) -> int:
-        """Experts per job (one fused call): the ready experts split evenly over the workers. A batch holds all its
-        records at once: on the disk tier, at most what the host cache can hold beside the reads in flight after
+    def _batch_size(self, ready: int, workers: int) -> int:
+        """Experts per job (one fused call): the ready experts split evenly over the `workers` (>= 1). A batch holds all
+        its records at once: on the disk tier, at most what the host cache can hold beside the reads in flight after
         backward (`step()`)."""
-        workers = max(1, self.workers)
         size = max(1, -(-ready // workers))
         cache = getattr(self.store, "cache_experts", None)
         if cache is not None:
@@ -295,11 +294,11 @@ class ExpertOptimizer:
         def split(items: list, size: int) -> list[list]:
             return [items[i : i + size] for i in range(0, len(items), size)]
 
+        workers = max(1, self.workers)  # inline (0): one job
         if in_backward and getattr(self.store, "cache_experts", None) is not None:
             held = [entry for entry in entries if entry[1] is not None]
-            per_job = max(1, -(-len(held) // max(1, self.workers)))
-            return split(held, per_job) + split([e for e in entries if e[1] is None], 1)
-        return split(entries, self._batch_size(len(entries)))
+            return split(held, max(1, -(-len(held) // workers))) + split([e for e in entries if e[1] is None], 1)
+        return split(entries, self._batch_size(len(entries), workers))
 
     def _start_batched_steps(self, entries: list[tuple[ExpertKey, ExpertRecord | None, GradArrival | None]],
                              clip_coef: float | None, grad_scale: float | None, in_backward: bool = False) -> None:
