@@ -73,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser, **defaults) -> None:
 def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
     """Train, evaluate, save, plot, write the card and metrics; returns the run record (also in metrics.json)."""
     started = time.perf_counter()
+    jobs.tune_host_memory(args)
     if args.short:
         jobs.short_run(args)
         args.max_eval_blocks = min(args.max_eval_blocks or 16, 16)

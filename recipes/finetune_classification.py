@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
+    jobs.tune_host_memory(args)
     # Defaults per method, tuned on the offline tweets with the main job's model (RESULTS.md, issue 16).
     if args.lr is None:
         args.lr = 3e-3 if args.method == "lora" else 3e-4
