@@ -46,7 +46,7 @@ class _Engine:
         self.layers = [type("L", (), {"layout": layout})()]
         self.pending = {}
 
-    def add_grad_hook(self, hook):
+    def add_grad_hook(self, hook, steps_now=None):
         pass
 
     def add_layer_done_hook(self, hook):

@@ -32,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import DispatchPlan, MoEGPTConfig, MoEGPTExperts  # noqa: E402
+from hf_moe_offload.moe_path import sorted_experts  # noqa: E402
 from hf_moe_offload.pipelining import PartitionedExecutor, PipelineConfigurator  # noqa: E402
 from hf_moe_offload.pipelining.memory import eq6_saving_ratio, measure_saving  # noqa: E402
 
@@ -42,10 +43,11 @@ STRATEGIES = ["S1", "S2", "S3", "S4"]
 def experts_and_plan(M: int, H: int, E: int, S: int, k: int = 2, act: str = "relu"):
     cfg = MoEGPTConfig(hidden_size=M, intermediate_size=H, num_experts=E, num_experts_per_tok=k,
                        activation_function=act, num_attention_heads=4)
-    experts = MoEGPTExperts(cfg)
+    module = MoEGPTExperts(cfg)
     with torch.no_grad():
-        for p in experts.parameters():
+        for p in module.parameters():
             p.normal_(0.0, 0.02)
+    experts = sorted_experts(module)  # the sorted signature the executors and `measure_saving` call
     x = torch.randn(S, M, requires_grad=True)
     ids = torch.stack([torch.randperm(S) % E, (torch.randperm(S) + 1) % E], -1)[:, :k]  # balanced load
     plan = DispatchPlan.build(torch.rand(S, k), ids, E, gathers=False)  # the partitions' index_add_ combine
@@ -79,7 +81,7 @@ def memory_table(quick: bool) -> list[dict]:
 
 
 def step_time(experts, x, plan, ex: PartitionedExecutor, gy: torch.Tensor) -> float:
-    experts.zero_grad(set_to_none=True)
+    experts.module.zero_grad(set_to_none=True)
     x.grad = None
     t0 = time.perf_counter()
     out = ex(x, plan, experts)

@@ -1,0 +1,64 @@
+"""The benchmarks' harnesses still drive the library. CI does not run the benchmarks (minutes each, and they rewrite
+their JSON), and a changed signature once broke `benchmarks/cpu_optimizer.py` without a test noticing: each harness
+runs here once at a tiny size, through the functions `main()` calls, and what it computes is checked where it has a
+bound. No timing is asserted."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import tempfile
+
+import torch
+
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def bench(name: str):
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)  # the scripts import each other (timing, offload) by their bare names
+    return importlib.import_module(name)
+
+
+def test_cpu_optimizer_throughput_harness():
+    out = bench("cpu_optimizer").throughput(4, 4096, reps=1)
+    variants = ("torch_fused", "expert_1w", "expert_2w", "expert_layer_2w", "expert_batched_2w")
+    assert all(out[f"{name}_params_per_s"] > 0 for name in variants)
+    assert all(out[f"ratio_{key}_vs_torch_fused"] > 0 for key in ("1w", "2w", "layer", "batched"))
+
+
+def test_offload_step_time_harness_moves_at_least_the_minimum(tmp_path, monkeypatch):
+    """Every tier trains; the disk tiers' bytes are at least `minimum_bytes` (a lower bound: if the accounting or the
+    bound were wrong, a ratio below 1 would show it); the host tier moves nothing."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the harness's offload directories
+    rows = bench("offload").step_time_table([4], steps=2, batch=2, seq=16, rounds=1)
+    assert {r["tier"] for r in rows} == {"resident", "host", "disk", "disk-via-cache", "disk-recompute"}
+    assert all(r["step_s"] > 0 for r in rows)
+    for r in rows:
+        if r["tier"].startswith("disk"):
+            assert r["read_vs_minimum"] >= 1.0 and r["write_vs_minimum"] >= 1.0, r
+        elif r["tier"] == "host":
+            assert r["disk_read_MB_per_step"] == 0 and r["disk_write_MB_per_step"] == 0
+
+
+def test_moe_layer_measure_harness():
+    moe_layer = bench("moe_layer")
+    variants = {"ours": moe_layer.ours(4), "ours_loop": moe_layer.ours_loop(4),
+                "qwen3_grouped_mm": moe_layer.qwen3(4, "grouped_mm")}
+    out = moe_layer.measure(variants, 64, reps=1)
+    assert out["ours"]["ratio_vs_ours"] == 1.0
+    assert all(r["time_s"] > 0 and r["saved_bytes"] > 0 for r in out.values())
+
+
+def test_mpmoe_memory_harness():
+    """The saved-bytes count of one partitioned layer and a timed step, at a tiny shape (tests/test_pipelining.py
+    checks the counts themselves against Eq. 5)."""
+    mpmoe = bench("mpmoe_memory")
+    from hf_moe_offload.pipelining import PartitionedExecutor
+
+    experts, x, plan = mpmoe.experts_and_plan(16, 64, 4, 32)
+    m = mpmoe.measure_saving(x, plan, experts, 2, "S1")
+    assert m.saving_bytes > 0 and m.theory_bytes > 0
+    assert mpmoe.step_time(experts, x, plan, PartitionedExecutor(2, "S1"), torch.randn(32, 16)) > 0
