@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -496,7 +497,7 @@ def test_batched_deferred_steps_change_no_bit(tier, clip, tmp_path, monkeypatch)
         experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, max_grad_norm=clip, boundary_fn=lambda: True)
         assert experts.eager is (clip is None)
         if not batched:
-            monkeypatch.setattr(experts, "_batch_size", lambda ready, in_backward=False: 1)
+            monkeypatch.setattr(experts, "_batch_size", lambda *args, **kwargs: 1)
         sizes = []
         original = experts._step_experts
         monkeypatch.setattr(experts, "_step_experts", lambda keys, *a: (sizes.append(len(keys)), original(keys, *a)))
@@ -732,3 +733,37 @@ def test_stepping_from_autograds_gradient_changes_no_bit(tier, autocast, tmp_pat
         results.append(training_result(engine, model))
         experts.close()
     assert_bit_equal_training(*results, steps=4)
+
+
+def test_experts_handed_over_one_at_a_time_are_stepped_together_while_the_worker_is_busy(monkeypatch):
+    """Issue 14: the per-expert loop hands experts over one at a time; those waiting when a worker gets to them are
+    stepped by one job, several per fused call (`_queue_steps`), and change no bit against one call per expert (the
+    inline executor's). Fresh random gradients, weight decay."""
+    results = []
+    for queued in (True, False):
+        model = small_model(seed=3)
+        engine = enable_expert_offload(model, OffloadConfig(mode="host"))
+        experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, workers=1 if queued else 0,
+                                  boundary_fn=lambda: True)
+        sizes = []
+        original = experts._step_experts
+        monkeypatch.setattr(experts, "_step_experts", lambda entries, *a: (sizes.append(len(entries)),
+                                                                           original(entries, *a)))
+        busy = threading.Event()
+        if queued:
+            experts._pool.submit(busy.wait)  # the worker is busy while the gradients arrive
+        g = torch.Generator().manual_seed(4)
+        keys = list(engine.store.keys())
+        for key in keys:
+            record = engine.store.acquire(key)
+            record.add_grad(torch.randn(record.param.shape, generator=g))
+            engine.store.has_grad[key] = True
+            experts._take_final([(key, record, None)])
+        busy.set()
+        engine.synchronize()
+        assert sizes == ([len(keys)] if queued else [1] * len(keys)), sizes
+        results.append(training_result(engine, model))
+        experts.close()
+    (a, steps_a, _), (b, steps_b, _) = results
+    assert steps_a == steps_b and set(steps_a.values()) == {1}
+    assert all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
