@@ -1067,9 +1067,9 @@ class OffloadEngine:
     def backward_rows(self, layer: int) -> tuple[int, ...] | None:
         """The rows a training backward of `layer` reads (None: all): the weights and the gradient's slot; also the
         Adam moments where the expert optimizer steps each expert in this backward (the layer's last call of the
-        micro-step ends its window: `add_grad_hook`'s `steps_now`). ES-MoE §4.1: the step's reads then run ahead on the I/O
-        threads with the weights', instead of on the optimizer's worker once the gradient is in, while the record
-        holds its slot."""
+        micro-step ends its window: `add_grad_hook`'s `steps_now`). ES-MoE §4.1: the step's reads then run ahead on
+        the I/O threads with the weights', instead of on the optimizer's worker once the gradient is in, while the
+        record holds its slot."""
         if not self.train_experts:
             return WEIGHTS
         if self.coordinator is None and self.layers[layer].outstanding <= 1 and any(f() for f in self._steps_now):

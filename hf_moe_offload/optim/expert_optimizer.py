@@ -282,9 +282,9 @@ class ExpertOptimizer:
         self.engine.set_pending(key, job)
 
     def _batch_size(self, ready: int, workers: int, held: bool = False) -> int:
-        """Experts per job (one fused call): the ready experts split evenly over the `workers` (>= 1). A batch holds all
-        its records at once: on the disk tier, at most what the host cache can hold beside the reads in flight after
-        backward (`step()`), unless the records are `held` already (handed over by the backward)."""
+        """Experts per job (one fused call): the ready experts split evenly over the `workers` (>= 1). A batch holds
+        all its records at once: on the disk tier, at most what the host cache can hold beside the reads in flight
+        after backward (`step()`), unless the records are `held` already (handed over by the backward)."""
         size = max(1, -(-ready // workers))
         cache = getattr(self.store, "cache_experts", None)
         if cache is not None and not held:
@@ -292,17 +292,11 @@ class ExpertOptimizer:
         return size
 
     def _batches(self, entries: list, in_backward: bool) -> list[list]:
-        """During backward on the disk tier the cache also holds what the stream reads: the experts handed over
-        with their records (held already: a staged chunk's) are split evenly over the workers; one a job must acquire
-        goes alone."""
-        def split(items: list, size: int) -> list[list]:
-            return [items[i : i + size] for i in range(0, len(items), size)]
-
-        workers = max(1, self.workers)  # inline (0): one job
-        if in_backward and getattr(self.store, "cache_experts", None) is not None:
-            held = [entry for entry in entries if entry[1] is not None]
-            return split(held, max(1, -(-len(held) // workers))) + split([e for e in entries if e[1] is None], 1)
-        return split(entries, self._batch_size(len(entries), workers))
+        """Jobs for experts whose records a job must acquire. During backward on the disk tier the cache also holds
+        what the stream reads: each such expert goes alone."""
+        size = 1 if in_backward and getattr(self.store, "cache_experts", None) is not None else \
+            self._batch_size(len(entries), max(1, self.workers))  # inline (0): one job
+        return [entries[i : i + size] for i in range(0, len(entries), size)]
 
     def _start_batched_steps(self, entries: list[tuple[ExpertKey, ExpertRecord | None, GradArrival | None]],
                              clip_coef: float | None, grad_scale: float | None, in_backward: bool = False) -> None:
@@ -315,9 +309,8 @@ class ExpertOptimizer:
             self.engine.wait_for_update(key)  # the previous window's step of an expert no forward used since
         if self._window_lr is None:
             self._window_lr = self.current_lr()
-        if in_backward and self.workers > 0:
-            held = [entry for entry in entries if entry[1] is not None]
-            self._queue_steps(held, clip_coef, grad_scale)
+        if in_backward:  # the records handed over with their gradients: held already
+            self._queue_steps([entry for entry in entries if entry[1] is not None], clip_coef, grad_scale)
             entries = [entry for entry in entries if entry[1] is None]
         for batch in self._batches(entries, in_backward):
             job = self._pool.submit(self._step_experts, batch, self._window_lr, clip_coef, grad_scale, self._window)
@@ -326,11 +319,11 @@ class ExpertOptimizer:
 
     def _queue_steps(self, entries: list[tuple[ExpertKey, ExpertRecord, GradArrival | None]], clip_coef: float | None,
                      grad_scale: float | None) -> None:
-        """Eager, in backward, on the workers: experts handed over with their records wait in `_ready`, and each job
-        steps every one waiting when it starts (up to an even share per worker) in fused calls, so the experts a
-        per-expert loop hands over one at a time are stepped together whenever they arrive faster than a worker
-        steps them (issue 14: the fused kernel's per-call cost, an OpenMP fork and join, was 0.6-0.8x torch's fused
-        AdamW one expert per call on 2 cores). Each expert's pending update is its own Future."""
+        """Eager, in backward: experts handed over with their records wait in `_ready`, and each job steps every one
+        waiting when it starts (up to an even share per worker; inline, all of them at once) in fused calls, so the
+        experts a per-expert loop hands over one at a time are stepped together whenever they arrive faster than a
+        worker steps them (issue 14: the fused kernel's per-call cost, an OpenMP fork and join, was 0.6-0.8x torch's
+        fused AdamW one expert per call on 2 cores). Each expert's pending update is its own Future."""
         if not entries:
             return
         step = (self._window_lr, clip_coef, grad_scale, self._window)
@@ -340,14 +333,15 @@ class ExpertOptimizer:
                 self._ready.append((entry, done, step))
                 self.engine.set_pending(entry[0], done)
             # Each job's share of what waits now (a job that took its share does not shrink the next one's).
-            self._share = self._batch_size(len(self._ready), self.workers, held=True)
-        for _ in range(min(len(entries), self.workers)):
+            workers = max(1, self.workers)
+            self._share = self._batch_size(len(self._ready), workers, held=True)
+        for _ in range(min(len(entries), workers)):
             self._pool.submit(self._step_ready)
 
     def _step_ready(self) -> None:
-        """A worker's job: until `_ready` is empty, take the experts at its head (one window and learning rate, at most
-        an even share of those waiting), step them and complete their Futures (with the error, should a step fail).
-        Every job drains the queue: however many experts one job takes, none is left behind."""
+        """A worker's job: until `_ready` is empty, take the experts at its head (one window and learning rate, at
+        most an even share of those waiting), step them and complete their Futures (with the error, should a step
+        fail). Every job drains the queue: however many experts one job takes, none is left behind."""
         while True:
             with self._lock:
                 if not self._ready:
