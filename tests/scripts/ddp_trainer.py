@@ -1,4 +1,6 @@
 """Plain MoE-GPT (resident experts) trained with the Trainer; run alone or under accelerate launch (DDP on gloo).
+`--qwen3-chunked`: a tiny Qwen3-MoE instead, with ChunkedLossTrainer (loss 8 tokens at a time) where `--chunked`,
+transformers' Trainer otherwise.
 
 python tests/scripts/ddp_trainer.py OUT --per-device-batch 4        # one process, global batch 4
 accelerate launch --multi_gpu --num_processes 2 ... ddp_trainer.py OUT --per-device-batch 2   # same global batch
@@ -13,19 +15,30 @@ from datasets import Dataset
 from transformers import Trainer, TrainingArguments, default_data_collator
 
 import hf_moe_offload  # noqa: F401
-from hf_moe_offload import MoEGPTConfig, MoEGPTForCausalLM
+from hf_moe_offload import ChunkedLossTrainer, MoEGPTConfig, MoEGPTForCausalLM
 from hf_moe_offload.distributed import end_process_groups
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
 p.add_argument("--per-device-batch", type=int, required=True)
+p.add_argument("--model", choices=["moe_gpt", "qwen3_moe"], default="moe_gpt")
+p.add_argument("--chunked", action="store_true", help="ChunkedLossTrainer (qwen3_moe)")
 args = p.parse_args()
 
 torch.manual_seed(0)
-config = MoEGPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                      num_experts=4, moe_layer_frequency=1, hidden_dropout=0.0, attention_dropout=0.0,
-                      max_position_embeddings=32, router_aux_loss_coef=0.0)
-model = MoEGPTForCausalLM(config)
+if args.model == "moe_gpt":
+    config = MoEGPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64, num_experts=4, moe_layer_frequency=1, hidden_dropout=0.0,
+                          attention_dropout=0.0, max_position_embeddings=32, router_aux_loss_coef=0.0)
+    model = MoEGPTForCausalLM(config)
+else:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    # No load-balancing term: it is not linear in the batch, so 2 processes would not equal 1 with it.
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=32, router_aux_loss_coef=0.0, output_router_logits=False, use_cache=False))
 g = torch.Generator().manual_seed(1)
 ids = torch.randint(0, 64, (32, 16), generator=g)
 ds = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
@@ -34,7 +47,12 @@ targs = TrainingArguments(
     logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
     train_sampling_strategy="sequential", dataloader_num_workers=0,
 )
-trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=default_data_collator)
+if args.chunked:
+    trainer = ChunkedLossTrainer(model=model, args=targs, train_dataset=ds, data_collator=default_data_collator,
+                                 loss_chunk_tokens=8)
+    assert trainer.lm_loss_path() == "LM loss chunked, 8 tokens at a time"
+else:
+    trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=default_data_collator)
 trainer.train()
 if trainer.is_world_process_zero():
     trainer.save_model(os.path.join(args.out, "final"))

@@ -703,9 +703,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int, compute_dtype: torch.dtype):
+    def forward(ctx, hidden, weight, labels, chunk: int, compute_dtype: torch.dtype, divisor=None):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        n = (labels != -100).sum()
+        n = (labels != -100).sum() if divisor is None else torch.as_tensor(divisor, device=hidden.device)
         inv_n = 1.0 / n.clamp(min=1).float()
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if want_h else None
@@ -731,25 +731,28 @@ class _ChunkedLMLoss(torch.autograd.Function):
                     if want_w:
                         grad_w += (g.t() @ h).float()
         ctx.grads, ctx.weight_dtype = (grad_h, grad_w), weight.dtype
-        return total / n  # NaN when every label is ignored, as F.cross_entropy
+        return total / n  # with no divisor, NaN when every label is ignored, as F.cross_entropy
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.grads
         ctx.grads = None
         return (None if grad_h is None else grad_h * grad_out.to(grad_h.dtype),
-                None if grad_w is None else (grad_w * grad_out).to(ctx.weight_dtype), None, None, None)
+                None if grad_w is None else (grad_w * grad_out).to(ctx.weight_dtype), None, None, None, None)
 
 
-def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
+                    divisor: torch.Tensor | int | None = None) -> torch.Tensor:
     """`F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=-100)` without materialising the
-    logits of all rows at once (see `_ChunkedLMLoss`). `hidden` (N, d), `weight` (V, d), `labels` (N,)."""
+    logits of all rows at once (see `_ChunkedLMLoss`). `hidden` (N, d), `weight` (V, d), `labels` (N,).
+    `divisor`: the summed loss is divided by it instead of by the number of labelled rows (transformers'
+    `num_items_in_batch`, counted over a whole accumulated batch)."""
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    return _ChunkedLMLoss.apply(hidden, weight, labels, chunk, compute_dtype)
+    return _ChunkedLMLoss.apply(hidden, weight, labels, chunk, compute_dtype, divisor)
 
 
 def _router_penalty(config: MoEGPTConfig, base: MoEGPTModelOutput) -> torch.Tensor:
