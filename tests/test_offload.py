@@ -882,7 +882,8 @@ def test_disk_tier_staged_chunks_train_exactly_like_the_host_tiers_grouped_gemm(
 @pytest.mark.skipif(not CPU_INLINE, reason="staged chunks run where the experts compute on the host")
 def test_stage_experts_needs_room_for_two_chunks(tmp_path):
     """`stage_experts` is checked against the cache when the engine binds (two chunks and the reads ahead must fit);
-    the default takes a third of what the reads ahead leave and makes room for it beside the pins."""
+    the default takes a third of what the reads ahead leave and makes room for it beside the pins, where the cache
+    holds at least half the experts (else 1)."""
     with pytest.raises(ValueError, match="stage_experts"):
         OffloadConfig(mode="disk", offload_dir=str(tmp_path), stage_experts=0)
     model = small_model()
@@ -897,6 +898,11 @@ def test_stage_experts_needs_room_for_two_chunks(tmp_path):
     model(x, labels=x).loss.backward()
     room = 12 - 1 - 1
     assert engine.stage_experts == room // 3 and engine.pin_limit == room - 2 * engine.stage_experts
+    # A cache of less than half the experts (10 of 24): one at a time, every slot beside the stream to the pins.
+    model = small_model(num_experts=12)
+    engine = enable_expert_offload(model, offload_cfg("disk", tmp_path / "d", depth=1, cache=10))
+    model(x, labels=x).loss.backward()
+    assert len(engine.store) == 24 and engine.stage_experts == 1 and engine.pin_limit == 10 - 1 - 1
     model = small_model()
     cfg = offload_cfg("host", tmp_path / "c")
     cfg.stage_experts = 2

@@ -48,8 +48,8 @@ class OffloadConfig:
     stage_experts: int | None = field(default=None, metadata={
         "help": "disk tier computing on the CPU, training: experts per chunk of the stream whose weights are copied "
                 "into one staging block and run as one grouped GEMM per matmul, as the host tier runs a whole layer "
-                "(issue 14). None (default): a third of the host cache beside the reads ahead, at most 8; 1: one "
-                "expert at a time. Each chunk's records stay in the cache from its backward until its optimizer "
+                "(issue 14). None (default): where the host cache holds at least half the experts, a third of it beside "
+                "the reads ahead, at most 8; otherwise 1, one expert at a time, leaving the cache to the pins. Each chunk's records stay in the cache from its backward until its optimizer "
                 "step, so the cache must hold two chunks beside prefetch_depth + 1 (the pins get what is left)"})
     compute_threads: int | None = field(default=None, metadata={
         "help": "experts computing on the CPU (host and disk tier), training: intra-op threads of their forward and "

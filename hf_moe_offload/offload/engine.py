@@ -871,12 +871,17 @@ class OffloadEngine:
     # A staged chunk's records are held from its backward's stream until the optimizer has stepped them, while the
     # next chunk's are acquired: 2 chunks and the reads ahead, beside the pins, each of which saves an expert's I/O
     # every step. A grouped call has a fixed cost: on the CPU box chunks of 2 ran slower than one expert at a time,
-    # chunks of 8 fastest of 2 / 4 / 8 (scratch runs, benchmarks/RESULTS.md).
+    # chunks of 8 fastest of 2 / 4 / 8 (scratch runs, benchmarks/RESULTS.md). Staging pays where most experts are
+    # cached (every expert cached: 0.94x resident staged vs 1.08x one at a time); with a quarter cached it ran no
+    # faster (6-round A/Bs: 1.81 vs 1.84x, 2.42 vs 2.40x) and its chunks took 8-16 slots from the pins (written bytes
+    # 1.24 -> 1.09x the minimum at 32 experts, 1.21 -> 1.05x at 64), so by default a cache of less than half the
+    # experts streams them one at a time.
     STAGE_MAX = 8
 
     def _bind_staging(self) -> None:
-        """Choose `stage_experts` (the disk tier computing on the host: `OffloadConfig.stage_experts`, by default
-        a third of the cache left beside the reads ahead, at most `STAGE_MAX`; `pin_limit` makes room for it)."""
+        """Choose `stage_experts` (the disk tier computing on the host: `OffloadConfig.stage_experts`; by default,
+        where the cache holds at least half the experts, a third of the cache left beside the reads ahead, at most
+        `STAGE_MAX`, else 1; `pin_limit` makes room for it)."""
         cache = self._cache
         if cache is None or self.runtime.asynchronous:
             if self.stage_setting not in (None, 1):
@@ -886,7 +891,10 @@ class OffloadEngine:
                 )
             return
         room = cache - self.depth - 1
-        k = min(self.STAGE_MAX, room // 3) if self.stage_setting is None else self.stage_setting
+        if self.stage_setting is not None:
+            k = self.stage_setting
+        else:
+            k = min(self.STAGE_MAX, room // 3) if 2 * cache >= len(self.store) else 1
         if 2 * k > room and k > 1:
             raise ValueError(
                 f"OffloadConfig.stage_experts={k} needs a host cache of at least {2 * k + self.depth + 1} experts "
