@@ -8,7 +8,9 @@ For each token count S and expert count E (top-2, d=256): forward+backward time 
 (saved bytes: distinct storages that are not the parameters' own), for
 - ours: `MoEGPTSparseMoeBlock` (argsort dispatch, each matmul of the experts one grouped GEMM over their contiguous
   slices, `GroupedLinear`, a gathering combine); ours_loop: the same with the experts one after another;
-- transformers' `Qwen3MoeSparseMoeBlock` with its `eager` experts and, where it runs on CPU, `grouped_mm`;
+- transformers' `Qwen3MoeSparseMoeBlock` with its `eager` experts and, where it runs on CPU, `grouped_mm`; and the
+  same block through our experts path (`qwen3_ours`: same router, same SwiGLU tensors), so that "x qwen3_ours"
+  compares the two implementations of one layer;
 - GShard-style dense dispatch: a (S, E, C) combine/dispatch mask with capacity C = ceil(1.25 * k * S / E), einsum
   dispatch, batched expert matmuls over (E, C) slots, einsum combine (its mask bytes are reported separately).
 Expert FFNs differ (ours and GShard: GELU with biases, 2 matmuls; Qwen3: SwiGLU, 3 matmuls), so Qwen3's expert width
@@ -80,6 +82,30 @@ def qwen3(E: int, impl: str):
                          norm_topk_prob=True)
     cfg._experts_implementation = impl
     block = Qwen3MoeSparseMoeBlock(cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+
+    def run(x):
+        out = block(x.unsqueeze(0))
+        return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
+
+    return block, run
+
+
+def qwen3_ours(E: int):
+    """transformers' Qwen3-MoE block (its router, its SwiGLU experts' tensors) run through hf_moe_offload's experts
+    path (`moe_path`: argsort dispatch, grouped GEMM, gathering combine), experts resident: the same FFN as
+    `qwen3_grouped_mm`, so the pair compares the two implementations of one layer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from hf_moe_offload.moe_path import moe_path
+
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I_QWEN, num_experts=E, num_experts_per_tok=K,
+                         norm_topk_prob=True, num_hidden_layers=1, vocab_size=8, num_attention_heads=4,
+                         num_key_value_heads=4)
+    model = Qwen3MoeForCausalLM(cfg)
+    moe_path(model).install()  # the path is installed on a model; the block is then timed alone
+    block = model.model.layers[0].mlp
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
 
@@ -183,6 +209,7 @@ def measure(variants: dict, S: int, reps: int, device: str = "cpu", dtype: torch
     for name, r in out.items():
         r["time_s"] = statistics.median(times[name])
         r["ratio_vs_ours"] = median_ratio(times[name], times["ours"])
+        r["times"] = times[name]
     return out
 
 
@@ -226,22 +253,28 @@ def main() -> None:
             flops = {"ours": 3 * S * K * 4 * H * I, "ours_loop": 3 * S * K * 4 * H * I,
                      "gshard_mask": 3 * S * K * 4 * H * I}
             variants = {"ours": ours(E), "ours_loop": ours_loop(E), **{f"qwen3_{i}": qwen3(E, i) for i in impls},
-                        "gshard_mask": gshard(E)}
+                        "qwen3_ours": qwen3_ours(E), "gshard_mask": gshard(E)}
             variants = {name: on_device(v) for name, v in variants.items()}
             res = measure(variants, S, reps, device, dtype)
             for name, r in res.items():
+                # The same Qwen3 block, transformers' implementation over ours (> 1: ours is faster).
+                same_ffn = (median_ratio(r["times"], res["qwen3_ours"]["times"])
+                            if name.startswith("qwen3_") and name != "qwen3_ours" else None)
                 row = {"tokens": S, "experts": E, "impl": name, "time_s": r["time_s"],
-                       "time_vs_ours": r["ratio_vs_ours"], "saved_MB": r["saved_bytes"] / 2**20,
+                       "time_vs_ours": r["ratio_vs_ours"], "time_vs_qwen3_ours": same_ffn,
+                       "saved_MB": r["saved_bytes"] / 2**20,
                        "useful_gflops": flops.get(name, 3 * S * K * 6 * H * I_QWEN) / r["time_s"] / 1e9,
                        "mask_MB": variants[name][0].mask_bytes / 2**20 if name == "gshard_mask" else 0.0}
                 rows.append(row)
     where = torch.cuda.get_device_name(0) if device == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"\nMoE layer fwd+bwd, d={H}, ffn={I} (Qwen3 SwiGLU {I_QWEN}, ~equal FLOPs), top-{K}, {dtype}, {where}")
-    print(f"{'S':>5} {'E':>3} {'impl':>16} {'time s':>8} {'x ours':>7} {'useful GFLOP/s':>14} {'saved MB':>9} "
-          f"{'mask MB':>8}")
+    print("x ours: time over MoE-GPT's block (ours); x qwen3_ours: time over the same Qwen3 block through ours")
+    print(f"{'S':>5} {'E':>3} {'impl':>16} {'time s':>8} {'x ours':>7} {'x qwen3_ours':>12} {'useful GFLOP/s':>14} "
+          f"{'saved MB':>9} {'mask MB':>8}")
     for r in rows:
+        same = f"{r['time_vs_qwen3_ours']:.2f}" if r["time_vs_qwen3_ours"] is not None else "-"
         print(f"{r['tokens']:>5} {r['experts']:>3} {r['impl']:>16} {r['time_s']:>8.4f} {r['time_vs_ours']:>7.2f} "
-              f"{r['useful_gflops']:>14.1f} {r['saved_MB']:>9.1f} {r['mask_MB']:>8.1f}")
+              f"{same:>12} {r['useful_gflops']:>14.1f} {r['saved_MB']:>9.1f} {r['mask_MB']:>8.1f}")
     name = "moe_layer.json" if device == "cpu" else "moe_layer_cuda.json"
     with open(os.path.join(HERE, name), "w") as f:
         json.dump({"machine": platform.platform(), "device": where, "dtype": str(dtype),

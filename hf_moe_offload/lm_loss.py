@@ -36,10 +36,11 @@ from .models.moe_gpt.modeling_moe_gpt import chunked_lm_loss
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-# Config fields with which a family changes its logits after the head (Granite's `logits / logits_scaling`, Cohere's
-# `logits * logit_scale`, Gemma's tanh soft-capping). A soft cap of 30 on logits of ~0.1 changes them by ~1e-6, below
-# what the per-call check can tell from rounding, so these are read from the config instead.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale", "output_multiplier_scale")
+# Config fields with which a family changes its logits after the head in transformers 5.23 (Granite's
+# `logits / logits_scaling`, Cohere's `logits * logit_scale`, Gemma's tanh soft-capping, Muse's `output_multiplier`).
+# A soft cap of 30 on logits of ~0.1 changes them by ~1e-6, below what the per-call check can tell from rounding, so
+# these are read from the config instead.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale", "output_multiplier")
 
 
 def _core_model(model: nn.Module) -> nn.Module:
@@ -126,8 +127,8 @@ def _check_head(core: nn.Module, head: nn.Linear, hidden: torch.Tensor, logits: 
         raise UserError(f"chunked LM loss: {type(core).__name__} did not return one position's logits and the "
                         "(batch, tokens, hidden) final hidden states; train with loss_chunk_tokens=0")
     with torch.no_grad():
-        err = (head(hidden[:, -1:]).float() - logits.float()).abs().max().item()
-        scale = logits.float().abs().max().item()
+        theirs = logits.float()
+        err, scale = torch.stack([(head(hidden[:, -1:]).float() - theirs).abs().max(), theirs.abs().max()]).tolist()
     # Relative 1e-2: above a bf16 GEMM's rounding (the model's head may run in bf16 and ours in fp32 or the reverse),
     # far below any logit scale a family applies (Granite divides by 4-8).
     if not err <= 1e-2 * scale + 1e-6:
