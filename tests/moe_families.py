@@ -78,8 +78,14 @@ class Unshrinkable(Exception):
     """The family cannot be built tiny by the generic recipe (the reason is the message)."""
 
 
-@cache
 def tiny_config(model_type: str):
+    """The family's tiny config: a fresh copy on every call (callers change fields: a vocabulary, a context), of the
+    one built and checked once."""
+    return copy.deepcopy(_checked_config(model_type))
+
+
+@cache
+def _checked_config(model_type: str):
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise Unshrinkable("no causal-LM head in transformers")
     default = AutoConfig.for_model(model_type)
@@ -112,7 +118,7 @@ def tiny_config(model_type: str):
 def tiny_model(model_type: str, seed: int = 0, **overrides):
     """The family's tiny causal LM, fp32, eager experts, random weights (seeded), in train mode. `overrides` set
     config fields (only those the family's config has: e.g. num_experts=7 reaches num_local_experts too)."""
-    config = copy.deepcopy(tiny_config(model_type))
+    config = tiny_config(model_type)
     aliases = {"num_experts": ("num_experts", "num_local_experts", "n_routed_experts")}
     for key, value in overrides.items():
         for name in aliases.get(key, (key,)):
