@@ -75,36 +75,23 @@ def ours_loop(E: int):
 
 
 def qwen3(E: int, impl: str):
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
-    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I_QWEN, num_experts=E, num_experts_per_tok=K,
-                         norm_topk_prob=True)
-    cfg._experts_implementation = impl
-    block = Qwen3MoeSparseMoeBlock(cfg)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-
-    def run(x):
-        out = block(x.unsqueeze(0))
-        return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
-
-    return block, run
-
-
-def qwen3_ours(E: int):
-    """transformers' Qwen3-MoE block (its router, its SwiGLU experts' tensors) run through hf_moe_offload's experts
-    path (`moe_path`: argsort dispatch, grouped GEMM, gathering combine), experts resident: the same FFN as
-    `qwen3_grouped_mm`, so the pair compares the two implementations of one layer."""
+    """transformers' Qwen3-MoE block with its experts implementation `impl` ("eager", "grouped_mm"), or with
+    `impl="ours"` run through hf_moe_offload's experts path (`moe_path`: argsort dispatch, grouped GEMM, gathering
+    combine; experts resident): the same router and SwiGLU tensors, so `qwen3_ours` vs `qwen3_grouped_mm` compares
+    two implementations of one layer."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from hf_moe_offload.moe_path import moe_path
 
     cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I_QWEN, num_experts=E, num_experts_per_tok=K,
                          norm_topk_prob=True, num_hidden_layers=1, vocab_size=8, num_attention_heads=4,
                          num_key_value_heads=4)
-    model = Qwen3MoeForCausalLM(cfg)
-    moe_path(model).install()  # the path is installed on a model; the block is then timed alone
+    if impl == "ours":
+        from hf_moe_offload.moe_path import moe_path
+
+        model = Qwen3MoeForCausalLM(cfg)
+        moe_path(model).install()  # the path is installed on a model; the block is then timed alone
+    else:
+        cfg._experts_implementation = impl
+        model = Qwen3MoeForCausalLM(cfg)
     block = model.model.layers[0].mlp
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
@@ -252,8 +239,8 @@ def main() -> None:
             # 3 matmuls of H x I_QWEN (Qwen3 SwiGLU); GShard's padded capacity slots do not count as useful.
             flops = {"ours": 3 * S * K * 4 * H * I, "ours_loop": 3 * S * K * 4 * H * I,
                      "gshard_mask": 3 * S * K * 4 * H * I}
-            variants = {"ours": ours(E), "ours_loop": ours_loop(E), **{f"qwen3_{i}": qwen3(E, i) for i in impls},
-                        "qwen3_ours": qwen3_ours(E), "gshard_mask": gshard(E)}
+            variants = {"ours": ours(E), "ours_loop": ours_loop(E), **{f"qwen3_{i}": qwen3(E, i) for i in [*impls, "ours"]},
+                        "gshard_mask": gshard(E)}
             variants = {name: on_device(v) for name, v in variants.items()}
             res = measure(variants, S, reps, device, dtype)
             for name, r in res.items():

@@ -46,7 +46,7 @@ def test_offload_step_time_harness_moves_at_least_the_minimum(tmp_path, monkeypa
 def test_moe_layer_measure_harness():
     moe_layer = bench("moe_layer")
     variants = {"ours": moe_layer.ours(4), "ours_loop": moe_layer.ours_loop(4),
-                "qwen3_grouped_mm": moe_layer.qwen3(4, "grouped_mm"), "qwen3_ours": moe_layer.qwen3_ours(4)}
+                "qwen3_grouped_mm": moe_layer.qwen3(4, "grouped_mm"), "qwen3_ours": moe_layer.qwen3(4, "ours")}
     out = moe_layer.measure(variants, 64, reps=1)
     assert out["ours"]["ratio_vs_ours"] == 1.0
     assert all(r["time_s"] > 0 and r["saved_bytes"] > 0 for r in out.values())
