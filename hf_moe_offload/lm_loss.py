@@ -15,8 +15,9 @@ LM accepts:
 It is the same loss and gradients as the family's own head up to summation order (tests/test_lm_loss.py, every
 family that builds tiny). Where a family's logits are more than `lm_head(hidden)` (a logit scale or soft-capping in
 its config, a head with a bias or an adapter) the stock path runs; and the one projected position is checked against
-`lm_head(hidden)` on every call, so a transform this module does not know of fails loudly instead of training on a
-different loss.
+`lm_head(hidden)` (by `chunked_causal_lm_loss` on every call, by `ChunkedLossTrainer` on its first training step: a
+family's head does not change between steps, and the check costs a device sync), so a transform this module does not
+know of fails loudly instead of training on a different loss.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 # Config fields with which a family changes its logits after the head in transformers 5.23 (Granite's
 # `logits / logits_scaling`, Cohere's `logits * logit_scale`, Gemma's tanh soft-capping, Muse's `output_multiplier`).
-# A soft cap of 30 on logits of ~0.1 changes them by ~1e-6, below what the per-call check can tell from rounding, so
+# A soft cap of 30 on logits of ~0.1 changes them by ~1e-6, below what the head check can tell from rounding, so
 # these are read from the config instead.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale", "output_multiplier")
 
@@ -93,6 +94,12 @@ def chunked_causal_lm_loss(model: nn.Module, inputs: dict, chunk_tokens: int,
         raise UserError(f"chunked LM loss: {reason}; train with loss_chunk_tokens=0 (the stock loss)")
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens <= 0:
         raise UserError(f"chunked LM loss: chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+    return _chunked_loss(model, inputs, chunk_tokens, num_items_in_batch, autocast, check_head=True)
+
+
+def _chunked_loss(model: nn.Module, inputs: dict, chunk_tokens: int, num_items_in_batch, autocast,
+                  check_head: bool):
+    """`chunked_causal_lm_loss` once the model and chunk size are known to qualify."""
     inputs = dict(inputs)
     labels, shift_labels = inputs.pop("labels", None), inputs.pop("shift_labels", None)
     inputs.pop("num_items_in_batch", None)
@@ -105,7 +112,8 @@ def chunked_causal_lm_loss(model: nn.Module, inputs: dict, chunk_tokens: int,
     hidden = out.hidden_states[-1]
     head = core.get_output_embeddings()
     with autocast():
-        _check_head(core, head, hidden, out.logits)
+        if check_head:
+            _check_head(core, head, hidden, out.logits)
         if shift_labels is None:
             hidden, targets = hidden[:, :-1], labels[:, 1:]
         else:
@@ -160,11 +168,14 @@ class ChunkedLossTrainer(Trainer):
             raise UserError(f"loss_chunk_tokens must be an integer >= 0 (0: the stock loss), got {loss_chunk_tokens!r}")
         super().__init__(*args, **kwargs)
         self.loss_chunk_tokens = loss_chunk_tokens
-        self._why_not: str | None = None
+        self._why_not: str | None = None  # checked once: why_not_chunked
+        self._head_checked = False  # _check_head on the first chunked step only
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self._chunks(model, inputs):
-            model = _ChunkedLossCall(model, self.loss_chunk_tokens, self.accelerator.autocast)
+            model = _ChunkedLossCall(model, self.loss_chunk_tokens, self.accelerator.autocast,
+                                     check_head=not self._head_checked)
+            self._head_checked = True
         # The Trainer's own path from here: num_items_in_batch, the scaling across processes, return_outputs.
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
@@ -195,12 +206,13 @@ class ChunkedLossTrainer(Trainer):
 class _ChunkedLossCall:
     """What `Trainer.compute_loss` calls as the model: the model, with the loss taken chunk by chunk."""
 
-    def __init__(self, model: nn.Module, chunk_tokens: int, autocast):
-        self.model, self.chunk_tokens, self.autocast = model, chunk_tokens, autocast
+    def __init__(self, model: nn.Module, chunk_tokens: int, autocast, check_head: bool):
+        self.model, self.chunk_tokens, self.autocast, self.check_head = model, chunk_tokens, autocast, check_head
 
     def __call__(self, **inputs):
-        return chunked_causal_lm_loss(self.model, inputs, self.chunk_tokens,
-                                      num_items_in_batch=inputs.get("num_items_in_batch"), autocast=self.autocast)
+        # The trainer checked the model (why_not_chunked) and the chunk size once already.
+        return _chunked_loss(self.model, inputs, self.chunk_tokens, inputs.get("num_items_in_batch"), self.autocast,
+                             check_head=self.check_head)
 
 
 __all__ = ["ChunkedLossTrainer", "chunked_causal_lm_loss", "why_not_chunked"]

@@ -162,6 +162,31 @@ def test_an_unknown_logit_transform_fails_loudly(monkeypatch):
         chunked_causal_lm_loss(model, {"input_ids": x, "labels": labels}, CHUNK)
 
 
+def test_trainer_checks_the_head_on_its_first_step(monkeypatch, tmp_path):
+    """ChunkedLossTrainer checks the projected position once, on its first chunked step (not on every step): the
+    same unknown transform stops training there with the clear error."""
+    from transformers import TrainerCallback
+
+    model = family_model("cohere2_moe")
+    monkeypatch.setattr(lm_loss, "_LOGIT_TRANSFORMS", ())
+    checks = []
+    monkeypatch.setattr(lm_loss, "_check_head", lambda *a: checks.append(1))
+
+    class Count(TrainerCallback):
+        steps = 0
+
+        def on_step_end(self, *a, **k):
+            Count.steps += 1
+
+    _trainer_run(model, ChunkedLossTrainer, tmp_path / "a", steps=2, loss_chunk_tokens=CHUNK, callbacks=[Count()])
+    assert Count.steps == 2 and checks == [1]  # 4 chunked micro-steps, one check
+    monkeypatch.undo()
+    monkeypatch.setattr(lm_loss, "_LOGIT_TRANSFORMS", ())
+    with pytest.raises(UserError, match="logits are not lm_head"):
+        _trainer_run(family_model("cohere2_moe"), ChunkedLossTrainer, tmp_path / "b", steps=1,
+                     loss_chunk_tokens=CHUNK)
+
+
 def test_bad_arguments_are_clear_errors():
     model = family_model("qwen3_moe")
     x, labels = random_batch()
