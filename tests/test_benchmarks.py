@@ -10,6 +10,7 @@ import os
 import sys
 import tempfile
 
+import pytest
 import torch
 
 
@@ -64,6 +65,7 @@ def test_mpmoe_memory_harness():
     assert mpmoe.step_time(experts, x, plan, PartitionedExecutor(2, "S1"), torch.randn(32, 16)) > 0
 
 
+@pytest.mark.slow
 def test_lm_head_memory_harness():
     """Both heads train on a small vocabulary in their own processes and end at the same loss (same seed, same
     tokens, same first steps: the chunked loss is the stock loss)."""

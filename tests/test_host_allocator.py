@@ -43,6 +43,7 @@ def run_steps(mode: str, **env) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @glibc_linux
 def test_retained_memory_serves_the_next_step_and_the_environments_settings_win():
     """With the thresholds raised, the last step faults in (nearly) nothing. With the user's MALLOC_MMAP_THRESHOLD_ at
