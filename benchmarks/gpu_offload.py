@@ -5,6 +5,7 @@ resident model, under bf16 autocast (how users train on GPUs), in one invocation
     python benchmarks/gpu_offload.py --quick   # d=512, ffn=2048
     python benchmarks/gpu_offload.py --batch 32 --tiers host,host-bf16   # 32k tokens per step
     python benchmarks/gpu_offload.py --tiers host,host-deferred          # expert steps overlapped vs after bwd
+    python benchmarks/gpu_offload.py --family qwen3_moe --tokens 2048,8192,16384   # vs DeepSpeed: gpu_train_qwen3.py
 
 Tiers: resident, host (fp32 weights uploaded; autocast casts them on the GPU), host-bf16 (`compute_dtype=bf16`: bf16
 copies uploaded, half the bytes, the same bf16 GEMMs), disk. Each variant trains the same batches, interleaved round
@@ -123,6 +124,18 @@ def table(hidden: int, inter: int, experts: int, batch: int, seq: int, steps: in
 
 
 def main() -> None:
+    if "--family" in sys.argv:
+        family = sys.argv[sys.argv.index("--family") + 1]
+        if family == "qwen3_moe":  # issue 35: the Qwen3-MoE shape against DeepSpeed ZeRO-Offload
+            from gpu_train_qwen3 import main as qwen3_main
+
+            rest = sys.argv[1:]
+            i = rest.index("--family")
+            qwen3_main(rest[:i] + rest[i + 2 :])
+            return
+        if family != "moe_gpt":
+            sys.exit(f"--family {family}: moe_gpt (this script's table) or qwen3_moe (gpu_train_qwen3.py)")
+        sys.argv[sys.argv.index("--family") : sys.argv.index("--family") + 2] = []
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--experts", type=int, default=16, help="experts per MoE layer (4 MoE layers)")

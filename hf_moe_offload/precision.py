@@ -34,12 +34,13 @@ def restore_autocast(device_type: str, state: AutocastState) -> torch.autocast:
 
 
 _GEMMS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
-          torch.ops.aten._addmm_activation}
+          torch.ops.aten._addmm_activation, torch.ops.aten._grouped_mm}
 
 
 class GemmCounter(TorchDispatchMode):
     """Counts the matrix multiplications that run inside the block, by dtype (a diagnostic: e.g. no float32 GEMM
-    should run in the backward of an autocast forward).
+    should run in the backward of an autocast forward), and every aten op dispatched on this thread by name (`ops`:
+    on a GPU each is a kernel launch or a view; e.g. the work of a streamed layer must not grow with its experts).
 
     ```python
     >>> with GemmCounter() as gemms:
@@ -52,9 +53,15 @@ class GemmCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.by_dtype: Counter[torch.dtype] = Counter()
+        self.ops: Counter[str] = Counter()
+
+    @property
+    def gemms(self) -> int:
+        return sum(self.by_dtype.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.ops[str(func.overloadpacket)] += 1
         if func.overloadpacket in _GEMMS:
             self.by_dtype[out.dtype] += 1
         return out

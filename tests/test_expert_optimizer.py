@@ -526,11 +526,13 @@ def assert_bit_equal_training(first: tuple, second: tuple, steps: int) -> None:
     assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
 
 
-def _count_expert_paths(monkeypatch) -> dict[str, int]:
-    """Counts the calls of the host tier's grouped path and of the per-expert loop."""
+def count_expert_paths(monkeypatch, names=("_grouped_forward", "_grouped_backward", "run_forward",
+                                            "run_backward")) -> dict[str, int]:
+    """Counts the calls of these `OffloadedExpertsLayer` paths (default: the host tier's grouped path and the
+    per-expert loop)."""
     from hf_moe_offload.offload.engine import OffloadedExpertsLayer
 
-    calls = {"_grouped_forward": 0, "_grouped_backward": 0, "run_forward": 0, "run_backward": 0}
+    calls = dict.fromkeys(names, 0)
     for name in calls:
         original = getattr(OffloadedExpertsLayer, name)
 
@@ -549,7 +551,7 @@ def _grouped_host_pair(monkeypatch, seed: int):
     """A resident model and its host-tier copy, with the experts' paths counted: (calls, reference, model, engine)."""
     if runtime_for(torch.device("cpu")).asynchronous:
         pytest.skip("the grouped host path is the inline CPU runtime's: a device uploads expert by expert")
-    calls = _count_expert_paths(monkeypatch)
+    calls = count_expert_paths(monkeypatch)
     reference = small_model(seed=seed)
     model = copy.deepcopy(reference)
     # At the resident model's thread count: a GEMM's rounding depends on how many threads split it, and a training

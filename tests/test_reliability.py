@@ -358,6 +358,7 @@ def test_sigkill_around_a_checkpoint_save_then_resume_is_bit_exact(tmp_path):
         assert [p for p in os.listdir(out) if p.startswith("checkpoint-")] == ["checkpoint-9"], phase
 
 
+@pytest.mark.slow
 def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
     from hf_moe_offload.cli import main
 

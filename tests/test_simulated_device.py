@@ -110,7 +110,9 @@ def test_host_reads_a_download_only_after_synchronize():
 
 
 # --- 2. deleting one wait makes a test fail ---
+# (The slab's waits, which training calls use where it fits: tests/test_device_slab.py.)
 def _offloaded_step(tier: str, tmp_path, pin_fraction: float = 0.0):
+    """A training step expert by expert (the stager's slots: a host cache of 4 leaves no room for the slab)."""
     reference = small_model()
     model = copy.deepcopy(reference)
     engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "experts"),
@@ -120,7 +122,19 @@ def _offloaded_step(tier: str, tmp_path, pin_fraction: float = 0.0):
     model(x, labels=x).loss.backward()
     reference(x, labels=x).loss.backward()
     engine.synchronize()
+    assert engine.slab is None
     return engine, reference
+
+
+def _offloaded_inference(tmp_path):
+    """An inference forward on the host tier, expert by expert through the stager's slots, against the resident
+    model's logits."""
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    enable_expert_offload(model, OffloadConfig(mode="host", prefetch_depth=2, pin_fraction=0.0))
+    x = torch.randint(0, 101, (3, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, reference(x).logits, atol=1e-5, rtol=0)
 
 
 def test_the_engine_is_correct_on_the_simulated_device(tmp_path):
@@ -137,7 +151,9 @@ def test_deleting_the_upload_wait_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(DeviceStager, "wait", wait_without_event)
     with use_runtime(SimulatedRuntime(seed=5, max_delay=0.003)):
         with pytest.raises(HappensBeforeError, match="not ordered after its write"):
-            _offloaded_step("host", tmp_path)
+            _offloaded_step("disk", tmp_path)
+        with pytest.raises(HappensBeforeError, match="not ordered after its write"):
+            _offloaded_inference(tmp_path)
 
 
 def test_deleting_the_gradient_download_wait_fails(tmp_path, monkeypatch):
@@ -149,7 +165,7 @@ def test_deleting_the_gradient_download_wait_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(GradArrival, "land", land_without_synchronize)
     with use_runtime(SimulatedRuntime(seed=6, max_delay=0.003)):
         with pytest.raises(HappensBeforeError):
-            _offloaded_step("host", tmp_path)
+            _offloaded_step("disk", tmp_path)
 
 
 class _DropsWaitsOf(SimulatedRuntime):
@@ -164,7 +180,7 @@ class _DropsWaitsOf(SimulatedRuntime):
 def test_deleting_the_slot_reuse_wait_fails(tmp_path):
     with use_runtime(_DropsWaitsOf(seed=7, max_delay=0.003)):
         with pytest.raises(HappensBeforeError, match="reused while still in use"):
-            _offloaded_step("host", tmp_path)
+            _offloaded_inference(tmp_path)
 
 
 # --- 3. defects of the CUDA review, shown on the simulated device ---
@@ -231,7 +247,7 @@ def test_gradients_are_downloaded_in_their_own_dtype(tmp_path):
             loss = model(x, labels=x).loss
         loss.backward()
         engine.synchronize()
-        ring = engine._rings[torch.bfloat16]
+        ring = engine._block_rings[torch.bfloat16]  # the slab's chunks: one block of gradients per chunk
         assert all(b.dtype == torch.bfloat16 for b in ring.buffers) and len(ring._free) == len(ring.buffers)
         experts_run = sum(1 for layer in engine.layers for n in layer.last_counts if n)
         assert engine.stats.d2h_bytes == experts_run * engine.store.numel * 2

@@ -194,6 +194,8 @@ class _SharedControl:
 class SharedHostExpertStore(HostExpertStore):
     """The host tier with one copy per node (see the module docstring). Build it with `create_node_shared_store`."""
 
+    switches_compute_dtype = False  # the node's ranks share the weights; their copies are each rank's
+
     tier = "host"
     lazy_grad_zero = False  # the gradient row is shared by the ranks; a stale flag would be one rank's only
 
@@ -237,6 +239,8 @@ class SharedHostExpertStore(HostExpertStore):
 class SharedDiskExpertStore(DiskExpertStore):
     """The disk tier with one set of expert files per node and a private host cache per rank, kept coherent by
     node-wide version numbers (see the module docstring). Build it with `create_node_shared_store`."""
+
+    switches_compute_dtype = False  # the node's ranks share the weights; their copies are each rank's
 
     tier = "disk"
     lazy_grad_zero = False  # the gradient row is shared by the ranks; a stale flag would be one rank's only

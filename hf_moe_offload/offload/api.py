@@ -145,6 +145,8 @@ def enable_expert_offload(
     engine.train_experts = config.train_experts
     engine.keep_activations_setting = config.keep_activations
     engine.stage_setting = config.stage_experts
+    engine.slab_budget_bytes = config.device_budget_bytes
+    engine.compute_dtype_setting = config.compute_dtype
     engine.compute_threads = config.compute_threads
     engine.inference_setting = config.inference
     engine.compute_on_host_setting = config.compute_on_host

@@ -34,7 +34,9 @@ class OffloadConfig:
     prefetch_depth: int = field(default=2, metadata={"help": "experts uploaded/read ahead of the one computing"})
     io_threads: int = field(default=2, metadata={"help": "background threads for disk reads and write-backs"})
     pin_fraction: float = field(default=0.25, metadata={"help": "ES-MoE §4.3: most-loaded experts kept resident"})
-    compute_dtype: torch.dtype | None = field(default=None, metadata={"help": "dtype of the streamed copies"})
+    compute_dtype: torch.dtype | None = field(default=None, metadata={
+        "help": "dtype of the streamed copies. None (default): the model's dtype, except on a GPU under autocast at the "
+                "first forward, where the autocast dtype (the values autocast would cast to; half the bytes)"})
     train_experts: bool = field(default=True, metadata={
         "help": "False: the experts are frozen (e.g. LoRA on the other parts): the store keeps their weights only, "
                 "no gradient and no Adam moments (a quarter of the memory), and backward computes no expert "
@@ -46,11 +48,14 @@ class OffloadConfig:
                 "a device (ES-MoE keeps only the expert inputs there). The disk tier recomputes where the forward "
                 "casts the weights (autocast to another dtype than compute_dtype). False forces the recompute"})
     stage_experts: int | None = field(default=None, metadata={
-        "help": "disk tier computing on the CPU, training: experts per chunk of the stream whose weights are copied "
-                "into one staging block and run as one grouped GEMM per matmul, as the host tier runs a whole layer "
-                "(issue 14). None (default): where the host cache holds at least half the experts, a third of it beside "
-                "the reads ahead, at most 8; otherwise 1, one expert at a time, leaving the cache to the pins. Each chunk's records stay in the cache from its backward until its optimizer "
-                "step, so the cache must hold two chunks beside prefetch_depth + 1 (the pins get what is left)"})
+        "help": "experts per chunk of a training call's stream, uploaded or copied into one block and run as one "
+                "grouped GEMM per matmul (issues 14, 35). On a GPU (host or disk tier): None (default) = a whole "
+                "layer's experts, bounded by device_budget_bytes (else a quarter of the free device memory) for the "
+                "slab's two blocks and, on the disk tier, by the host cache. On the CPU (disk tier): None = where the "
+                "host cache holds at least half the experts, a third of it beside the reads ahead, at most 8; "
+                "otherwise 1, one expert at a time, leaving the cache to the pins. A chunk's records stay in the "
+                "cache from its backward until its optimizer step, so the cache must hold two chunks beside "
+                "prefetch_depth + 1 (the pins get what is left)"})
     compute_threads: int | None = field(default=None, metadata={
         "help": "experts computing on the CPU (host and disk tier), training: intra-op threads of their forward and "
                 "backward. None (default): one fewer than torch.get_num_threads() (at least 1), leaving a core to "

@@ -32,6 +32,7 @@ from ..precision import autocast_state, compute_dtype, restore_autocast
 from ..runtime import HOST, DeviceRuntime, Event, runtime_for
 from .inference import DecodeCache, PlacementCostModel, PreGate
 from .layout import ExpertLayout
+from .slab import DeviceSlab, StallTimer
 from .store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore
 from .telemetry import OffloadStats
 
@@ -53,7 +54,7 @@ class DeviceStager:
         self.stats = stats
         self.pinned: dict[ExpertKey, tuple[torch.Tensor, int, Event]] = {}  # key -> (copy, version, its upload)
         self.pinned_keys: set[ExpertKey] = set()
-        self._stalls: list[tuple[Event, Event]] = []  # timing events around each wait, resolved once they happened
+        self.timer = StallTimer(runtime, stats)
         if runtime.asynchronous:
             self.stream = runtime.new_stream()
             # Allocated for the copy stream (which writes them) and owned for the stager's life: compute reads them
@@ -95,26 +96,12 @@ class DeviceStager:
         """Compute waits for the upload of `weights` (timed with events: the compute stream's idle time)."""
         if ready is None:
             return
-        start = self.rt.now_event()
-        self.rt.wait_event(ready)
-        self._stalls.append((start, self.rt.now_event()))
+        self.timer.wait(ready)
         self.rt.access(weights)
 
     def done(self, slot: int | None) -> None:
         if slot is not None:
             self.slot_free[slot] = self.rt.record()
-
-    def settle_stall_time(self, block: bool = False) -> None:
-        """Add the device-side waits whose events have happened to `stats.stall_seconds`."""
-        pending = []
-        for start, end in self._stalls:
-            if block:
-                end.synchronize()
-            if end.query():
-                self.stats.stall_seconds += self.rt.elapsed(start, end)
-            else:
-                pending.append((start, end))
-        self._stalls = pending
 
     def set_pinned(self, keys: set[ExpertKey]) -> None:
         self.pinned_keys = set(keys)
@@ -148,8 +135,9 @@ class GradRing:
         rt.access(flat, write=True)  # produced on the compute stream
         rt.wait_stream(self.stream, rt.current_stream())
         rt.record_stream(flat, self.stream)
-        rt.copy_(self.buffers[i], flat, self.stream)
-        return GradArrival(rt, self.buffers[i], rt.record(self.stream), lambda: self._give_back(i))
+        buffer = self.buffers[i][: flat.numel()]  # a slab chunk may hold fewer experts than the buffer
+        rt.copy_(buffer, flat, self.stream)
+        return GradArrival(rt, buffer, rt.record(self.stream), lambda: self._give_back(i))
 
     def _give_back(self, i: int) -> None:
         with self._cond:
@@ -317,7 +305,14 @@ class OffloadedExpertsLayer:
         tier in a training call: `staged`)."""
         engine = self.engine
         if engine.runtime.asynchronous:
-            return None
+            # A device: a training call streams the routed experts chunk by chunk through the slab (issue 35).
+            if engine.slab is None or not (torch.is_grad_enabled() and engine.trainable and not engine.inference):
+                return None
+            weights = engine.slab.blocks[0]
+            views = self._grouped_views(weights)
+            if weights.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+                return None
+            return grouped_expert_counts(x, self.layout.matrices(views), counts, ids, self.module, self.num_experts)
         weights = engine.store.grouped_weights(self.layer)
         if weights is not None:
             if weights.shape[0] != self.num_experts:
@@ -355,6 +350,8 @@ class OffloadedExpertsLayer:
 
     def _grouped_forward(self, x: torch.Tensor, full: list[int], graphs: list | None) -> torch.Tensor:
         """`run_forward` as one grouped GEMM per matmul; with `graphs`, the forward graph is kept for backward."""
+        if self.engine.slab is not None:
+            return self._slab_forward(x, full)
         if self.staged:
             return self._staged_forward(x, full, graphs)
         t0 = time.perf_counter()
@@ -376,6 +373,8 @@ class OffloadedExpertsLayer:
     def _grouped_backward(self, x, gy, full: list[int], shared: tuple, graphs: list | None) -> tuple:
         """`run_backward` for a call `_grouped_forward` ran: one autograd pass over all experts (the kept graph, or a
         grouped recompute), then each expert's gradient to the store, in the loop's reverse order."""
+        if self.engine.slab is not None:
+            return self._slab_backward(x, gy, full, shared)
         if self.staged:
             return self._staged_backward(x, gy, full, shared, graphs)
         t0 = time.perf_counter()
@@ -429,7 +428,7 @@ class OffloadedExpertsLayer:
     def _chunks(self, full: list[int]) -> list[list[tuple[int, int, int]]]:
         """The segments (expert, first row, rows) of the experts with rows, `engine.stage_experts` per chunk."""
         segments = self._segments(full, range(len(full)))
-        k = self.engine.stage_experts
+        k = self.engine.slab.experts if self.engine.slab is not None else self.engine.stage_experts
         return [segments[i : i + k] for i in range(0, len(segments), k)]
 
     def _stage(self, stream: Iterator, chunk: list, held: list | None = None) -> torch.Tensor:
@@ -508,6 +507,46 @@ class OffloadedExpertsLayer:
             for i, _ in held:  # interrupted: hand back what the stream handed over
                 engine.store.release((self.layer, chunk[i][0]))
             stream.close()
+        engine.layer_backward_done(self.layer)
+        return gx, g_shared
+
+    # --- a device: the layer's routed experts through the slab, chunk by chunk (offload/slab.py, issue 35) ---
+    def _slab_forward(self, x: torch.Tensor, full: list[int]) -> torch.Tensor:
+        chunks = self._chunks(full)
+        y = None
+        for chunk, rows, _ in self.engine.stream_chunks(self.layer, chunks, phase="forward"):
+            lo, hi = chunk[0][1], chunk[-1][1] + chunk[-1][2]
+            out = self.layout.grouped_forward(x[lo:hi], [n for _, _, n in chunk], self.layout.grouped_views(rows))
+            if y is None:
+                y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out.dtype)
+            y[lo:hi] = out
+        return y if y is not None else x[:0].clone()
+
+    def _slab_backward(self, x, gy, full: list[int], shared: tuple) -> tuple:
+        """Each chunk in reverse: its forward recomputed from the slab and differentiated once; its experts'
+        gradients to the host as one block (`OffloadEngine.chunk_grads_arrived`)."""
+        engine = self.engine
+        chunks = self._chunks(full)[::-1]
+        gx = torch.zeros_like(x)
+        g_shared = [None] * len(shared)
+        for chunk, rows, records in engine.stream_chunks(self.layer, chunks, phase="backward"):
+            keys = [(self.layer, e) for e, _, _ in chunk]
+            try:
+                lo, hi = chunk[0][1], chunk[-1][1] + chunk[-1][2]
+                leaves = [v.detach().requires_grad_(True) for v in self.layout.grouped_views(rows)]
+                xs = x[lo:hi].detach().requires_grad_(True)
+                with torch.enable_grad():
+                    ys = self.layout.grouped_forward(xs, [n for _, _, n in chunk], leaves)
+                gx[lo:hi], expert_grads = self._differentiate(ys, xs, leaves, gy[lo:hi], shared, g_shared)
+            except BaseException:
+                for key, record in zip(keys, records):
+                    engine.release_record(key, record)
+                raise
+            if expert_grads:
+                engine.chunk_grads_arrived(self.layer, keys, records, expert_grads)
+            else:
+                for key, record in zip(keys, records):
+                    engine.release_record(key, record)
         engine.layer_backward_done(self.layer)
         return gx, g_shared
 
@@ -752,6 +791,11 @@ class OffloadEngine:
         self.compute_threads: int | None = None  # OffloadConfig.compute_threads (`training_threads`)
         self.stage_experts = 1
         self._staging: torch.Tensor | None = None
+        # An asynchronous device, training calls: the routed experts chunk by chunk (offload/slab.py; set at bind).
+        self.slab: DeviceSlab | None = None
+        self.slab_budget_bytes: int | None = None  # OffloadConfig.device_budget_bytes: bounds the slab's chunks
+        self.compute_dtype_setting: torch.dtype | None = None  # OffloadConfig.compute_dtype (`_bind_compute_dtype`)
+        self._block_rings: dict[torch.dtype, GradRing] = {}  # a chunk's gradients on their way to the host
         self._cache = cache
         self._load_scores: dict[ExpertKey, float] = {}  # `update_pins`: each expert's decayed token load
         self.trainable = True  # False: no backward through the experts at all
@@ -824,6 +868,7 @@ class OffloadEngine:
                 "Leave it unset (the engine then recomputes each expert's middle activation in backward)"
             )
         self.keep_activations = safe if self.keep_activations_setting is None else self.keep_activations_setting
+        self._bind_compute_dtype(device)
         self._bind_staging()
         self.store.bind_runtime(self.runtime)
         self.stager = DeviceStager(self.runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1),
@@ -848,6 +893,20 @@ class OffloadEngine:
             )
         self.map_files = can_map if self.mmap_setting is None else self.mmap_setting
         logger.info("expert offload: computing on %s (runtime %s)", device, self.runtime.name)
+
+    def _bind_compute_dtype(self, device: torch.device) -> None:
+        """Issue 35: on a device, under autocast at the first forward, stream copies in the autocast dtype unless
+        `OffloadConfig.compute_dtype` says otherwise: the same values autocast would cast the fp32 weights to on the
+        device (round to nearest), half the bytes up, and gradients down in that dtype (the GEMMs produce them so)."""
+        store = self.store
+        if (self.compute_dtype_setting is not None or not self.runtime.asynchronous
+                or not torch.is_autocast_enabled(device.type) or not store.switches_compute_dtype
+                or store.compute_dtype != store.row_dtype):
+            return
+        dtype = torch.get_autocast_dtype(device.type)
+        if dtype != store.compute_dtype:
+            store.use_compute_dtype(dtype)
+            logger.info("expert offload: streaming %s copies of the experts (autocast at the first forward)", dtype)
 
     @contextmanager
     def training_threads(self):
@@ -881,9 +940,12 @@ class OffloadEngine:
     def _bind_staging(self) -> None:
         """Choose `stage_experts` (the disk tier computing on the host: `OffloadConfig.stage_experts`; by default,
         where the cache holds at least half the experts, a third of the cache left beside the reads ahead, at most
-        `STAGE_MAX`, else 1; `pin_limit` makes room for it)."""
+        `STAGE_MAX`, else 1; `pin_limit` makes room for it), or the slab of an asynchronous device (`_bind_slab`)."""
         cache = self._cache
-        if cache is None or self.runtime.asynchronous:
+        if self.runtime.asynchronous:
+            self._bind_slab()
+            return
+        if cache is None:
             if self.stage_setting not in (None, 1):
                 raise ValueError(
                     f"OffloadConfig.stage_experts={self.stage_setting} applies to the disk tier computing on the CPU "
@@ -903,6 +965,35 @@ class OffloadEngine:
             )
         self.stage_experts = max(1, k)
 
+    def _bind_slab(self) -> None:
+        """The slab's experts per chunk, k: `OffloadConfig.stage_experts`, or by default a whole layer's experts,
+        bounded by the device memory the slab may take (two blocks of k experts: `OffloadConfig.device_budget_bytes`
+        if set, else a quarter of the device memory free at bind) and, on the disk tier, by the host cache (two chunks'
+        records beside the reads ahead). Where chunks of two do not fit (unless set), no slab: the per-expert loop."""
+        per_expert = 2 * self.store.numel * self.store.compute_dtype.itemsize
+        k = max(layer.num_experts for layer in self.layers)
+        budget = self.slab_budget_bytes
+        if budget is None and self.runtime.name == "cuda":
+            budget = torch.cuda.mem_get_info(self.device)[0] // 4
+        if budget is not None:
+            k = min(k, budget // per_expert)
+        if self._cache is not None:
+            k = min(k, (self._cache - self.depth - 1) // 2)
+        if self.stage_setting is not None:
+            if self._cache is not None and 2 * self.stage_setting > self._cache - self.depth - 1:
+                raise ValueError(
+                    f"OffloadConfig.stage_experts={self.stage_setting} needs a host cache of at least "
+                    f"{2 * self.stage_setting + self.depth + 1} experts (two chunks in flight and prefetch_depth="
+                    f"{self.depth} reads ahead); the cache holds {self._cache}")
+            k = self.stage_setting
+        if k < (1 if self.stage_setting is not None else 2):
+            # No room for two chunks of two: expert by expert through the stager's slots, which hold the records in
+            # flight only (a slab of single experts would take two of the disk tier's cache slots from the pins).
+            logger.info("expert offload: no room for the slab's two chunks (budget %s bytes, host cache %s experts): "
+                        "streaming one expert at a time", budget, self._cache)
+            return
+        self.slab = DeviceSlab(self.runtime, self.store.numel, self.store.compute_dtype, k, self.stats)
+
     @property
     def pin_limit(self) -> int | None:
         """Pins take host-cache slots for good: leave the disk tier's cache room for the records in flight (the one
@@ -911,6 +1002,8 @@ class OffloadEngine:
         if self._cache is None:
             return None
         chunks = 2 * self.stage_experts if self.stage_experts > 1 else 0
+        if self.slab is not None:
+            chunks = 2 * self.slab.experts
         return max(0, self._cache - self.depth - 1 - chunks)
 
     def staging_block(self) -> torch.Tensor:
@@ -971,6 +1064,8 @@ class OffloadEngine:
             store.bind_runtime(self.runtime)
         if self.stager is not None:
             self.stager.drop_copies()
+        if self.slab is not None:
+            self.slab.forget()
 
     def _submit_host(self, fn, *args) -> Future:
         if self._host_worker is None:
@@ -1015,7 +1110,7 @@ class OffloadEngine:
         nxt = 0
         t_start = time.perf_counter()
         stager = self.stager
-        stager.settle_stall_time()
+        stager.timer.settle()
 
         def issue() -> None:
             nonlocal nxt
@@ -1055,6 +1150,75 @@ class OffloadEngine:
         finally:
             for key, record, _weights, ready, _slot in inflight:  # interrupted: hand back what was acquired
                 if record is not None:
+                    self._release_after(key, ready)
+            self.stats.compute_seconds += time.perf_counter() - t_start
+
+    def stream_chunks(self, layer: int, chunks: list[list[tuple[int, int, int]]], phase: str) -> Iterator:
+        """The slab's pipeline (offload/slab.py): yields (chunk, its rows in a device block, its records) for each
+        chunk of `layer`'s segments, the next chunk's upload enqueued before this one is yielded (double buffering).
+        In a "forward" each record goes back to the store once its upload has happened; in a "backward" the caller
+        owns the records (hands them over with the gradients: `chunk_grads_arrived`, or `release_record`), and a
+        chunk a block still holds from the forward is not uploaded again."""
+        keep = phase == "backward"
+        slab, store = self.slab, self.store
+        keys_all = [(layer, e) for chunk in chunks for e, _, _ in chunk]
+        rows_wanted = self.backward_rows(layer) if keep else WEIGHTS
+        if store.wants_schedule and not self.inference:
+            store.set_schedule(self._schedule(layer, keys_all, phase))
+        self.read_ahead(keys_all, rows_wanted, False)
+        t_start = time.perf_counter()
+        slab.timer.settle()
+        pending: deque = deque()  # (chunk, keys, records, rows, ready, index), at most two: one per block
+        issued = 0
+
+        def issue() -> None:
+            nonlocal issued
+            chunk = chunks[issued]
+            issued += 1
+            t0 = time.perf_counter()  # host-side waits: the experts' updates, disk reads
+            keys = [(layer, e) for e, _, _ in chunk]
+            records = []
+            try:
+                for key in keys:
+                    self.wait_for_update(key)
+                    records.append(store.acquire(key, rows_wanted))
+            except BaseException:
+                for key in keys[: len(records)]:
+                    store.release(key)
+                raise
+            self.stats.stall_seconds += time.perf_counter() - t0
+            ahead = [(layer, e) for c in chunks[issued : issued + 1] for e, _, _ in c]
+            if ahead:
+                self.prefetch(ahead[: self.depth + 1], rows_wanted, False)
+            # A backward may find the chunk still in a block (the forward's last chunks): no upload.
+            reused = slab.reuse([(key, record.version) for key, record in zip(keys, records)]) if keep else None
+            if reused is None:
+                sources = []
+                for key, record in zip(keys, records):
+                    if key in self.stager.pinned_keys:  # its device copy (ES-MoE §4.3 pinning)
+                        copy, copy_ready, _ = self.stager.upload(key, record)
+                        sources.append((key, record.version, copy, copy_ready))
+                    else:
+                        sources.append((key, record.version, record.compute_param(), None))
+                reused = slab.upload(sources, backward=keep)
+            pending.append((chunk, keys, records, *reused))
+
+        try:
+            while issued < len(chunks) or pending:
+                while issued < len(chunks) and len(pending) < 2:
+                    issue()
+                chunk, keys, records, rows, ready, index = pending.popleft()
+                slab.wait(index, rows)
+                try:
+                    yield chunk, rows, records if keep else None  # a backward's records are the caller's now
+                finally:
+                    slab.done(index)
+                    if not keep:
+                        for key in keys:
+                            self._release_after(key, ready)
+        finally:
+            for _, keys, _, _, ready, _ in pending:  # interrupted: hand back what was acquired
+                for key in keys:
                     self._release_after(key, ready)
             self.stats.compute_seconds += time.perf_counter() - t_start
 
@@ -1120,6 +1284,33 @@ class OffloadEngine:
         else:
             arrival = GradArrival.on_host(rt, list(grads), self.layers[key[0]].layout.views)
         self.grads_arrived(key[0], [(key, record, arrival)])
+
+    def chunk_grads_arrived(self, layer: int, keys: list[ExpertKey], records: list[ExpertRecord],
+                            grads: tuple[torch.Tensor, ...]) -> None:
+        """A slab chunk's gradients ((k, ...) per tensor, layout order, in the dtype autocast produced them in) to
+        the host as one (k, P) block: one copy down on the gradient stream, and each expert's row handed over as its
+        arrival (landed into the fp32 store slot by whoever takes it; the block's buffer is reused once all are)."""
+        k = len(keys)
+        flat = torch.cat([g.reshape(k, -1) for g in grads], dim=1)
+        ring = self._block_rings.get(flat.dtype)
+        if ring is None:
+            ring = self._block_rings[flat.dtype] = GradRing(self.runtime, self.slab.experts * self.store.numel,
+                                                             flat.dtype, self.grad_ring_size)
+        block = ring.send(flat.reshape(-1))
+        self.stats.d2h_bytes += flat.numel() * flat.element_size()
+        rows = block.buffer.view(k, self.store.numel).unbind(0)  # one op, not one per expert
+        left = [k]
+        lock = threading.Lock()
+
+        def landed() -> None:  # the last row landed: the buffer goes back to the ring
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                block.release()
+
+        self.grads_arrived(layer, [(key, record, GradArrival(self.runtime, rows[i], block.event, landed))
+                                   for i, (key, record) in enumerate(zip(keys, records))])
 
     def grads_arrived(self, layer: int, items: list[tuple[ExpertKey, ExpertRecord, GradArrival]]) -> None:
         """These experts of `layer` have their gradients on the way (one expert from the streamed loop, a layer's
@@ -1219,7 +1410,9 @@ class OffloadEngine:
         for key in list(self._pending):
             self.wait_for_update(key)
         if self.stager is not None:
-            self.stager.settle_stall_time(block=True)
+            self.stager.timer.settle(block=True)
+            if self.slab is not None:
+                self.slab.timer.settle(block=True)
 
     def zero_grad(self) -> None:
         self.synchronize()

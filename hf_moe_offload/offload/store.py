@@ -268,6 +268,20 @@ class ExpertStore:
     def _dma_sources(self) -> list[torch.Tensor]:
         return []
 
+    # Whether `use_compute_dtype` can give the records compute copies after construction (before the engine binds).
+    switches_compute_dtype = False
+
+    def use_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Stream copies in `dtype` from now on: each record gets a compute copy made from its weights (issue 35: under
+        autocast on a device the uploads carry the autocast dtype by default). Only before the engine binds (the DMA
+        sources are page-locked then: the engine calls it before `bind_runtime`) and only from a store without compute
+        copies."""
+        raise NotImplementedError(f"the {self.tier} tier's store keeps its compute dtype")
+
+    def _check_compute_switch(self, dtype: torch.dtype) -> None:
+        if self.compute_dtype != self.row_dtype:
+            raise RuntimeError(f"the store already streams {self.compute_dtype} copies (asked for {dtype})")
+
     def note_host_write(self, record: ExpertRecord) -> None:
         """About to write `record`'s weights on the host (an update, a load): declared to the runtime, which checks
         (in simulation) that no upload still reads them."""
@@ -356,6 +370,23 @@ class HostExpertStore(ExpertStore):
 
     def _dma_sources(self):
         return self._dma
+
+    switches_compute_dtype = True
+
+    def use_compute_dtype(self, dtype: torch.dtype) -> None:
+        self._check_compute_switch(dtype)
+        self.compute_dtype = dtype
+        self._dma = []
+        for layer in sorted({layer for layer, _ in self._keys}):
+            keys = sorted(key for key in self._keys if key[0] == layer)
+            copies = torch.empty(len(keys), self.numel, dtype=dtype)  # one (E, P) block: one upload per run
+            for i, key in enumerate(keys):
+                record = self._records[key]
+                record.compute = _own_tensor(copies[i])
+                record.compute.copy_(record.param)
+            if self._grouped.get(layer) is not None:
+                self._grouped[layer] = copies
+            self._dma.append(copies)
 
     def acquire(self, key, rows=None):
         self.stats.cache_hits += 1
@@ -560,6 +591,19 @@ class DiskExpertStore(ExpertStore):
 
     def _dma_sources(self):
         return [c if c is not None else b[0] for b, c in zip(self._slots, self._compute_slots)]
+
+    switches_compute_dtype = True
+
+    def use_compute_dtype(self, dtype: torch.dtype) -> None:
+        with self._lock:
+            self._check_compute_switch(dtype)
+            if any(entry.refs or entry.state != CACHED for entry in self._entries.values()):
+                raise RuntimeError("the disk tier's compute dtype changes only while no record is in use or in I/O")
+            self.compute_dtype = dtype
+            self._compute_slots = [torch.empty(self.numel, dtype=dtype) for _ in range(self.cache_experts)]
+            for entry in self._entries.values():  # cached records get their slot's copy
+                entry.record.compute = self._compute_slots[entry.slot]
+                entry.record.compute.copy_(entry.record.param)
 
     def path(self, key: ExpertKey) -> str:
         return os.path.join(self.dir, f"layer{key[0]:03d}_expert{key[1]:05d}.bin")

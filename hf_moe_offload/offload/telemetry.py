@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class OffloadStats:
     h2d_bytes: int = 0  # expert weights uploaded to the device
+    h2d_reupload_bytes: int = 0  # ... of which a training backward uploaded again (the slab no longer held them)
     d2h_bytes: int = 0  # expert gradients sent back to the store
     disk_read_bytes: int = 0
     disk_write_bytes: int = 0

@@ -1,0 +1,298 @@
+"""Offloaded training of a Qwen3-MoE-shaped model on one GPU against the peer a user would pick, DeepSpeed
+ZeRO-Offload, in one invocation (issue 35). Run through `benchmarks/gpu_offload.py --family qwen3_moe` or directly:
+
+    python benchmarks/gpu_train_qwen3.py                         # 16 layers x 64 experts, top-8, d=1024, ffn 512
+    python benchmarks/gpu_train_qwen3.py --tokens 8192,16384     # more tokens per step
+    python benchmarks/gpu_train_qwen3.py --gpu-memory-gb 16      # the resident model OOMs, the host tier trains
+    python benchmarks/gpu_train_qwen3.py --quick --device cpu    # a smoke run of the harness (tests/test_benchmarks.py)
+
+Variants, each on the same batches, interleaved round after round (median round; ratios against the resident median
+of the same invocation), after one warm-up step:
+- resident: the whole model on the GPU, `torch.optim.AdamW(fused=True)`, bf16 autocast (transformers' grouped_mm);
+- host: experts offloaded to host memory (ES-MoE), bf16 compute copies uploaded through the slab, the expert-wise Adam
+  on the host overlapped with backward (`ExpertAwareOptimizer(AdamW(fused=True), ExpertOptimizer)`);
+- host-fp32: the same with fp32 weights uploaded (autocast casts them on the GPU);
+- ds-zero2: DeepSpeed ZeRO-2, `offload_optimizer: cpu` (CPU-Adam), bf16; ds-zero3: ZeRO-3 with `offload_param` too
+  (needs `deepspeed`, benchmark-only: `DS_BUILD_OPS=0 pip install deepspeed`; CPU-Adam compiles at first use).
+
+Per variant: step time, x resident, GPU busy fraction (kernel time from the torch profiler over the wall time of one
+profiled step), H2D / D2H bytes per step and their share of the floor (the routed experts' weights up once and their
+gradients down once in bf16), host Adam seconds per step (ours: the expert steps' busy time), peak GPU memory. The
+floors measured in the same run: the resident step, the host Adam over the expert parameters (torch's fused CPU
+AdamW), the transfers at the measured H2D bandwidth. Writes benchmarks/gpu_train_qwen3[_<tokens>].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload  # noqa: E402
+
+VARIANTS = ("resident", "host", "host-fp32", "ds-zero2", "ds-zero3")
+
+
+def make_qwen3(layers: int, experts: int, hidden: int, ffn: int, top_k: int, vocab: int, positions: int):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * ffn, moe_intermediate_size=ffn,
+        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 256),
+        head_dim=64 if hidden >= 64 else hidden, num_experts=experts, num_experts_per_tok=top_k,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=positions, use_cache=False,
+        router_aux_loss_coef=0.001, output_router_logits=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).train()
+
+
+class Variant:
+    """One way of training the model: `step(x)` runs forward, backward and the optimizer step."""
+
+    def __init__(self, name: str, base, device: torch.device, lr: float = 1e-4):
+        self.name, self.device, self.engine, self.ds = name, device, None, None
+        self.experts = None
+        model = copy.deepcopy(base)
+        if name.startswith("ds-"):
+            self.ds = _deepspeed_engine(model, stage=int(name[-1]), lr=lr)
+            return
+        if name != "resident":
+            self.engine = enable_expert_offload(model, OffloadConfig(
+                mode="host", pin_fraction=0.0,
+                compute_dtype=torch.bfloat16 if device.type == "cuda" and name == "host" else None))
+        model.to(device)  # the non-expert weights only where the experts are offloaded
+        fused = {"fused": True} if device.type == "cuda" else {}
+        inner = torch.optim.AdamW(model.parameters(), lr=lr, **fused)
+        if self.engine is not None:
+            self.experts = ExpertOptimizer(self.engine, lr=lr)
+            self.opt = ExpertAwareOptimizer(inner, self.experts)
+        else:
+            self.opt = inner
+        self.model = model
+
+    def step(self, x: torch.Tensor) -> float:
+        if self.ds is not None:
+            loss = self.ds(input_ids=x, labels=x).loss
+            self.ds.backward(loss)
+            self.ds.step()
+        else:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                loss = self.model(input_ids=x, labels=x).loss
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            if self.engine is not None:
+                self.engine.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return float(loss.detach())
+
+
+def _deepspeed_engine(model, stage: int, lr: float):
+    import deepspeed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+              "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def gpu_busy_fraction(variant: Variant, x: torch.Tensor) -> float | None:
+    """Kernel time over wall time of one profiled step (CUDA only)."""
+    if variant.device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        variant.step(x)
+        wall = time.perf_counter() - t0
+    kernels = sum(e.device_time for e in prof.events() if e.device_type.name == "CUDA") / 1e6
+    return kernels / wall
+
+
+def host_adam_floor(params: int, repeats: int = 3) -> tuple[float, float]:
+    """(seconds, params/s) of torch's fused CPU AdamW over `params` parameters: the host Adam floor."""
+    p = torch.zeros(params, requires_grad=True)
+    p.grad = torch.randn(params) * 1e-3
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    opt.step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    return t, params / t
+
+
+def h2d_bandwidth(nbytes: int) -> float | None:
+    """Measured pinned host -> device bytes/s (CUDA only)."""
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 3 * nbytes / (time.perf_counter() - t0)
+
+
+def table(args, tokens: int, device: torch.device) -> dict:
+    seq = args.seq
+    batch = max(1, tokens // seq)
+    base = make_qwen3(args.layers, args.experts, args.hidden, args.ffn, args.top_k, args.vocab, seq)
+    expert_params = sum(p.numel() for n, p in base.named_parameters() if ".experts." in n)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, args.vocab, (batch, seq), generator=gen).to(device) for _ in range(args.steps)]
+    rows, runs = {}, {}
+    for name in args.variants:
+        if name.startswith("ds-") and device.type != "cuda":
+            continue
+        try:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            variant = Variant(name, base, device)
+            variant.step(batches[0])  # warm-up (allocator, cuBLAS plans, CPU-Adam's build)
+        except Exception as err:  # noqa: BLE001 - an OOM under --gpu-memory-gb is a result, not a crash
+            if "out of memory" not in str(err).lower() and not isinstance(err, ImportError):
+                raise
+            rows[name] = {"variant": name, "error": type(err).__name__ + ": " + str(err).splitlines()[0][:160]}
+            print(f"{name}: {rows[name]['error']}", flush=True)
+            continue
+        if variant.engine is not None:
+            variant.engine.stats.reset()
+        runs[name] = variant
+    times = {name: [] for name in runs}
+    adam = {name: [] for name in runs}
+    peaks = {name: 0 for name in runs}
+    losses = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, variant in runs.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            for x in batches:
+                losses[name].append(variant.step(x))
+                if variant.experts is not None:
+                    adam[name].append(variant.experts.step_seconds)
+            times[name].append((time.perf_counter() - t0) / len(batches))
+            if device.type == "cuda":
+                peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated())
+    adam_s, adam_rate = host_adam_floor(expert_params if not args.quick else min(expert_params, 2**20))
+    if args.quick:
+        adam_s *= expert_params / min(expert_params, 2**20)
+    weights_bf16 = expert_params * 2
+    bandwidth = h2d_bandwidth(min(weights_bf16, 2**30))
+    transfer_floor = 2 * weights_bf16 / bandwidth if bandwidth else None
+    base_t = statistics.median(times["resident"]) if "resident" in times else None
+    for name, variant in runs.items():
+        t = statistics.median(times[name])
+        row = {"variant": name, "step_s": t, "x_resident": t / base_t if base_t else None,
+               "tokens_per_s": batch * seq / t, "peak_gpu_GB": peaks[name] / 1e9 if peaks[name] else None,
+               "gpu_busy": gpu_busy_fraction(variant, batches[0]), "last_loss": losses[name][-1]}
+        if variant.engine is not None:
+            n = args.rounds * len(batches)
+            st = variant.engine.stats
+            row.update({"h2d_GB": st.h2d_bytes / n / 1e9, "h2d_reupload_GB": st.h2d_reupload_bytes / n / 1e9,
+                        "d2h_GB": st.d2h_bytes / n / 1e9, "h2d_over_floor": st.h2d_bytes / n / weights_bf16,
+                        "d2h_over_floor": st.d2h_bytes / n / weights_bf16,
+                        "host_adam_s": statistics.median(adam[name]) if adam[name] else None})
+        rows[name] = row
+    floors = {"resident_step_s": base_t, "host_adam_s": adam_s, "host_adam_params_per_s": adam_rate,
+              "transfer_s": transfer_floor, "h2d_GB_per_s": bandwidth / 1e9 if bandwidth else None}
+    largest = max(v for k, v in floors.items() if k in ("resident_step_s", "host_adam_s", "transfer_s") and v)
+    for row in rows.values():
+        if "step_s" in row:
+            row["x_largest_floor"] = row["step_s"] / largest
+    return {"tokens_per_step": batch * seq, "batch": batch, "seq": seq, "expert_params": expert_params,
+            "floors": floors, "rows": list(rows.values())}
+
+
+def print_table(result: dict, title: str) -> None:
+    print(f"\n{title}, {result['tokens_per_step']} tokens per step, {result['expert_params'] / 1e9:.2f} B expert "
+          f"parameters")
+    print("floors: " + ", ".join(f"{k} {v:.3g}" for k, v in result["floors"].items() if v is not None))
+    cols = [("variant", ">10", None), ("step_s", ">7", ".3f"), ("x_resident", ">10", ".2f"),
+            ("x_largest_floor", ">15", ".2f"), ("gpu_busy", ">8", ".2f"), ("peak_gpu_GB", ">11", ".1f"),
+            ("h2d_GB", ">7", ".2f"), ("h2d_over_floor", ">14", ".2f"), ("d2h_GB", ">7", ".2f"),
+            ("host_adam_s", ">11", ".3f")]
+    print(" ".join(format(c, f) for c, f, _ in cols))
+    for row in result["rows"]:
+        if "error" in row:
+            print(f"{row['variant']:>10} {row['error']}")
+            continue
+        print(" ".join(format(row[c] if spec is None else (format(row[c], spec) if row.get(c) is not None else "-"),
+                              f) for c, f, spec in cols))
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="2048", help="tokens per step, comma-separated (e.g. 2048,8192,16384)")
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--ffn", type=int, default=512, help="expert FFN width (moe_intermediate_size)")
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--gpu-memory-gb", type=float, default=None,
+                    help="cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="a tiny model (a smoke run of the harness)")
+    ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/gpu_train_qwen3[_<tokens>].json)")
+    args = ap.parse_args(argv)
+    args.variants = args.variants.split(",")
+    if args.quick:
+        args.layers, args.experts, args.hidden, args.ffn, args.top_k, args.vocab = 2, 8, 64, 32, 2, 256
+        args.seq, args.steps, args.rounds = 32, 2, 2
+    device = torch.device(args.device)
+    if args.gpu_memory_gb and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gb * 1e9 / total), device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    results = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        result = table(args, tokens if not args.quick else 64, device)
+        title = (f"Qwen3-MoE {args.layers} layers x {args.experts} experts, top-{args.top_k}, d={args.hidden}, "
+                 f"ffn {args.ffn}, bf16 autocast, {name}, {os.cpu_count()} CPUs"
+                 + (f", GPU memory capped at {args.gpu_memory_gb} GB" if args.gpu_memory_gb else ""))
+        print_table(result, title)
+        result.update({"machine": platform.platform(), "device": name, "cpus": os.cpu_count(),
+                       "torch": torch.__version__, "gpu_memory_gb": args.gpu_memory_gb, "title": title})
+        results.append(result)
+    out = args.out or os.path.join(HERE, "gpu_train_qwen3" + ("" if args.tokens == "2048" else f"_{args.tokens.replace(',', '_')}")
+                                   + (f"_cap{args.gpu_memory_gb:g}" if args.gpu_memory_gb else "") + ".json")
+    with open(out, "w") as fh:
+        json.dump(results, fh, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""What a training step launches on an asynchronous device, expert by expert vs through the slab (issue 35), counted on
+the CPU with the simulated device: aten ops dispatched on the compute thread (each a kernel launch or a view on a
+GPU), GEMMs among them, and copies enqueued on the side streams (uploads and gradient downloads). Timings on the
+simulated device mean nothing; these counts are what the GPU profile of issue 35 measured per layer (470 mm, ~2,000
+launches per MoE layer at 64 experts, top-8).
+
+    python benchmarks/slab_dispatch.py            # Qwen3-MoE d=64, 2 layers, 8 / 32 / 128 experts, every expert routed
+
+Writes benchmarks/slab_dispatch.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from gpu_train_qwen3 import make_qwen3  # noqa: E402
+from hf_moe_offload import OffloadConfig, enable_expert_offload  # noqa: E402
+from hf_moe_offload.precision import GemmCounter  # noqa: E402
+from hf_moe_offload.runtime import use_runtime  # noqa: E402
+from hf_moe_offload.runtime.simulated import SimulatedRuntime  # noqa: E402
+
+def round_robin_routing(model, experts: int) -> None:
+    """Every router's choices replaced (a forward hook on its output) by token i -> experts i, i + 1, ... (mod E):
+    every expert gets rows, whatever the random weights would choose."""
+    def hook(module, inputs, output):
+        logits, scores, index = output
+        i = torch.arange(index.shape[0]).unsqueeze(1)
+        return logits, scores, (i + torch.arange(index.shape[1])) % experts
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(hook)
+
+
+def count(experts: int, slab: bool, top_k: int = 2, rows_per_expert: int = 16) -> dict:
+    with use_runtime(SimulatedRuntime(seed=0, max_delay=0.0)) as rt:
+        model = make_qwen3(2, experts, 64, 32, top_k, 256, 64)
+        round_robin_routing(model, experts)
+        # No room for the slab's two chunks: the per-expert loop through the stager's slots.
+        budget = None if slab else 1
+        engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=0.0,
+                                                            device_budget_bytes=budget))
+        tokens = experts * rows_per_expert // top_k
+        x = torch.randint(0, 256, (tokens // 16, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            model(x[:1, :4])  # binds the engine outside the count
+        before = rt.copies
+        with GemmCounter() as mode:
+            model(input_ids=x, labels=x).loss.backward()
+        engine.synchronize()
+        assert (engine.slab is not None) == slab
+        layers = len(engine.layers)
+        return {"experts": experts, "path": "slab" if slab else "per-expert", "tokens": tokens,
+                "ops_per_layer": sum(mode.ops.values()) / layers,
+                "gemms_per_layer": mode.gemms / layers,
+                "copies_per_layer": (rt.copies - before) / layers}
+
+
+def main() -> list[dict]:
+    rows = [count(e, slab) for e in (8, 32, 128) for slab in (False, True)]
+    print("\nQwen3-MoE d=64, expert FFN 32, 2 layers, top-2, 16 rows per expert; one training step (forward + "
+          "backward) on the simulated device; per layer (the non-expert work of the layer included)")
+    print(f"{'experts':>7} {'path':>10} {'tokens':>6} {'ops':>7} {'GEMMs':>6} {'copies':>6}")
+    for r in rows:
+        print(f"{r['experts']:>7} {r['path']:>10} {r['tokens']:>6} {r['ops_per_layer']:>7.0f} "
+              f"{r['gemms_per_layer']:>6.0f} {r['copies_per_layer']:>6.0f}")
+    with open(os.path.join(HERE, "slab_dispatch.json"), "w") as fh:
+        json.dump({"machine": platform.platform(), "torch": torch.__version__, "rows": rows}, fh, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Layer-granular streaming on an asynchronous device (a GPU; the simulated device in CI): issue 35.
+
+ES-MoE §4.1 pipelines one expert at a time. On a GPU that is one small GEMM and a dozen launches per expert and matmul
+(a profile on an H200: 470 matmuls and ~2,000 launches per MoE layer, the GPU idle 80% of a host-tier step), so a
+training call streams a layer's routed experts in chunks instead: a chunk's experts are uploaded (in the store's
+compute dtype) into one (k, P) device block and run as one grouped GEMM per matmul, the path the resident experts
+take, while the next chunk uploads into the other block (two blocks: double buffering). Backward uploads the chunks
+again in reverse, unless a block still holds them, recomputes each chunk's forward and differentiates it once, and
+sends the chunk's gradients to the host as one (k, P) block (`GradRing`). k = every expert of the layer where the
+device budget allows: then the work launched per layer does not grow with the number of experts.
+
+Upload copies: one per run of experts whose host rows are adjacent (the host tier keeps a layer's weights as one
+(E, P) block, so the routed experts of a layer are a few runs); the disk tier's cache slots are apart (one copy per
+expert). A pinned expert (ES-MoE §4.3) is copied from its device copy (the stager's), not from the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime import DeviceRuntime, Event
+from .store import ExpertKey
+from .telemetry import OffloadStats
+
+
+class StallTimer:
+    """The compute stream's waits for uploads, timed with device events and added to `stats.stall_seconds` once they
+    have happened (never blocking the compute thread to read them)."""
+
+    def __init__(self, runtime: DeviceRuntime, stats: OffloadStats):
+        self.rt, self.stats = runtime, stats
+        self._stalls: list[tuple[Event, Event]] = []
+
+    def wait(self, ready: Event) -> None:
+        start = self.rt.now_event()
+        self.rt.wait_event(ready)
+        self._stalls.append((start, self.rt.now_event()))
+
+    def settle(self, block: bool = False) -> None:
+        pending = []
+        for start, end in self._stalls:
+            if block:
+                end.synchronize()
+            if end.query():
+                self.stats.stall_seconds += self.rt.elapsed(start, end)
+            else:
+                pending.append((start, end))
+        self._stalls = pending
+
+
+class DeviceSlab:
+    """Two (k, P) device blocks in the compute dtype, written by uploads on a copy stream of their own.
+
+    `upload(sources)` fills the next block (after the compute stream is done with what it held: `done`) and returns
+    (rows, ready, index); compute waits for `ready` (`wait`) before reading the rows and calls `done(index)` after its
+    last use. A block remembers which experts at which versions it holds (`holding`), so that a backward finding them
+    still there skips their upload.
+    """
+
+    def __init__(self, runtime: DeviceRuntime, numel: int, dtype: torch.dtype, experts: int, stats: OffloadStats):
+        self.rt = runtime
+        self.stats = stats
+        self.experts = experts
+        self.numel = numel
+        self.dtype = dtype
+        self.stream = runtime.new_stream()
+        self.timer = StallTimer(runtime, stats)
+        # Rows 16-byte aligned (the grouped GEMM's rule); contiguous, so that one copy fills a run of rows.
+        self.stride = -(-numel * dtype.itemsize // 16) * 16 // dtype.itemsize
+        self.blocks = [runtime.empty((experts * self.stride,), dtype, stream=self.stream, persistent=True)
+                       .as_strided((experts, numel), (self.stride, 1)) for _ in range(2)]
+        self.free: list[Event | None] = [None, None]  # after compute's last use of each block
+        self.ready: list[Event | None] = [None, None]  # after each block's last upload
+        self.holding: list[list[tuple[ExpertKey, int]]] = [[], []]  # (key, version) per row
+        self.next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.experts * self.stride * self.dtype.itemsize
+
+    def reuse(self, held: list[tuple[ExpertKey, int]]) -> tuple[torch.Tensor, Event, int] | None:
+        """The block that still holds exactly these (key, version)s, row by row, as `upload` returns it (the next upload
+        goes to the other block); None: no block does."""
+        for i in (0, 1):
+            if self.holding[i] == held:
+                self.next = 1 - i
+                return self.blocks[i][: len(held)], self.ready[i], i
+        return None
+
+    def upload(self, sources: list[tuple[ExpertKey, int, torch.Tensor, Event | None]],
+               backward: bool = False) -> tuple[torch.Tensor, Event, int]:
+        """Upload each (key, version, source, source_ready) into consecutive rows of the next block -> (rows, ready,
+        index). `source` is a host row (page-locked) or a device copy (a pinned expert, `source_ready` its upload).
+        Host rows adjacent in memory go up in one copy. Counted in `stats.h2d_bytes` (host sources; a backward's in
+        `h2d_reupload_bytes` too)."""
+        rt, i = self.rt, self.next
+        self.next = 1 - i
+        held = [(key, version) for key, version, _, _ in sources]
+        rows = self.blocks[i][: len(sources)]
+        rt.wait_event(self.free[i], self.stream)  # compute is done with what the block held
+        self.holding[i] = []  # overwritten from here on
+        for lo, hi in _runs(sources, self.stride):
+            src = sources[lo][2]
+            if sources[lo][3] is not None:  # a device copy, written on the stager's stream
+                rt.wait_event(sources[lo][3], self.stream)
+                rt.record_stream(src, self.stream)
+            if hi - lo > 1:
+                src = src.as_strided((hi - lo, self.numel), (self.numel, 1))
+            rt.copy_(rows[lo:hi] if hi - lo > 1 else rows[lo], src, self.stream)
+            if sources[lo][3] is None:  # from the host (a pinned expert's device copy was counted when uploaded)
+                nbytes = (hi - lo) * self.numel * self.dtype.itemsize
+                self.stats.h2d_bytes += nbytes
+                if backward:
+                    self.stats.h2d_reupload_bytes += nbytes
+        self.ready[i] = rt.record(self.stream)
+        self.holding[i] = held
+        return rows, self.ready[i], i
+
+    def wait(self, index: int, rows: torch.Tensor) -> None:
+        """The compute stream waits for block `index`'s upload before reading `rows`."""
+        self.timer.wait(self.ready[index])
+        self.rt.access(rows)
+
+    def done(self, index: int) -> None:
+        """Compute's last use of block `index` is enqueued: the next upload into it waits for this point."""
+        self.free[index] = self.rt.record()
+
+    def forget(self) -> None:
+        """The store's versions start again (a replaced store): no block holds anything reusable."""
+        self.holding = [[], []]
+
+
+def _runs(sources: list, stride: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of `sources` whose tensors follow one another in memory with no gap, in a slab whose rows are
+    `stride` elements apart (a multi-row copy needs the rows packed alike on both sides)."""
+    out, lo = [], 0
+    for j in range(1, len(sources) + 1):
+        if j < len(sources):
+            a, b = sources[j - 1][2], sources[j][2]
+            numel = a.numel()
+            if (stride == numel and a.device == b.device and sources[j][3] is None and sources[j - 1][3] is None
+                    and a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous()
+                    and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                    and b.storage_offset() == a.storage_offset() + numel):
+                continue
+        out.append((lo, j))
+        lo = j
+    return out
+
+
+__all__ = ["DeviceSlab", "StallTimer"]

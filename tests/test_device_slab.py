@@ -1,0 +1,279 @@
+"""Layer-granular streaming on an asynchronous device (issue 35; hf_moe_offload/offload/slab.py), proven on the CPU
+with the simulated device: a training call uploads a layer's routed experts into one device block per chunk, runs
+each chunk as one grouped GEMM per matmul and sends its gradients down as one block.
+
+(a) the work dispatched per training step does not grow with the number of experts (`GemmCounter.ops`, a
+    TorchDispatchMode count);
+(b) bytes up: the routed experts' weights in the compute dtype once, plus what backward uploads again (counted);
+    bytes down: the routed experts' gradients once, in the dtype autocast produced them in;
+(c) deleting any one wait of the pipeline fails;
+(d) training equals torch.optim.AdamW, fp32 and bf16 autocast, accumulation and global clipping, MoE-GPT and
+    Qwen3-MoE, host and disk tier.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
+from hf_moe_offload.offload.engine import GradRing, OffloadedExpertsLayer
+from hf_moe_offload.offload.slab import DeviceSlab
+from hf_moe_offload.precision import GemmCounter
+from hf_moe_offload.runtime import HappensBeforeError, use_runtime
+from hf_moe_offload.runtime.simulated import SimulatedRuntime
+
+from moe_families import VOCAB, tiny_model
+from numerics import assert_within_adam_drift
+from test_benchmarks import bench
+from test_expert_optimizer import count_expert_paths, param_groups
+from test_offload import small_model
+
+
+def _qwen3(num_experts: int, layers: int = 2, seed: int = 0):
+    return tiny_model("qwen3_moe", seed=seed, num_experts=num_experts, num_hidden_layers=layers)
+
+
+def _slab_calls(monkeypatch) -> dict[str, int]:
+    return count_expert_paths(monkeypatch, ("_slab_forward", "_slab_backward", "run_forward", "run_backward"))
+
+
+def _routed(model, engine) -> list[int]:
+    return [sum(1 for n in layer.last_counts if n) for layer in engine.layers]
+
+
+# --- (a) ---
+def test_work_per_training_step_does_not_grow_with_the_number_of_experts(monkeypatch):
+    """Qwen3-MoE with 8, 32 and 128 experts per layer, host tier, 8 rows per expert (every expert routed): the
+    forward and backward of a training step dispatch the same ops, the same number of times, on the compute thread
+    (the per-expert loop dispatched ~15 per expert and matmul), and copy the same number of times. (Experts without
+    rows between routed ones split the upload into one copy per run of adjacent routed experts.)"""
+    calls = _slab_calls(monkeypatch)
+    counts, copies = {}, {}
+    for experts in (8, 32, 128):
+        with use_runtime(SimulatedRuntime(seed=1, max_delay=0.0)) as rt:
+            model = _qwen3(experts)
+            bench("slab_dispatch").round_robin_routing(model, experts)
+            engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=0.0))
+            x = torch.randint(0, VOCAB, (experts // 4, 16), generator=torch.Generator().manual_seed(2))
+            with torch.no_grad():
+                model(x[:1, :4])  # binds the engine (and its slab) outside the count
+            before = rt.copies
+            with GemmCounter() as mode:
+                model(x, labels=x).loss.backward()
+            engine.synchronize()
+            assert all(n == experts for n in _routed(model, engine))
+            assert engine.slab.experts == experts  # the whole layer in one chunk
+            counts[experts], copies[experts] = mode.ops, rt.copies - before
+    assert calls["run_backward"] == 0 and calls["_slab_forward"] == calls["_slab_backward"] == 3 * 2
+    assert counts[8] == counts[32] == counts[128], {e: sum(c.values()) for e, c in counts.items()}
+    # Per layer: the weights up in one copy (the backward finds both layers still in the slab's two blocks), the
+    # gradients down in one.
+    assert copies[8] == copies[32] == copies[128] == 2 * 2
+
+
+# --- (b) ---
+@pytest.mark.parametrize("autocast,compute_dtype,streamed", [
+    (None, None, torch.float32),
+    (torch.bfloat16, None, torch.bfloat16),  # the default under autocast on a device: the autocast dtype
+    (torch.bfloat16, torch.float32, torch.float32),  # set: fp32 weights up, autocast casts them on the device
+])
+def test_bytes_moved_are_the_routed_experts_once(autocast, compute_dtype, streamed):
+    """Three layers, so that the slab's two blocks no longer hold layer 0's experts when its backward comes: H2D is
+    every routed expert's weights once in the streamed dtype plus layer 0's again in backward
+    (`h2d_reupload_bytes`); D2H is every routed expert's gradient once, in the dtype the GEMMs produced it in (that of
+    the streamed weights). Under autocast the copies default to the autocast dtype (issue 35)."""
+    with use_runtime(SimulatedRuntime(seed=2, max_delay=0.001)):
+        model = _qwen3(8, layers=3)
+        engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=0.0,
+                                                            compute_dtype=compute_dtype))
+        x = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(3))
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = model(x, labels=x).loss
+        loss.backward()
+        engine.synchronize()
+        assert engine.store.compute_dtype == streamed
+        width = streamed.itemsize * engine.store.numel
+        routed = _routed(model, engine)
+        assert engine.stats.h2d_reupload_bytes == routed[0] * width
+        assert engine.stats.h2d_bytes == (sum(routed) + routed[0]) * width
+        assert engine.stats.d2h_bytes == sum(routed) * width
+        assert set(engine._block_rings) == {streamed}
+        record = engine.store.acquire((0, 0))
+        assert record.param.dtype == torch.float32 and torch.equal(record.compute_param(), record.param.to(streamed))
+        engine.store.release((0, 0))
+
+
+def test_compute_copies_default_to_the_autocast_dtype_on_both_tiers(tmp_path):
+    """The switch at the first forward on a device under autocast (`ExpertStore.use_compute_dtype`): host and disk
+    tier records get bf16 copies equal to their fp32 weights cast (what autocast computes with), the disk tier's
+    cached records included; on the CPU's inline runtime nothing changes (the host computes there: no upload)."""
+    for tier in ("host", "disk"):
+        with use_runtime(SimulatedRuntime(seed=4, max_delay=0.0)):
+            model = _qwen3(6)
+            engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / tier),
+                                                                host_cache_experts=12, prefetch_depth=1))
+            x = torch.randint(0, VOCAB, (2, 7))
+            with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+                model(x)
+            assert engine.store.compute_dtype == torch.bfloat16
+            for key in engine.store.keys():
+                record = engine.store.acquire(key)
+                assert torch.equal(record.compute_param(), record.param.to(torch.bfloat16)), key
+                engine.store.release(key)
+    model = _qwen3(6)
+    engine = enable_expert_offload(model, OffloadConfig(mode="host"))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        model(torch.randint(0, VOCAB, (2, 7)))
+    assert engine.store.compute_dtype == torch.float32
+
+
+# --- (c) ---
+def _train_step(tier: str, tmp_path, rt) -> None:
+    """Two training steps, chunks of 2 experts (3 per layer: each block is reused within a layer's pass)."""
+    with use_runtime(rt):
+        reference = small_model()
+        model = copy.deepcopy(reference)
+        engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "e"),
+                                                            host_cache_experts=8, prefetch_depth=1,
+                                                            pin_fraction=0.0, stage_experts=2))
+        opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), ExpertOptimizer(engine, lr=1e-2))
+        for seed in (0, 1):
+            x = torch.randint(0, 101, (3, 11), generator=torch.Generator().manual_seed(seed))
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        engine.synchronize()
+        assert engine.slab is not None and engine.stats.d2h_bytes > 0
+
+
+def _no_upload_wait(self, index, rows):  # DeviceSlab.wait minus its wait_event
+    self.rt.access(rows)
+
+
+def _no_reuse_event(self, index):  # DeviceSlab.done minus its record: the next upload into the block waits for nothing
+    pass
+
+
+def _no_download_order(self, flat):  # GradRing.send minus `wait_stream`: the copy may read before compute wrote
+    with self._cond:
+        i = self._free.pop()
+    buffer = self.buffers[i][: flat.numel()]
+    self.rt.copy_(buffer, flat, self.stream)
+    from hf_moe_offload.offload.engine import GradArrival
+
+    return GradArrival(self.rt, buffer, self.rt.record(self.stream), lambda: self._give_back(i))
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("target,name,deleted", [
+    (DeviceSlab, "wait", _no_upload_wait),
+    (DeviceSlab, "done", _no_reuse_event),
+    (GradRing, "send", _no_download_order),
+])
+def test_deleting_a_wait_of_the_slab_pipeline_fails(target, name, deleted, tier, tmp_path, monkeypatch):
+    _train_step(tier, tmp_path / "ok", SimulatedRuntime(seed=5, max_delay=0.002))  # intact: it runs
+    monkeypatch.setattr(target, name, deleted)
+    with pytest.raises(HappensBeforeError):
+        _train_step(tier, tmp_path / "cut", SimulatedRuntime(seed=5, max_delay=0.002))
+
+
+# --- (d) ---
+FAMILIES = {"moe_gpt": lambda seed: small_model(seed=seed), "qwen3_moe": lambda seed: _qwen3(6, seed=seed)}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("autocast,clip", [(None, None), (None, 0.05), (torch.bfloat16, 0.05)])
+def test_slab_training_equals_torch_adamw(family, tier, autocast, clip, tmp_path, monkeypatch):
+    """3 optimizer steps x 2 accumulated micro-steps on fresh random batches, weight decay, global clipping
+    (deferred expert steps) or none (eager), pins on: losses and weights against torch.optim.AdamW on the resident
+    model (biases and norms not decayed, as the expert optimizer does). The slab computes each layer's experts as grouped GEMMs where the resident model loops or groups them
+    otherwise, so the two round differently: weights within what Adam can move an element, all but 1% within 2e-6
+    in fp32 (lr/10 under bf16, 10%; tests/numerics.py), losses 1e-5 apart in fp32 and 2e-3 under bf16."""
+    calls = _slab_calls(monkeypatch)
+    vocab = 101 if family == "moe_gpt" else VOCAB
+    with use_runtime(SimulatedRuntime(seed=6, max_delay=0.001)):
+        reference = FAMILIES[family](7)
+        model = copy.deepcopy(reference)
+        engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "e"),
+                                                            host_cache_experts=8, prefetch_depth=1,
+                                                            pin_fraction=0.25))
+        ref_opt = torch.optim.AdamW(param_groups(reference, 0.1), lr=1e-2)
+        last_micro_step = [False]
+        experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, max_grad_norm=clip,
+                                  boundary_fn=lambda: last_micro_step[0])
+        opt = ExpertAwareOptimizer(torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2), experts)
+        g = torch.Generator().manual_seed(8)
+        for _ in range(3):
+            for micro in range(2):
+                last_micro_step[0] = micro == 1
+                x = torch.randint(0, vocab, (2, 11), generator=g)
+                losses = []
+                for m in (reference, model):
+                    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                        loss = m(x, labels=x).loss / 2
+                    loss.backward()
+                    losses.append(loss.item())
+                assert abs(losses[0] - losses[1]) <= (1e-5 if autocast is None else 2e-3)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            opt.step()
+            opt.zero_grad()
+            engine.update_pins()
+        engine.synchronize()
+        assert set(engine.store.steps.values()) == {3}
+        assert calls["run_forward"] == 0 and calls["_slab_forward"] > 0
+        if autocast is None:
+            assert_within_adam_drift(model, reference, 1e-2, 3, weight_decay=0.1, atol=2e-6, outliers=0.01)
+        else:
+            assert_within_adam_drift(model, reference, 1e-2, 3, weight_decay=0.1, outliers=0.1)
+        experts.close()
+
+
+def _slow_steps_then_forward(tmp_path, monkeypatch) -> None:
+    """Each expert step takes 20 ms more (the host Adam still running when the next forward starts): after one
+    eager step, the next forward's loss equals the reference's (plain AdamW) within 1e-5."""
+    from hf_moe_offload.optim.expert_optimizer import ExpertOptimizer as Opt
+
+    original = Opt._adam_many
+
+    def slow(self, steps, lr):
+        time.sleep(0.02)
+        return original(self, steps, lr)
+
+    monkeypatch.setattr(Opt, "_adam_many", slow)
+    with use_runtime(SimulatedRuntime(seed=9, max_delay=0.001)):
+        reference = small_model(seed=3)
+        model = copy.deepcopy(reference)
+        engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=0.0))
+        opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0),
+                                   ExpertOptimizer(engine, lr=1e-2, workers=1))
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+        x = torch.randint(0, 101, (3, 11), generator=torch.Generator().manual_seed(4))
+        for m, o in ((reference, ref_opt), (model, opt)):
+            m(x, labels=x).loss.backward()
+            o.step()  # the expert steps run on the worker, 20 ms each
+            o.zero_grad()
+        calls = _slab_calls(monkeypatch)
+        loss = model(x, labels=x).loss  # a training call: through the slab
+        assert calls["_slab_forward"] == len(engine.layers)
+        assert abs(loss.item() - reference(x, labels=x).loss.item()) <= 1e-5
+        engine.synchronize()
+
+
+def test_the_next_forward_waits_for_each_experts_update(tmp_path, monkeypatch):
+    """No staleness (DESIGN.md): a training forward's upload waits for the expert's pending update. Deleting that
+    wait (OffloadEngine.wait_for_update) makes the upload read weights the host Adam is still writing: the simulated
+    device raises, or the loss is the stale weights'."""
+    from hf_moe_offload.offload.engine import OffloadEngine
+
+    _slow_steps_then_forward(tmp_path, monkeypatch)
+    monkeypatch.setattr(OffloadEngine, "wait_for_update", lambda self, key: None)
+    with pytest.raises((HappensBeforeError, AssertionError)):
+        _slow_steps_then_forward(tmp_path, monkeypatch)
