@@ -804,3 +804,64 @@ def test_experts_handed_over_one_at_a_time_are_stepped_together_while_the_worker
     (a, steps_a, _), (b, steps_b, _) = results
     assert steps_a == steps_b and set(steps_a.values()) == {1}
     assert all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
+
+
+class _PausedExecutor:
+    """A thread pool whose jobs start only at `release()` (submitted ones are kept in order until then)."""
+
+    def __init__(self, workers: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(max_workers=workers)
+        self.held: list | None = []
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        if self.held is None:
+            return self.pool.submit(fn, *args)
+        done = Future()
+        self.held.append((done, fn, args))
+        return done
+
+    def release(self, first: int | None = None) -> None:
+        """Start the first `first` held jobs (None: all, and the pool runs what comes next at once)."""
+        held = self.held[:first] if first is not None else self.held
+        self.held = self.held[len(held):] if first is not None else None
+        for done, fn, args in held:
+            self.pool.submit(fn, *args).add_done_callback(
+                lambda f, d=done: d.set_exception(f.exception()) if f.exception() else d.set_result(f.result()))
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.pool.shutdown(wait=wait)
+
+
+def test_after_backward_the_waiting_experts_step_layer_zero_first():
+    """Issue 35: experts handed over during backward wait in a queue in arrival order, the last layer first. When the
+    window closes (`step()`), those still waiting go in the order the next forward uses them, layer 0 first, so that
+    it can start a layer once that layer's experts are stepped. Here the workers' jobs start only after `step()`, so
+    that every expert waits then, and the first job alone: its first share (half the queue) is layers 0 and 1 (in
+    arrival order it would be 3 and 2); each expert is stepped once."""
+    model = small_model(num_hidden_layers=4)
+    engine = enable_expert_offload(model, OffloadConfig(mode="host"))
+    experts = ExpertOptimizer(engine, lr=1e-2, workers=2)
+    paused = experts._executor = _PausedExecutor(2)
+    taken: list[set[int]] = []
+    original = experts._step_experts
+
+    def recording(entries, *args):
+        taken.append({key[0] for key, _, _ in entries})
+        return original(entries, *args)
+
+    experts._step_experts = recording
+    x = torch.randint(0, 101, (3, 10))
+    model(x, labels=x).loss.backward()  # 4 layers handed over, the last first; nothing stepped yet
+    assert not taken
+    experts.step()
+    paused.release(first=1)
+    engine.wait_for_update((0, 0))
+    paused.release()
+    engine.synchronize()
+    assert set(engine.store.steps.values()) == {1}
+    assert taken[0] == {0, 1}, taken
+    experts.close()

@@ -74,10 +74,6 @@ class DeviceSlab:
         self.holding: list[list[tuple[ExpertKey, int]]] = [[], []]  # (key, version) per row
         self.next = 0
 
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.experts * self.stride * self.dtype.itemsize
-
     def reuse(self, held: list[tuple[ExpertKey, int]]) -> tuple[torch.Tensor, Event, int] | None:
         """The block that still holds exactly these (key, version)s, row by row, as `upload` returns it (the next upload
         goes to the other block); None: no block does."""

@@ -481,6 +481,11 @@ class ExpertOptimizer:
         if not self.boundary_fn():
             return None  # not the window's last micro-step (e.g. inside accelerate's accumulate): keep accumulating
         self._step_called[self._window] = time.perf_counter()
+        with self._lock:
+            # Backward is over: the experts still waiting for a worker go in the order the next forward uses them
+            # (layer 0 first; it arrived last), so that it starts a layer once that layer's experts are stepped
+            # (issue 35). Windows stay in order; an expert is never queued twice.
+            self._ready = deque(sorted(self._ready, key=lambda item: (item[2][3], item[0][0])))
         clip_coef = None
         grad_scale = None
         if not self.eager:
