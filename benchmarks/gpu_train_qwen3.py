@@ -67,9 +67,10 @@ class Variant:
             self.ds = _deepspeed_engine(model, stage=int(name[-1]), lr=lr)
             return
         if name != "resident":
+            # host: bf16 copies (the default under autocast on a GPU, set here for the CPU smoke run too); host-fp32:
+            # fp32 weights uploaded, autocast casts them on the device.
             self.engine = enable_expert_offload(model, OffloadConfig(
-                mode="host", pin_fraction=0.0,
-                compute_dtype=torch.bfloat16 if device.type == "cuda" and name == "host" else None))
+                mode="host", pin_fraction=0.0, compute_dtype=torch.bfloat16 if name == "host" else torch.float32))
         model.to(device)  # the non-expert weights only where the experts are offloaded
         fused = {"fused": True} if device.type == "cuda" else {}
         inner = torch.optim.AdamW(model.parameters(), lr=lr, **fused)

@@ -34,7 +34,9 @@ def restore_autocast(device_type: str, state: AutocastState) -> torch.autocast:
 
 
 _GEMMS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
-          torch.ops.aten._addmm_activation, torch.ops.aten._grouped_mm}
+          torch.ops.aten._addmm_activation}
+if hasattr(torch.ops.aten, "_grouped_mm"):  # the grouped expert GEMM (torch >= 2.8)
+    _GEMMS.add(torch.ops.aten._grouped_mm)
 
 
 class GemmCounter(TorchDispatchMode):
