@@ -49,8 +49,9 @@ def _routed(model, engine) -> list[int]:
 def test_work_per_training_step_does_not_grow_with_the_number_of_experts(monkeypatch):
     """Qwen3-MoE with 8, 32 and 128 experts per layer, host tier, 8 rows per expert (every expert routed): the
     forward and backward of a training step dispatch the same ops, the same number of times, on the compute thread
-    (the per-expert loop dispatched ~15 per expert and matmul), and copy the same number of times. (Experts without
-    rows between routed ones split the upload into one copy per run of adjacent routed experts.)"""
+    (the per-expert loop: ~60 more per expert and layer, benchmarks/slab_dispatch.py), and copy the same number of
+    times. (Experts without rows between routed ones split the upload into one copy per run of adjacent routed
+    experts.)"""
     calls = _slab_calls(monkeypatch)
     counts, copies = {}, {}
     for experts in (8, 32, 128):
