@@ -132,6 +132,27 @@ def test_compute_copies_default_to_the_autocast_dtype_on_both_tiers(tmp_path):
     assert engine.store.compute_dtype == torch.float32
 
 
+def test_the_slab_takes_a_quarter_of_the_free_device_memory():
+    """Two blocks of k experts, k bounded by a quarter of the memory the device reports free at bind (here the
+    simulated device's), or by `device_budget_bytes` when set; where not even chunks of two fit, no slab (the
+    per-expert loop)."""
+    def slab_experts(free_memory, budget=None):
+        with use_runtime(SimulatedRuntime(seed=0, max_delay=0.0, free_memory=free_memory)):
+            model = _qwen3(8)
+            engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=0.0,
+                                                                device_budget_bytes=budget))
+            with torch.no_grad():
+                model(torch.randint(0, VOCAB, (1, 4)))
+            per_expert = 2 * engine.store.numel * engine.store.compute_dtype.itemsize  # a row in each block
+            return engine.slab.experts if engine.slab is not None else None, per_expert
+
+    _, per_expert = slab_experts(None)
+    assert slab_experts(None)[0] == 8  # unbounded: the whole layer
+    assert slab_experts(4 * 3 * per_expert)[0] == 3
+    assert slab_experts(4 * 3 * per_expert, budget=5 * per_expert)[0] == 5
+    assert slab_experts(4 * per_expert)[0] is None
+
+
 # --- (c) ---
 def _train_step(tier: str, tmp_path, rt) -> None:
     """Two training steps, chunks of 2 experts (3 per layer: each block is reused within a layer's pass)."""

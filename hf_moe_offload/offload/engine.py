@@ -973,8 +973,8 @@ class OffloadEngine:
         per_expert = 2 * self.store.numel * self.store.compute_dtype.itemsize
         k = max(layer.num_experts for layer in self.layers)
         budget = self.slab_budget_bytes
-        if budget is None and self.runtime.name == "cuda":
-            budget = torch.cuda.mem_get_info(self.device)[0] // 4
+        if budget is None and self.runtime.free_memory() is not None:
+            budget = self.runtime.free_memory() // 4
         if budget is not None:
             k = min(k, budget // per_expert)
         if self._cache is not None:

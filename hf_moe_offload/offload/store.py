@@ -268,15 +268,11 @@ class ExpertStore:
     def _dma_sources(self) -> list[torch.Tensor]:
         return []
 
-    # Whether `use_compute_dtype` can give the records compute copies after construction (before the engine binds).
+    # Whether the tier has `use_compute_dtype(dtype)`: stream copies in `dtype` from now on, each record getting a
+    # compute copy made from its weights (issue 35: under autocast on a device the uploads carry the autocast dtype by
+    # default). Called before the engine binds (`bind_runtime` page-locks the DMA sources), only on a store without
+    # compute copies. The node-shared stores cannot: their ranks share the weights but would each own the copies.
     switches_compute_dtype = False
-
-    def use_compute_dtype(self, dtype: torch.dtype) -> None:
-        """Stream copies in `dtype` from now on: each record gets a compute copy made from its weights (issue 35: under
-        autocast on a device the uploads carry the autocast dtype by default). Only before the engine binds (the DMA
-        sources are page-locked then: the engine calls it before `bind_runtime`) and only from a store without compute
-        copies."""
-        raise NotImplementedError(f"the {self.tier} tier's store keeps its compute dtype")
 
     def _check_compute_switch(self, dtype: torch.dtype) -> None:
         if self.compute_dtype != self.row_dtype:
@@ -374,6 +370,7 @@ class HostExpertStore(ExpertStore):
     switches_compute_dtype = True
 
     def use_compute_dtype(self, dtype: torch.dtype) -> None:
+        """`ExpertStore.switches_compute_dtype`: each layer's copies as one (E, P) block, as at construction."""
         self._check_compute_switch(dtype)
         self.compute_dtype = dtype
         self._dma = []
@@ -595,6 +592,7 @@ class DiskExpertStore(ExpertStore):
     switches_compute_dtype = True
 
     def use_compute_dtype(self, dtype: torch.dtype) -> None:
+        """`ExpertStore.switches_compute_dtype`: a copy buffer per cache slot; cached records get theirs now."""
         with self._lock:
             self._check_compute_switch(dtype)
             if any(entry.refs or entry.state != CACHED for entry in self._entries.values()):

@@ -94,6 +94,11 @@ class DeviceRuntime(abc.ABC):
         """Page-lock the memory of a host tensor in place (for as long as the tensor lives); returns it."""
         return tensor
 
+    def free_memory(self) -> int | None:
+        """Bytes of device memory free now (what a buffer sized at bind may take a share of); None: not bounded here
+        (the host is the device, or a simulation without a set size)."""
+        return None
+
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         """`tensor` (allocated for another stream) is used on `stream`: do not reuse its memory before that use."""
 

@@ -27,6 +27,9 @@ class CudaRuntime(DeviceRuntime):
     def current_stream(self):
         return torch.cuda.current_stream(self.device)
 
+    def free_memory(self) -> int:
+        return torch.cuda.mem_get_info(self.device)[0]
+
     def new_stream(self):
         return torch.cuda.Stream(device=self.device)
 

@@ -93,14 +93,16 @@ class _Buffer:
 
 
 class SimulatedRuntime(DeviceRuntime):
-    """See the module docstring. `seed` fixes the delays; `delay_fn(stream_name, op_name) -> seconds` adds more."""
+    """See the module docstring. `seed` fixes the delays; `delay_fn(stream_name, op_name) -> seconds` adds more;
+    `free_memory`: the device memory it reports free (None: unbounded)."""
 
     name = "simulated"
     asynchronous = True
 
     def __init__(self, seed: int = 0, max_delay: float = 0.002,
-                 delay_fn: Callable[[str, str], float] | None = None):
+                 delay_fn: Callable[[str, str], float] | None = None, free_memory: int | None = None):
         self.seed = seed
+        self._free_memory = free_memory
         self.max_delay = max_delay
         self.delay_fn = delay_fn
         self.device = torch.device("cpu")
@@ -120,6 +122,9 @@ class SimulatedRuntime(DeviceRuntime):
             s = _Stream(self, f"s{len(self._streams)}" if self._streams or worker else "compute", worker)
             self._streams.append(s)
             return s
+
+    def free_memory(self) -> int | None:
+        return self._free_memory
 
     # --- streams ---
     def current_stream(self):
