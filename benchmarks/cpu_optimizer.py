@@ -1,6 +1,8 @@
 """Expert-wise CPU optimizer: (1) per-expert Adam throughput vs `torch.optim.AdamW(fused=True)` on the same tensors
 (one expert per call, as in the eager mode of the per-expert loop; a layer's experts handed over at once, as in the
 eager mode of the grouped host path; batched fused calls, as in the deferred mode's `step()`),
+(1b) the same with bf16 compute copies refreshed by every step (a GPU's default under autocast): torch's fused AdamW
+followed by the copy, against our steps writing the copy in the same pass (optim/fused_adam.py) and in a second pass,
 (2) step time of an offloaded MoE with expert steps overlapped with backward (eager, ES-MoE §4.1) vs the same
 steps all after backward (deferred).
 
@@ -63,10 +65,14 @@ class _Engine:
         if fut is not None:
             fut.result()
 
+    device_pins = None
+
     def synchronize(self):
         for f in self.pending.values():
             f.result()
         self.pending.clear()
+
+    wait_in_flight = synchronize
 
     def update_pins(self):
         pass
@@ -141,6 +147,60 @@ def throughput(num_experts: int, numel: int, reps: int) -> dict:
     return out
 
 
+def with_copies(num_experts: int, numel: int, reps: int) -> dict:
+    """Params/s of an AdamW step that also refreshes a bf16 copy of each expert: torch's fused AdamW then
+    `copy.copy_(param)` (two passes), and our batched deferred steps over a store with bf16 copies, through the
+    one-pass kernel and with it disabled (two passes), interleaved round by round."""
+    from hf_moe_offload.optim import fused_adam
+
+    torch.manual_seed(0)
+    keys = [(0, e) for e in range(num_experts)]
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in keys]
+    copies = [torch.empty(numel, dtype=torch.bfloat16) for _ in keys]
+    for p in params:
+        p.grad = torch.randn(numel) * 1e-3
+    ref = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+
+    def torch_two_pass():
+        ref.step()
+        for p, c in zip(params, copies):
+            c.copy_(p.detach())
+
+    def ours(one_pass: bool):
+        store = HostExpertStore(keys, numel, torch.bfloat16, OffloadStats())
+        engine = _Engine(store, numel)
+        opt = ExpertOptimizer(engine, lr=1e-3, weight_decay=0.01, workers=2, defer_steps=True,
+                              boundary_fn=lambda: True)
+        kernel = fused_adam.kernel()
+
+        def land():
+            for k in keys:
+                store.acquire(k).add_grad(params[0].grad)
+                store.has_grad[k] = True
+
+        def run():
+            saved, fused_adam._kernel = fused_adam._kernel, kernel if one_pass else False
+            try:
+                opt.step()
+                engine.synchronize()
+            finally:
+                fused_adam._kernel = saved
+        return opt, run, land
+
+    variants = {"one_pass": ours(True), "two_pass": ours(False)}
+    times = interleaved_rounds({"torch_fused_then_copy": torch_two_pass,
+                                **{name: run for name, (_, run, _) in variants.items()}}, reps, warmup=1,
+                               setup=lambda name: variants[name][2]() if name in variants else None)
+    for opt, _, _ in variants.values():
+        opt._pool.shutdown()
+    out = {"experts": num_experts, "params_per_expert": numel, "kernel": fused_adam.kernel() is not None}
+    for name, ts in times.items():
+        out[f"{name}_params_per_s"] = num_experts * numel / statistics.median(ts)
+    for name in variants:
+        out[f"ratio_{name}_vs_torch"] = median_ratio(times["torch_fused_then_copy"], times[name])
+    return out
+
+
 def overlap(num_experts: int, steps: int, tier: str) -> dict:
     base = make_model(num_experts, hidden=256, inter=1024, layers=4)
     batches = [torch.randint(0, 512, (8, 64)) for _ in range(steps)]
@@ -181,6 +241,14 @@ def main() -> None:
               f"{r['ratio_2w_vs_torch_fused']:>9.2f} {r['expert_layer_2w_params_per_s'] / 1e6:>12.0f} "
               f"{r['ratio_layer_vs_torch_fused']:>6.2f} {r['expert_batched_2w_params_per_s'] / 1e6:>10.0f} "
               f"{r['ratio_batched_vs_torch_fused']:>6.2f}")
+    cp = [with_copies(64, 256 * 1024, 3 if args.quick else 10), with_copies(16, 2 * 1024 * 1024, 3 if args.quick else 8)]
+    print("\nAdam + bf16 copy refresh (M params/s): torch fused AdamW then copy_, ours in one pass, ours in two")
+    print(f"{'experts':>7} {'params/expert':>13} {'torch+copy':>10} {'one pass':>8} {'ratio':>6} {'two pass':>8} "
+          f"{'ratio':>6}")
+    for r in cp:
+        print(f"{r['experts']:>7} {r['params_per_expert']:>13} {r['torch_fused_then_copy_params_per_s'] / 1e6:>10.0f} "
+              f"{r['one_pass_params_per_s'] / 1e6:>8.0f} {r['ratio_one_pass_vs_torch']:>6.2f} "
+              f"{r['two_pass_params_per_s'] / 1e6:>8.0f} {r['ratio_two_pass_vs_torch']:>6.2f}")
     ov = [overlap(16, 4 if args.quick else 6, "host"), overlap(32, 4 if args.quick else 6, "host")]
     print("\nStep time: expert steps overlapped with backward vs all after backward (MoE-GPT d=256, ffn=1024)")
     print(f"{'tier':>5} {'E':>4} {'overlapped s':>12} {'after bwd s':>11} {'speedup':>8}")
@@ -189,7 +257,7 @@ def main() -> None:
               f"{r['after_backward_step_s']:>11.3f} {r['speedup']:>8.2f}")
     with open(os.path.join(HERE, "cpu_optimizer.json"), "w") as f:
         json.dump({"machine": platform.platform(), "threads": torch.get_num_threads(), "throughput": tp,
-                   "overlap": ov}, f, indent=2)
+                   "with_copies": cp, "overlap": ov}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ of the same invocation), after one warm-up step:
 - resident: the whole model on the GPU, `torch.optim.AdamW(fused=True)`, bf16 autocast (transformers' grouped_mm);
 - host: experts offloaded to host memory (ES-MoE), bf16 compute copies uploaded through the slab, the expert-wise Adam
   on the host overlapped with backward (`ExpertAwareOptimizer(AdamW(fused=True), ExpertOptimizer)`);
-- host-fp32: the same with fp32 weights uploaded (autocast casts them on the GPU);
+- host-pin: the same with ES-MoE's pinning (`pin_fraction=0.25`, the default): each layer's most-loaded quarter
+  keeps its whole state on the GPU and steps there (offload/device_pins.py), within the device budget;
+- host-fp32: the host variant with fp32 weights uploaded (autocast casts them on the GPU);
 - ds-zero2: DeepSpeed ZeRO-2, `offload_optimizer: cpu` (CPU-Adam), bf16; ds-zero3: ZeRO-3 with `offload_param` too
   (needs `deepspeed`, benchmark-only: `DS_BUILD_OPS=0 pip install deepspeed`; CPU-Adam compiles at first use).
 
@@ -40,7 +42,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload  # noqa: E402
 
-VARIANTS = ("resident", "host", "host-fp32", "ds-zero2", "ds-zero3")
+VARIANTS = ("resident", "host", "host-pin", "host-fp32", "ds-zero2", "ds-zero3")
 
 
 def make_qwen3(layers: int, experts: int, hidden: int, ffn: int, top_k: int, vocab: int, positions: int):
@@ -70,7 +72,8 @@ class Variant:
             # host: bf16 copies (the default under autocast on a GPU, set here for the CPU smoke run too); host-fp32:
             # fp32 weights uploaded, autocast casts them on the device.
             self.engine = enable_expert_offload(model, OffloadConfig(
-                mode="host", pin_fraction=0.0, compute_dtype=torch.bfloat16 if name == "host" else torch.float32))
+                mode="host", pin_fraction=0.25 if name == "host-pin" else 0.0,
+                compute_dtype=torch.float32 if name == "host-fp32" else torch.bfloat16))
         model.to(device)  # the non-expert weights only where the experts are offloaded
         fused = {"fused": True} if device.type == "cuda" else {}
         inner = torch.optim.AdamW(model.parameters(), lr=lr, **fused)
@@ -93,7 +96,7 @@ class Variant:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             if self.engine is not None:
-                self.engine.synchronize()
+                self.engine.wait_in_flight()  # (`synchronize` would also send the device pins home)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return float(loss.detach())

@@ -31,6 +31,13 @@ def test_cpu_optimizer_throughput_harness():
     assert all(out[f"ratio_{key}_vs_torch_fused"] > 0 for key in ("1w", "2w", "layer", "batched"))
 
 
+def test_cpu_optimizer_copy_refresh_harness():
+    """The Adam + bf16-copy comparison runs all three variants (the kernel built where a compiler is)."""
+    out = bench("cpu_optimizer").with_copies(4, 4096, reps=1)
+    assert all(out[f"{name}_params_per_s"] > 0 for name in ("torch_fused_then_copy", "one_pass", "two_pass"))
+    assert out["ratio_one_pass_vs_torch"] > 0 and out["ratio_two_pass_vs_torch"] > 0
+
+
 def test_offload_step_time_harness_moves_at_least_the_minimum(tmp_path, monkeypatch):
     """Every tier trains; the disk tiers' bytes are at least `minimum_bytes` (a lower bound: if the accounting or the
     bound were wrong, a ratio below 1 would show it); the host tier moves nothing."""
@@ -86,9 +93,9 @@ def test_gpu_train_qwen3_harness_on_the_simulated_device(tmp_path):
     with use_runtime(SimulatedRuntime(seed=0, max_delay=0.0)):
         (result,) = bench("gpu_train_qwen3").main(["--quick", "--device", "cpu", "--out", str(tmp_path / "q.json")])
     rows = {r["variant"]: r for r in result["rows"]}
-    assert set(rows) == {"resident", "host", "host-fp32"}
+    assert set(rows) == {"resident", "host", "host-pin", "host-fp32"}
     assert all(math.isfinite(r["last_loss"]) and r["step_s"] > 0 for r in rows.values())
-    for name in ("host", "host-fp32"):
+    for name in ("host", "host-pin", "host-fp32"):
         assert rows[name]["h2d_GB"] > 0 and rows[name]["d2h_GB"] > 0
     assert os.path.exists(tmp_path / "q.json")
 

@@ -8,7 +8,8 @@ each chunk as one grouped GEMM per matmul and sends its gradients down as one bl
     bytes down: the routed experts' gradients once, in the dtype autocast produced them in;
 (c) deleting any one wait of the pipeline fails;
 (d) training equals torch.optim.AdamW, fp32 and bf16 autocast, accumulation and global clipping, MoE-GPT and
-    Qwen3-MoE, host and disk tier.
+    Qwen3-MoE, host and disk tier;
+(e) pinned experts live on the device and step there (offload/device_pins.py): no transfers, no host Adam.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from hf_moe_offload.runtime.simulated import SimulatedRuntime
 from moe_families import VOCAB, tiny_model
 from numerics import assert_within_adam_drift
 from test_benchmarks import bench
-from test_expert_optimizer import count_expert_paths, param_groups
+from test_expert_optimizer import count_expert_paths, param_groups, step_both
 from test_offload import small_model
 
 
@@ -241,13 +242,10 @@ def test_slab_training_equals_torch_adamw(family, tier, autocast, clip, tmp_path
                     loss.backward()
                     losses.append(loss.item())
                 assert abs(losses[0] - losses[1]) <= (1e-5 if autocast is None else 2e-3)
-            if clip:
-                torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
-            ref_opt.step()
-            ref_opt.zero_grad()
-            opt.step()
-            opt.zero_grad()
+            step_both(reference, ref_opt, opt, clip)
             engine.update_pins()
+        if tier == "host":  # the disk tier's cache of 8 leaves no room for pins beside the slab's chunks
+            assert len(engine.device_pins) > 0  # pinned experts trained on the device
         engine.synchronize()
         assert set(engine.store.steps.values()) == {3}
         assert calls["run_forward"] == 0 and calls["_slab_forward"] > 0
@@ -299,3 +297,107 @@ def test_the_next_forward_waits_for_each_experts_update(tmp_path, monkeypatch):
     monkeypatch.setattr(OffloadEngine, "wait_for_update", lambda self, key: None)
     with pytest.raises((HappensBeforeError, AssertionError)):
         _slow_steps_then_forward(tmp_path, monkeypatch)
+
+
+# --- (e) ---
+def test_device_pinned_experts_move_no_bytes_and_step_on_the_device(monkeypatch):
+    """At a first window's close the best-loaded quarter of each layer's experts is pinned; the next forward brings
+    their whole state to the device. In that window's step: the bytes up are the other routed experts' weights only, the bytes down their
+    gradients only; the host Adam never sees a pinned expert and every pinned expert steps once, from its device
+    record; the stores' rows of pinned experts are left alone until they come home (`synchronize`), holding then what
+    the device computed."""
+    from hf_moe_offload.optim.expert_optimizer import ExpertOptimizer as Opt
+
+    stepped: list = []
+    original = Opt._adam_many
+
+    def spy(self, steps, lr):
+        stepped.extend((key, record) for key, record, _ in steps)
+        return original(self, steps, lr)
+
+    monkeypatch.setattr(Opt, "_adam_many", spy)
+    with use_runtime(SimulatedRuntime(seed=3, max_delay=0.001)):
+        model = _qwen3(8)
+        engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=0.25))
+        opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), ExpertOptimizer(engine, lr=1e-2))
+        g = torch.Generator().manual_seed(5)
+        for window in range(2):
+            x = torch.randint(0, VOCAB, (4, 16), generator=g)
+            engine.stats.reset()
+            stepped.clear()
+            host_rows = {key: engine.store.read_param(key) for key in engine.store.keys()} if window else None
+            model(x, labels=x).loss.backward()
+            pins = set(engine.device_pins.keys())  # those chosen at the last close: up since this forward
+            if window == 1:
+                assert len(pins) == 4  # 2 of 8 experts in each of 2 layers
+                width = engine.store.numel * 4
+                routed = [(layer.layer, e) for layer in engine.layers for e, n in enumerate(layer.last_counts) if n]
+                host_routed = [key for key in routed if key not in pins]
+                assert len(host_routed) < len(routed)
+                assert engine.stats.h2d_bytes == len(host_routed) * width  # both layers stay in the slab's blocks
+                assert engine.stats.d2h_bytes == len(host_routed) * width
+            opt.step()
+            opt.zero_grad()
+            engine.wait_in_flight()
+            if window == 1:
+                keys = [key for key, _ in stepped]
+                assert sorted(keys) == sorted(set(keys))  # each expert once
+                assert {key for key, record in stepped if record is engine.device_pins.records.get(key)} == pins
+                assert set(engine.store.steps.values()) == {2}
+                device = {key: engine.device_pins.record(key).param.clone() for key in pins}
+                for key in pins:  # the store's copy is the one from before this window's step
+                    assert torch.equal(engine.store.read_param(key), host_rows[key])
+                engine.synchronize()
+                assert len(engine.device_pins) == 0
+                for key in pins:
+                    assert torch.equal(engine.store.read_param(key), device[key])
+        opt.expert_optimizer.close()
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_pins_coming_home_mid_training_change_nothing(clip):
+    """`synchronize()` (what a save does) between windows sends the device pins' state home; the next forward brings
+    it up again. Three windows with a synchronize after the first two equal torch.optim.AdamW (fp32:
+    all but 1% of the weights within 2e-6, every one within what Adam can move it)."""
+    with use_runtime(SimulatedRuntime(seed=8, max_delay=0.001)):
+        reference = small_model(seed=2)
+        model = copy.deepcopy(reference)
+        engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=0.5))
+        ref_opt = torch.optim.AdamW(param_groups(reference, 0.1), lr=1e-2)
+        opt = ExpertAwareOptimizer(torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2),
+                                   ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, max_grad_norm=clip))
+        g = torch.Generator().manual_seed(11)
+        moved = []
+        for window in range(3):
+            x = torch.randint(0, 101, (3, 11), generator=g)
+            for m in (reference, model):
+                m(x, labels=x).loss.backward()
+            moved.append(len(engine.device_pins))  # pins up since this forward
+            step_both(reference, ref_opt, opt, clip)
+            if window < 2:
+                engine.synchronize()
+                assert len(engine.device_pins) == 0
+        assert moved == [0, 6, 6]  # ceil(0.5 x 6) per layer, chosen at the first close, up again after each home
+        assert_within_adam_drift(model, reference, 1e-2, 3, weight_decay=0.1, atol=2e-6, outliers=0.01)
+        opt.expert_optimizer.close()
+
+
+def test_device_pins_fit_beside_the_slab_in_the_device_budget():
+    """The pins' state (16 bytes per parameter, and the compute copy's) shares the device budget with the slab's
+    two blocks: as many pins as fit beside them; none where the slab takes it all."""
+    numel = enable_expert_offload(_qwen3(8), OffloadConfig(mode="host")).store.numel
+
+    def pins(budget_experts: float | None):
+        with use_runtime(SimulatedRuntime(seed=0, max_delay=0.0)):
+            model = _qwen3(8)
+            slab = 2 * 2 * numel * 4  # two blocks of two experts (set below), fp32
+            budget = None if budget_experts is None else int(slab + budget_experts * 16 * numel)
+            engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=0.25, stage_experts=2,
+                                                                device_budget_bytes=budget))
+            with torch.no_grad():
+                model(torch.randint(0, VOCAB, (1, 4)))
+            return None if engine.device_pins is None else engine.device_pins.capacity
+
+    assert pins(None) == 4  # unbounded: every pin (2 of 8 experts in each of 2 layers)
+    assert pins(3.5) == 3
+    assert pins(0) is None

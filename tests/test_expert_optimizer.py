@@ -526,6 +526,17 @@ def assert_bit_equal_training(first: tuple, second: tuple, steps: int) -> None:
     assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
 
 
+def step_both(reference, ref_opt, opt, clip: float | None = None) -> None:
+    """Close a window on both sides: the plain torch reference (`clip_grad_norm_` over all its parameters first, where
+    `clip`) and the offloaded model's optimizer (which clips globally itself); both zeroed after."""
+    if clip:
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+    ref_opt.step()
+    ref_opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
+
+
 def count_expert_paths(monkeypatch, names=("_grouped_forward", "_grouped_backward", "run_forward",
                                             "run_backward")) -> dict[str, int]:
     """Counts the calls of these `OffloadedExpertsLayer` paths (default: the host tier's grouped path and the

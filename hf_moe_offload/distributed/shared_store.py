@@ -159,10 +159,11 @@ class SharedExpertRecord(ExpertRecord):
     def version(self, value: int) -> None:
         self._local_version = value
 
-    def refresh_compute(self) -> None:
-        """After an update (by the one rank that steps this expert): refresh the local compute copy and bump the
-        node-wide version, so other ranks refresh theirs (and their pinned device copies) on their next acquire."""
-        if self.compute is not None:
+    def refresh_compute(self, copied: bool = False) -> None:
+        """After an update (by the one rank that steps this expert): refresh the local compute copy (unless the update
+        wrote it: `copied`) and bump the node-wide version, so other ranks refresh theirs (and their pinned device
+        copies) on their next acquire."""
+        if self.compute is not None and not copied:
             self.compute.copy_(self.param)
         version = int(self._shared_versions[self._index]) + 1
         self._shared_versions[self._index] = version

@@ -278,6 +278,7 @@ def load_expert_state(engine, folder: str) -> dict:
                               "was it saved from another model?")
     for key in store.keys():  # verify every expert first (get checks CRCs): no half-restored store on corruption
         f.get(f"expert.{key[0]}.{key[1]}")
+    engine.synchronize()  # device-pinned state into the store first: written over below
     for key in store.keys():
         rows = f.get(f"expert.{key[0]}.{key[1]}")
         record = store.acquire(key)

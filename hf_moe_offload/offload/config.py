@@ -33,7 +33,9 @@ class OffloadConfig:
     # --- streaming ---
     prefetch_depth: int = field(default=2, metadata={"help": "experts uploaded/read ahead of the one computing"})
     io_threads: int = field(default=2, metadata={"help": "background threads for disk reads and write-backs"})
-    pin_fraction: float = field(default=0.25, metadata={"help": "ES-MoE §4.3: most-loaded experts kept resident"})
+    pin_fraction: float = field(default=0.25, metadata={
+        "help": "ES-MoE §4.3: each layer's most-loaded experts kept resident (on a GPU in training with their whole "
+                "state, stepped there, within the device budget the slab leaves)"})
     compute_dtype: torch.dtype | None = field(default=None, metadata={
         "help": "dtype of the streamed copies. None (default): the model's dtype, except on a GPU under autocast at the "
                 "first forward, where the autocast dtype (the values autocast would cast to; half the bytes)"})

@@ -32,6 +32,7 @@ from ..precision import autocast_state, compute_dtype, restore_autocast
 from ..runtime import HOST, DeviceRuntime, Event, runtime_for
 from .inference import DecodeCache, PlacementCostModel, PreGate
 from .layout import ExpertLayout
+from .device_pins import DevicePins
 from .slab import DeviceSlab, StallTimer
 from .store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore
 from .telemetry import OffloadStats
@@ -793,7 +794,9 @@ class OffloadEngine:
         self._staging: torch.Tensor | None = None
         # An asynchronous device, training calls: the routed experts chunk by chunk (offload/slab.py; set at bind).
         self.slab: DeviceSlab | None = None
-        self.slab_budget_bytes: int | None = None  # OffloadConfig.device_budget_bytes: bounds the slab's chunks
+        self.slab_budget_bytes: int | None = None  # OffloadConfig.device_budget_bytes: the slab's and the pins'
+        # Training on an asynchronous device: pinned experts' whole state on the device (offload/device_pins.py).
+        self.device_pins: DevicePins | None = None
         self.compute_dtype_setting: torch.dtype | None = None  # OffloadConfig.compute_dtype (`_bind_compute_dtype`)
         self._block_rings: dict[torch.dtype, GradRing] = {}  # a chunk's gradients on their way to the host
         self._cache = cache
@@ -870,6 +873,7 @@ class OffloadEngine:
         self.keep_activations = safe if self.keep_activations_setting is None else self.keep_activations_setting
         self._bind_compute_dtype(device)
         self._bind_staging()
+        self._bind_device_pins()
         self.store.bind_runtime(self.runtime)
         self.stager = DeviceStager(self.runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1),
                                    self.stats)
@@ -972,9 +976,7 @@ class OffloadEngine:
         records beside the reads ahead). Where chunks of two do not fit (unless set), no slab: the per-expert loop."""
         per_expert = 2 * self.store.numel * self.store.compute_dtype.itemsize
         k = max(layer.num_experts for layer in self.layers)
-        budget = self.slab_budget_bytes
-        if budget is None and self.runtime.free_memory() is not None:
-            budget = self.runtime.free_memory() // 4
+        budget = self._device_budget()
         if budget is not None:
             k = min(k, budget // per_expert)
         if self._cache is not None:
@@ -993,6 +995,52 @@ class OffloadEngine:
                         "streaming one expert at a time", budget, self._cache)
             return
         self.slab = DeviceSlab(self.runtime, self.store.numel, self.store.compute_dtype, k, self.stats)
+
+    def _device_budget(self) -> int | None:
+        """Device memory the slab and the device pins may take together: `OffloadConfig.device_budget_bytes`, else a
+        quarter of the memory free at bind; None: unbounded (a simulated device without a size)."""
+        if self.slab_budget_bytes is not None:
+            return self.slab_budget_bytes
+        free = self.runtime.free_memory()
+        return None if free is None else free // 4
+
+    def _bind_device_pins(self) -> None:
+        """Where training streams through the slab, the pins (`pin_fraction` of each layer's experts, within
+        `pin_limit`) keep their whole training state on the device and step there (offload/device_pins.py), as many
+        as the device budget leaves beside the slab's two blocks (fp32 weights, gradient and moments, and the
+        compute copy: 16 + 2 bytes per parameter under bf16)."""
+        if self.slab is None or not self.store.trainable or not self.pin_fraction or self.coordinator is not None:
+            return  # (ranks sharing a store pin device copies of the weights only)
+        wanted = sum(math.ceil(self.pin_fraction * layer.num_experts) for layer in self.layers)
+        if self.pin_limit is not None:
+            wanted = min(wanted, self.pin_limit)
+        dtype = self.store.compute_dtype
+        per_expert = self.store.numel * (16 + (dtype.itemsize if dtype != torch.float32 else 0))
+        budget = self._device_budget()
+        if budget is not None:
+            slab_bytes = 2 * self.slab.experts * self.slab.stride * dtype.itemsize
+            wanted = min(wanted, max(0, budget - slab_bytes) // per_expert)
+        if wanted > 0:
+            self.device_pins = DevicePins(self.runtime, self.store, wanted, self.stats)
+
+    def _admit_pins(self, keys: list[ExpertKey]) -> None:
+        """A training forward is about to use these: pins among them that wait to come up do, once their gradient
+        has landed and their update is done (which the forward would wait for anyway)."""
+        pins = self.device_pins
+        for key in keys:
+            if key in pins.pending:
+                self.wait_for_grad(key)
+                self.wait_for_update(key)
+                pins.admit(key)
+
+    def release_device_pins(self) -> None:
+        """The device-pinned experts' state back into the store (they stay pinned; the next window's pin choice
+        brings them back): before anything reads or writes the store from outside training."""
+        if self.device_pins is not None and len(self.device_pins):
+            self.wait_in_flight()
+            self.device_pins.release_all()
+            if self.stager is not None:
+                self.stager.set_pinned(set(self.pinned))
 
     @property
     def pin_limit(self) -> int | None:
@@ -1046,7 +1094,7 @@ class OffloadEngine:
     def compute_on_host(self, key: ExpertKey, tokens: int, x: torch.Tensor) -> bool:
         """The cost model's choice for one expert of an inference call: host compute, unless a current device copy
         (a pinned expert) makes its upload free."""
-        if key in self.stager.pinned_keys:
+        if key in self.stager.pinned_keys or self.device_pins is not None and key in self.device_pins:
             return False
         layout = self.layers[key[0]].layout
         weight_bytes = self.store.numel * self.store.compute_dtype.itemsize
@@ -1056,8 +1104,11 @@ class OffloadEngine:
     def replace_store(self, store: ExpertStore) -> None:
         """Swap the expert store (node-shared <-> private, hf_moe_offload.distributed): device copies made from the
         old one are dropped, since the new store counts versions afresh."""
-        self.synchronize()
+        self.release_device_pins()  # into the old store, which the new one is made from
+        self.wait_in_flight()
         self.store = store
+        if self.device_pins is not None:
+            self.device_pins.store = store
         for layer in self.layers:
             layer.forget_buffers()
         if self.runtime is not None:
@@ -1110,6 +1161,9 @@ class OffloadEngine:
         nxt = 0
         t_start = time.perf_counter()
         stager = self.stager
+        pins = self.device_pins
+        if pins is not None and phase == "forward":
+            self._admit_pins(keys)
         stager.timer.settle()
 
         def issue() -> None:
@@ -1119,11 +1173,13 @@ class OffloadEngine:
             t0 = time.perf_counter()  # host-side waits: the expert's update, a disk read
             self.wait_for_update(key)
             mapped = self.store.map_weights(key) if mapping else None
-            if mapped is not None:  # computed from its mapped file: nothing acquired, nothing to release
-                inflight.append((key, None, mapped, None, None))
+            if pins is not None and key in pins:  # its state is on the device: nothing acquired or uploaded
+                inflight.append((key, None, pins.weights(key), None, None, False))
+            elif mapped is not None:  # computed from its mapped file: nothing acquired, nothing to release
+                inflight.append((key, None, mapped, None, None, True))
             else:
                 record = self.store.acquire(key, rows)
-                inflight.append((key, record, *stager.upload(key, record)))
+                inflight.append((key, record, *stager.upload(key, record), False))
             self.stats.stall_seconds += time.perf_counter() - t0
             if nxt + self.depth < len(keys):
                 self.prefetch(keys[nxt : nxt + self.depth + 1], rows, mapping)
@@ -1132,7 +1188,7 @@ class OffloadEngine:
             while nxt < len(keys) or inflight:
                 while nxt < len(keys) and len(inflight) <= self.depth:
                     issue()
-                key, record, weights, ready, slot = inflight.popleft()
+                key, record, weights, ready, slot, mapped = inflight.popleft()
                 stager.wait(ready, weights)  # device-side wait: timed with events
                 handed_over = False
                 try:
@@ -1143,12 +1199,12 @@ class OffloadEngine:
                         yield weights
                 finally:
                     stager.done(slot)
-                    if record is None and not self.inference:  # decoding reuses its hot experts' pages
+                    if mapped and not self.inference:  # decoding reuses its hot experts' pages
                         self.store.unmap_weights(weights)
                     if not handed_over and record is not None:
                         self._release_after(key, ready)
         finally:
-            for key, record, _weights, ready, _slot in inflight:  # interrupted: hand back what was acquired
+            for key, record, _weights, ready, _slot, _mapped in inflight:  # interrupted: hand back what was acquired
                 if record is not None:
                     self._release_after(key, ready)
             self.stats.compute_seconds += time.perf_counter() - t_start
@@ -1160,8 +1216,12 @@ class OffloadEngine:
         owns the records (hands them over with the gradients: `chunk_grads_arrived`, or `release_record`), and a
         chunk a block still holds from the forward is not uploaded again."""
         keep = phase == "backward"
-        slab, store = self.slab, self.store
-        keys_all = [(layer, e) for chunk in chunks for e, _, _ in chunk]
+        slab, store, pins = self.slab, self.store, self.device_pins
+        if pins is not None and phase == "forward":
+            self._admit_pins([(layer, e) for chunk in chunks for e, _, _ in chunk])
+        # Device-pinned experts (offload/device_pins.py) are neither acquired nor uploaded: compute places them.
+        on_device = (lambda key: False) if pins is None else pins.__contains__
+        keys_all = [(layer, e) for chunk in chunks for e, _, _ in chunk if not on_device((layer, e))]
         rows_wanted = self.backward_rows(layer) if keep else WEIGHTS
         if store.wants_schedule and not self.inference:
             store.set_schedule(self._schedule(layer, keys_all, phase))
@@ -1177,29 +1237,37 @@ class OffloadEngine:
             issued += 1
             t0 = time.perf_counter()  # host-side waits: the experts' updates, disk reads
             keys = [(layer, e) for e, _, _ in chunk]
-            records = []
+            records: list[ExpertRecord | None] = []
             try:
                 for key in keys:
+                    if on_device(key):
+                        records.append(None)
+                        continue
                     self.wait_for_update(key)
                     records.append(store.acquire(key, rows_wanted))
             except BaseException:
-                for key in keys[: len(records)]:
-                    store.release(key)
+                for key, record in zip(keys, records):
+                    if record is not None:
+                        store.release(key)
                 raise
             self.stats.stall_seconds += time.perf_counter() - t0
-            ahead = [(layer, e) for c in chunks[issued : issued + 1] for e, _, _ in c]
+            ahead = [(layer, e) for c in chunks[issued : issued + 1] for e, _, _ in c if not on_device((layer, e))]
             if ahead:
                 self.prefetch(ahead[: self.depth + 1], rows_wanted, False)
+            held = [(key, pins.version(key) if record is None else record.version)
+                    for key, record in zip(keys, records)]
             # A backward may find the chunk still in a block (the forward's last chunks): no upload.
-            reused = slab.reuse([(key, record.version) for key, record in zip(keys, records)]) if keep else None
+            reused = slab.reuse(held) if keep else None
             if reused is None:
                 sources = []
-                for key, record in zip(keys, records):
-                    if key in self.stager.pinned_keys:  # its device copy (ES-MoE §4.3 pinning)
+                for (key, version), record in zip(held, records):
+                    if record is None:  # placed from the device pins by compute (below)
+                        sources.append((key, version, None, None))
+                    elif key in self.stager.pinned_keys:  # its device copy (ES-MoE §4.3 pinning)
                         copy, copy_ready, _ = self.stager.upload(key, record)
-                        sources.append((key, record.version, copy, copy_ready))
+                        sources.append((key, version, copy, copy_ready))
                     else:
-                        sources.append((key, record.version, record.compute_param(), None))
+                        sources.append((key, version, record.compute_param(), None))
                 reused = slab.upload(sources, backward=keep)
             pending.append((chunk, keys, records, *reused))
 
@@ -1209,17 +1277,22 @@ class OffloadEngine:
                     issue()
                 chunk, keys, records, rows, ready, index = pending.popleft()
                 slab.wait(index, rows)
+                if pins is not None:
+                    placed = [i for i, record in enumerate(records) if record is None]
+                    pins.place(rows, placed, [keys[i] for i in placed])
                 try:
                     yield chunk, rows, records if keep else None  # a backward's records are the caller's now
                 finally:
                     slab.done(index)
                     if not keep:
-                        for key in keys:
-                            self._release_after(key, ready)
+                        for key, record in zip(keys, records):
+                            if record is not None:
+                                self._release_after(key, ready)
         finally:
-            for _, keys, _, _, ready, _ in pending:  # interrupted: hand back what was acquired
-                for key in keys:
-                    self._release_after(key, ready)
+            for _, keys, records, _, ready, _ in pending:  # interrupted: hand back what was acquired
+                for key, record in zip(keys, records):
+                    if record is not None:
+                        self._release_after(key, ready)
             self.stats.compute_seconds += time.perf_counter() - t_start
 
     def read_ahead(self, keys: list[ExpertKey], rows, mapped: bool) -> None:
@@ -1274,6 +1347,9 @@ class OffloadEngine:
         hook (the expert optimizer, which lands it on its worker and steps the expert, or steps straight from the
         host gradient) or is landed on the engine's host worker, which then releases the record."""
         rt = self.runtime
+        if self.device_pins is not None and key in self.device_pins:  # its gradient stays on the device
+            self.device_pins.add_grads([key], torch.cat([g.reshape(1, -1) for g in grads], dim=1))
+            return
         if rt.asynchronous:
             flat = torch.cat([g.reshape(-1) for g in grads])
             ring = self._rings.get(flat.dtype)
@@ -1292,6 +1368,15 @@ class OffloadEngine:
         arrival (landed into the fp32 store slot by whoever takes it; the block's buffer is reused once all are)."""
         k = len(keys)
         flat = torch.cat([g.reshape(k, -1) for g in grads], dim=1)
+        on_device = [i for i, record in enumerate(records) if record is None]
+        if on_device:  # device-pinned experts: their gradients stay on the device (one indexed add)
+            index = torch.tensor(on_device, device=flat.device)
+            self.device_pins.add_grads([keys[i] for i in on_device], flat.index_select(0, index))
+            if len(on_device) == k:
+                return
+            host = [i for i, record in enumerate(records) if record is not None]
+            flat = flat.index_select(0, torch.tensor(host, device=flat.device))
+            keys, records, k = [keys[i] for i in host], [records[i] for i in host], len(host)
         ring = self._block_rings.get(flat.dtype)
         if ring is None:
             ring = self._block_rings[flat.dtype] = GradRing(self.runtime, self.slab.experts * self.store.numel,
@@ -1349,7 +1434,9 @@ class OffloadEngine:
 
     def release_record(self, key: ExpertKey, record: ExpertRecord) -> None:
         """Hand back a record `stream(keep=True)` yielded, without a gradient (frozen experts), once the compute
-        enqueued so far (which used its upload) has run."""
+        enqueued so far (which used its upload) has run. None: a device-pinned expert (nothing was acquired)."""
+        if record is None:
+            return
         self._release_after(key, self.runtime.record() if self.runtime.asynchronous else None)
 
     def wait_for_grad(self, key: ExpertKey) -> None:
@@ -1403,7 +1490,14 @@ class OffloadEngine:
             layer.outstanding = 0
 
     def synchronize(self) -> None:
-        """Wait for every expert update, gradient download and record release in flight."""
+        """Make the store current: every expert update, gradient download and record release in flight done, and the
+        device-pinned experts' state back in it (what saves, loads and readers of the store need; the next window's
+        pin choice moves them up again)."""
+        self.release_device_pins()
+        self.wait_in_flight()
+
+    def wait_in_flight(self) -> None:
+        """Wait for every expert update, gradient download and record release in flight (device pins stay)."""
         while self._host_jobs:
             self._host_jobs.popleft().result()
         self._grad_jobs.clear()
@@ -1415,12 +1509,16 @@ class OffloadEngine:
                 self.slab.timer.settle(block=True)
 
     def zero_grad(self) -> None:
-        self.synchronize()
+        self.wait_in_flight()
+        pins = self.device_pins
         for key in self.store.keys():
             if self.coordinator is not None and not self.coordinator.owns_update(key):
                 continue  # a shared store: the process that owns this expert clears it
             if self.store.has_grad[key]:
-                self.store.clear_grad(key)
+                if pins is not None and key in pins:
+                    pins.record(key).clear_grad(lazy=False)
+                else:
+                    self.store.clear_grad(key)
                 self.store.has_grad[key] = False
         publish = getattr(self.store, "publish", None)
         if self.coordinator is not None and publish is not None:
@@ -1430,9 +1528,13 @@ class OffloadEngine:
 
     def expert_grad(self, key: ExpertKey) -> torch.Tensor | None:
         """A copy of the accumulated fp32 gradient of `key` (None if it has none)."""
-        self.synchronize()
+        self.wait_in_flight()
         if not self.store.has_grad[key]:
             return None
+        if self.device_pins is not None and key in self.device_pins:
+            grad = self.device_pins.record(key).current_grad().to("cpu", copy=True)
+            self.runtime.record().synchronize()
+            return grad
         record = self.store.acquire(key, WEIGHTS_AND_GRAD)
         try:
             return record.current_grad().clone()
@@ -1476,8 +1578,15 @@ class OffloadEngine:
         """Pin these (best first), at most `pin_limit` of them."""
         pinned = list(pinned)[: self.pin_limit]
         self.store.set_pinned(pinned)
+        on_device = []
+        if self.device_pins is not None:
+            # Training, one process: the first (best) pins keep their whole state on the device. A shared store's
+            # ranks, and decoding, pin device copies of the weights only.
+            if self.coordinator is None and not self.inference:
+                on_device = pinned[: self.device_pins.capacity]
+            self.device_pins.set(on_device)  # new ones come up at their next training forward (`_admit_pins`)
         if self.stager is not None:
-            self.stager.set_pinned(set(pinned))
+            self.stager.set_pinned(set(pinned) - set(on_device))
         self.pinned = pinned
 
 

@@ -11,7 +11,9 @@ device budget allows: then the work launched per layer does not grow with the nu
 
 Upload copies: one per run of experts whose host rows are adjacent (the host tier keeps a layer's weights as one
 (E, P) block, so the routed experts of a layer are a few runs); the disk tier's cache slots are apart (one copy per
-expert). A pinned expert (ES-MoE §4.3) is copied from its device copy (the stager's), not from the host.
+expert). A pinned expert (ES-MoE §4.3) comes from the device: a training call's pins hold their whole state there
+(offload/device_pins.py) and compute copies their rows into the block after the upload; otherwise from the stager's
+device copy, on the slab's stream.
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ class DeviceSlab:
     def upload(self, sources: list[tuple[ExpertKey, int, torch.Tensor, Event | None]],
                backward: bool = False) -> tuple[torch.Tensor, Event, int]:
         """Upload each (key, version, source, source_ready) into consecutive rows of the next block -> (rows, ready,
-        index). `source` is a host row (page-locked) or a device copy (a pinned expert, `source_ready` its upload).
-        Host rows adjacent in memory go up in one copy. Counted in `stats.h2d_bytes` (host sources; a backward's in
+        index). `source` is a host row (page-locked), a device copy (a pinned expert, `source_ready` its upload) or
+        None (a row the caller fills on the compute stream after `wait`: a device-pinned expert). Host rows adjacent
+        in memory go up in one copy. Counted in `stats.h2d_bytes` (host sources; a backward's in
         `h2d_reupload_bytes` too)."""
         rt, i = self.rt, self.next
         self.next = 1 - i
@@ -97,6 +100,8 @@ class DeviceSlab:
         self.holding[i] = []  # overwritten from here on
         for lo, hi in _runs(sources, self.stride):
             src = sources[lo][2]
+            if src is None:
+                continue
             if sources[lo][3] is not None:  # a device copy, written on the stager's stream
                 rt.wait_event(sources[lo][3], self.stream)
                 rt.record_stream(src, self.stream)
@@ -133,6 +138,10 @@ def _runs(sources: list, stride: int) -> list[tuple[int, int]]:
     for j in range(1, len(sources) + 1):
         if j < len(sources):
             a, b = sources[j - 1][2], sources[j][2]
+            if a is None or b is None:
+                out.append((lo, j))
+                lo = j
+                continue
             numel = a.numel()
             if (stride == numel and a.device == b.device and sources[j][3] is None and sources[j - 1][3] is None
                     and a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous()

@@ -169,9 +169,10 @@ class ExpertRecord:
             self.grad.zero_()
             self.grad_stale = False
 
-    def refresh_compute(self) -> None:
-        """Keep the low-precision copy current after an update (ES-MoE mixed precision: fp32 master)."""
-        if self.compute is not None:
+    def refresh_compute(self, copied: bool = False) -> None:
+        """Keep the low-precision copy current after an update (ES-MoE mixed precision: fp32 master); `copied`: the
+        update wrote it already (optim/fused_adam.py), only the version moves."""
+        if self.compute is not None and not copied:
             self.compute.copy_(self.param)
         self.version += 1
 

@@ -10,6 +10,7 @@ class OffloadStats:
     h2d_bytes: int = 0  # expert weights uploaded to the device
     h2d_reupload_bytes: int = 0  # ... of which a training backward uploaded again (the slab no longer held them)
     d2h_bytes: int = 0  # expert gradients sent back to the store
+    pin_move_bytes: int = 0  # training state of experts pinned on or unpinned from the device, both ways
     disk_read_bytes: int = 0
     disk_write_bytes: int = 0
     disk_mapped_bytes: int = 0  # expert weights computed on straight from their memory-mapped files (no copy)

@@ -5,7 +5,8 @@ the micro-step that closes a gradient-accumulation window, the engine hands ever
 backward, so host updates overlap the rest of backward. (Where the disk tier's experts compute on the CPU, the step
 runs on the thread that hands the gradient over by default: see `ExpertOptimizer.workers`.) On other micro-steps
 gradients only accumulate in the store. The next forward of expert e waits for e's own update only (no delayed
-update, no staleness).
+update, no staleness). Pinned experts whose state lives on the device (training on a GPU: offload/device_pins.py)
+step there instead, in `step()`, with the same fused arithmetic.
 
 Semantics are those of `torch.optim.AdamW` / `Adam` (the same fused kernel, on per-expert views): betas, eps,
 decoupled or L2 weight decay (matrices only, as transformers' Trainer groups parameters), bias correction with a
@@ -36,6 +37,7 @@ from torch.optim.adam import adam
 
 from ..offload.engine import GradArrival, OffloadEngine
 from ..offload.store import GRAD, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord
+from . import fused_adam
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +211,8 @@ class ExpertOptimizer:
         layer's, from the grouped host path or the end of its backward) are stepped several per fused call, as
         `step()` does (`_batch_size`), unless each is clipped on its own. Without a record, a deferred expert with no
         gradient is skipped. Returns the keys taken."""
-        owned = [item for item in items if self._owns(item[0])]
+        on_device = self._device_pinned(key for key, _, _ in items)  # stepped in `step()`, on the device
+        owned = [item for item in items if self._owns(item[0]) and item[0] not in on_device]
         taken = []
         with self._lock:
             for key, record, arrival in owned:
@@ -379,12 +382,12 @@ class ExpertOptimizer:
                     torch._foreach_mul_(grads, clip_coef)
                 for _, r, _ in steps:
                     self.store.note_host_write(r)  # no upload may still be reading these weights
-                self._adam_many(steps, lr)
+                copied = self._adam_many(steps, lr)
                 for k, h in ready:  # stale, not zeroed in a pass: the next gradient is copied in (issue 14)
                     h.record.clear_grad(self.store.lazy_grad_zero)
                     h.grad_zeroed = True
                     self.store.has_grad[k] = False
-                    h.record.refresh_compute()
+                    h.record.refresh_compute(copied)
         finally:
             end = time.perf_counter()
             with self._lock:
@@ -393,12 +396,18 @@ class ExpertOptimizer:
     def _views(self, key: ExpertKey, row: torch.Tensor) -> list[torch.Tensor]:
         return self.engine.layers[key[0]].layout.views(row)
 
-    def _adam_many(self, steps: list[tuple[ExpertKey, ExpertRecord, list[torch.Tensor]]], lr: float) -> None:
+    def _adam_many(self, steps: list[tuple[ExpertKey, ExpertRecord, list[torch.Tensor]]], lr: float) -> bool:
         """Adam for several experts (key, record, its gradient per tensor in layout order) in two fused calls (the
         decayed tensors, the others). Every path steps per tensor, whether the gradient is the record's row or
         autograd's own tensors: the fused kernel's vectorized body and scalar tail would otherwise round some
-        elements differently where a tensor boundary falls."""
+        elements differently where a tensor boundary falls. Where every record has a compute copy (bf16/fp16) on the
+        host, one kernel updates the weights and writes the copy in one pass (optim/fused_adam.py): returns True
+        then (the caller only moves the version: `refresh_compute(copied=True)`)."""
         beta1, beta2 = self.betas
+        if all(record.compute is not None for _, record, _ in steps) and self._adam_with_copies(steps, lr):
+            for key, _, _ in steps:
+                self.store.steps[key] += 1
+            return True
         for decayed in (True, False):
             params, grads, avgs, avg_sqs, counts = [], [], [], [], []
             for key, record, expert_grads in steps:
@@ -409,12 +418,33 @@ class ExpertOptimizer:
                         params.append(p), grads.append(g), avgs.append(m), avg_sqs.append(v)
                         counts.append(float(self.store.steps[key]))
             if params:
-                counts = torch.tensor(counts).unbind()  # one step count per tensor: the kernel increments each
+                # One step count per tensor (the kernel increments each), beside the parameters (device pins).
+                counts = torch.tensor(counts, device=params[0].device).unbind()
                 adam(params, grads, avgs, avg_sqs, [], counts, fused=True, amsgrad=False, beta1=beta1, beta2=beta2,
                      lr=lr, weight_decay=self.weight_decay if decayed else 0.0, eps=self.eps, maximize=False,
                      decoupled_weight_decay=self.decoupled)
         for key, _, _ in steps:
             self.store.steps[key] += 1
+        return False
+
+    def _adam_with_copies(self, steps: list[tuple[ExpertKey, ExpertRecord, list[torch.Tensor]]], lr: float) -> bool:
+        """`_adam_many` through the one-pass kernel; False (nothing touched) where it does not apply."""
+        beta1, beta2 = self.betas
+        groups = {True: ([], [], [], [], [], []), False: ([], [], [], [], [], [])}
+        for key, record, expert_grads in steps:
+            layout = self.engine.layers[key[0]].layout
+            weights, exp_avgs, exp_avg_sqs = record.state_tensors(layout.views)
+            for spec, p, g, m, v, c in zip(layout.tensors, weights, expert_grads, exp_avgs, exp_avg_sqs,
+                                           layout.views(record.compute)):
+                for out, t in zip(groups[spec.decay], (p, g, m, v, c, self.store.steps[key] + 1)):
+                    out.append(t)
+        if not all(fused_adam.fits(*group[:5]) for group in groups.values()):
+            return False
+        for decayed, (params, grads, avgs, avg_sqs, copies, counts) in groups.items():
+            fused_adam.adamw_with_copy(params, grads, avgs, avg_sqs, copies, counts, lr=lr, beta1=beta1, beta2=beta2,
+                                       eps=self.eps, decoupled=self.decoupled,
+                                       weight_decay=self.weight_decay if decayed else 0.0)
+        return True
 
     def _step_expert(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None, lr: float,
                      clip_coef: float | None, grad_scale: float | None, window: int) -> None:
@@ -433,18 +463,18 @@ class ExpertOptimizer:
                 if clip_coef is not None:
                     grad.mul_(clip_coef)
                 self.store.note_host_write(record)  # no upload may still be reading these weights
-                self._adam(key, record, lr)
+                copied = self._adam(key, record, lr)
                 record.clear_grad(self.store.lazy_grad_zero)
                 held.grad_zeroed = True
                 self.store.has_grad[key] = False
-                record.refresh_compute()
+                record.refresh_compute(copied)
         finally:
             end = time.perf_counter()
             with self._lock:
                 self._jobs.append((window, t0, end))
 
-    def _adam(self, key: ExpertKey, record: ExpertRecord, lr: float) -> None:
-        self._adam_many([(key, record, self._views(key, record.grad))], lr)
+    def _adam(self, key: ExpertKey, record: ExpertRecord, lr: float) -> bool:
+        return self._adam_many([(key, record, self._views(key, record.grad))], lr)
 
     def _measured_sq_norms(self) -> dict[ExpertKey, float]:
         """Deferred mode: the squared norms measured during backward (waits for the measuring jobs)."""
@@ -457,9 +487,16 @@ class ExpertOptimizer:
         owns and the sums are all-reduced: every process must call it."""
         measured = self._measured_sq_norms()
         total = sum(measured.values())
-        self.engine.synchronize()
-        for key in self.store.keys():
-            if key not in measured and self.store.has_grad[key] and self._owns(key):
+        self.engine.wait_in_flight()
+        unmeasured = [key for key in self.store.keys()
+                      if key not in measured and self.store.has_grad[key] and self._owns(key)]
+        on_device = self._device_pinned(unmeasured)
+        if on_device:  # one read back for all of them; each norm in fp32 and squared in float64, as below
+            pins = self.engine.device_pins
+            norms = torch._foreach_norm([pins.record(key).current_grad() for key in sorted(on_device)])
+            total += sum(n * n for n in torch.stack(norms).tolist())
+        for key in unmeasured:
+            if key not in on_device:
                 record = self.store.acquire(key, WEIGHTS_AND_GRAD)
                 try:
                     total += float(torch.linalg.vector_norm(record.current_grad())) ** 2
@@ -513,9 +550,41 @@ class ExpertOptimizer:
         ready = [key for key in self.store.keys()
                  if self._owns(key) and key not in self._stepped and self.store.has_grad[key]]
         self._stepped.update(ready)
-        self._start_batched_steps([(key, None, None) for key in ready], clip_coef, grad_scale)
+        on_device = self._device_pinned(ready)
+        self._step_on_device(on_device, clip_coef, grad_scale)
+        self._start_batched_steps([(key, None, None) for key in ready if key not in on_device], clip_coef, grad_scale)
         self._end_window()
         return clip_coef
+
+    def _device_pinned(self, keys: Iterable[ExpertKey]) -> set[ExpertKey]:
+        """Those of `keys` whose state lives on the device (offload/device_pins.py): stepped in `_step_on_device`."""
+        pins = self.engine.device_pins
+        return set() if pins is None else {key for key in keys if key in pins}
+
+    def _step_on_device(self, keys: Iterable[ExpertKey], clip_coef: float | None, grad_scale: float | None) -> None:
+        """Step device-pinned experts on the device, on the calling thread (the compute stream): the host path's
+        arithmetic (unscale, clip, the fused AdamW per tensor), then their compute copies."""
+        keys = sorted(keys)
+        if not keys:
+            return
+        if self._window_lr is None:
+            self._window_lr = self.current_lr()
+        pins = self.engine.device_pins
+        steps = [(key, pins.record(key), self._views(key, pins.record(key).current_grad())) for key in keys]
+        grads = [g for _, _, gs in steps for g in gs]
+        if grad_scale is not None:
+            torch._foreach_mul_(grads, 1.0 / grad_scale)
+        if self.max_grad_norm is not None and self.clip_mode == "per_expert":
+            for _, record, expert_grads in steps:
+                norm = float(torch.linalg.vector_norm(record.grad))
+                torch._foreach_mul_(expert_grads, min(1.0, self.max_grad_norm / (norm + 1e-6)))
+        if clip_coef is not None:
+            torch._foreach_mul_(grads, clip_coef)
+        copied = self._adam_many(steps, self._window_lr)
+        for key, record, _ in steps:
+            record.clear_grad(lazy=False)
+            record.refresh_compute(copied)
+            self.store.has_grad[key] = False
 
     def unscale_(self, optimizer) -> bool | None:
         """fp16, on the window's last micro-step, before `step()`: check the (still scaled) expert gradients, hand an
@@ -541,11 +610,16 @@ class ExpertOptimizer:
         has a non-finite norm)."""
         measured = self._measured_sq_norms()
         found = any(not math.isfinite(v) for v in measured.values())
-        self.engine.synchronize()
+        self.engine.wait_in_flight()
+        pins = self.engine.device_pins
+        on_device = self._device_pinned(key for key in self.store.keys() if self.store.has_grad[key])
+        if on_device and not found:
+            grads = [pins.record(key).current_grad() for key in sorted(on_device)]
+            found = not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
         for key in self.store.keys():
             if found:
                 break
-            if key not in measured and self.store.has_grad[key] and self._owns(key):
+            if key not in measured and key not in on_device and self.store.has_grad[key] and self._owns(key):
                 record = self.store.acquire(key, WEIGHTS_AND_GRAD)
                 try:
                     if not torch.isfinite(record.current_grad()).all():

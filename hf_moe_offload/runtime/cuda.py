@@ -28,7 +28,13 @@ class CudaRuntime(DeviceRuntime):
         return torch.cuda.current_stream(self.device)
 
     def free_memory(self) -> int:
-        return torch.cuda.mem_get_info(self.device)[0]
+        """Free device memory, within this process's cap where one is set
+        (`torch.cuda.set_per_process_memory_fraction`: the caching allocator refuses past it, whatever is free)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        fraction = torch.cuda.get_per_process_memory_fraction(self.device)
+        if fraction < 1.0:
+            free = min(free, max(0, int(fraction * total) - torch.cuda.memory_reserved(self.device)))
+        return free
 
     def new_stream(self):
         return torch.cuda.Stream(device=self.device)
