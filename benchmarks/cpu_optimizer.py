@@ -241,7 +241,8 @@ def main() -> None:
               f"{r['ratio_2w_vs_torch_fused']:>9.2f} {r['expert_layer_2w_params_per_s'] / 1e6:>12.0f} "
               f"{r['ratio_layer_vs_torch_fused']:>6.2f} {r['expert_batched_2w_params_per_s'] / 1e6:>10.0f} "
               f"{r['ratio_batched_vs_torch_fused']:>6.2f}")
-    cp = [with_copies(64, 256 * 1024, 3 if args.quick else 10), with_copies(16, 2 * 1024 * 1024, 3 if args.quick else 8)]
+    cp = [with_copies(64, 256 * 1024, 3 if args.quick else 10),
+          with_copies(16, 2 * 1024 * 1024, 3 if args.quick else 8)]
     print("\nAdam + bf16 copy refresh (M params/s): torch fused AdamW then copy_, ours in one pass, ours in two")
     print(f"{'experts':>7} {'params/expert':>13} {'torch+copy':>10} {'one pass':>8} {'ratio':>6} {'two pass':>8} "
           f"{'ratio':>6}")

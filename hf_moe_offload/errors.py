@@ -1,10 +1,12 @@
-"""Errors that are the user's to fix, and how the command line reports them.
+"""The package's expected failures, and how the command line reports them.
 
-`UserError` is raised where the input is wrong (a flag, a file, a directory, a checkpoint); its message names the
-problem and the fix. The CLI and the recipes print such errors, and the package's other expected failures
-(`CheckpointError`, `ExpertStoreError`: a corrupt or incomplete checkpoint, an expert file that fails its checksum, a
-full disk, an offload directory in use) as one line and exit with code 2; `--debug` shows the traceback. Anything
-else is a bug and keeps its traceback.
+Every error the user can act on derives from `HFMoEOffloadError` and lives here, so that any module can raise them
+without importing the module that raises them most (no import circles): `UserError` where the input is wrong (a flag,
+a file, a directory); `CheckpointError` (a corrupt, incomplete or foreign checkpoint, a save that failed);
+`ExpertStoreError` (an expert file that fails its checksum, a full disk, an offload directory in use; its kinds are in
+offload/store.py); `FairseqConversionError` (a fairseq checkpoint that cannot be converted). Each message names the
+problem and the fix. The CLI and the recipes print them as one line and exit with code 2; `--debug` shows the
+traceback. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -15,16 +17,24 @@ import sys
 from collections.abc import Callable
 
 
-class UserError(ValueError):
+class HFMoEOffloadError(Exception):
+    """Base of the package's expected failures: the message says what is wrong and what to do."""
+
+
+class UserError(HFMoEOffloadError, ValueError):
     """Bad input: the message says what is wrong and what to do."""
 
 
-def user_error_types() -> tuple[type[BaseException], ...]:
-    from .fairseq.convert import FairseqConversionError
-    from .offload.checkpoint import CheckpointError
-    from .offload.store import ExpertStoreError
+class CheckpointError(HFMoEOffloadError, RuntimeError):
+    """A checkpoint that cannot be read or written as asked (corrupt, incomplete, of another model; a full disk)."""
 
-    return (UserError, CheckpointError, ExpertStoreError, FairseqConversionError)
+
+class ExpertStoreError(HFMoEOffloadError, RuntimeError):
+    """Base class of the expert store's errors (offload/store.py)."""
+
+
+class FairseqConversionError(HFMoEOffloadError, ValueError):
+    """A fairseq checkpoint that cannot be converted; the message names the file and the fix."""
 
 
 def add_debug_flag(parser, subcommand: bool = False) -> None:
@@ -37,7 +47,7 @@ def run_reporting_errors(fn: Callable[[], object], prog: str, debug: bool) -> in
     """Run `fn`; a user error becomes one line on stderr and exit code 2 (re-raised with `debug`)."""
     try:
         fn()
-    except user_error_types() as err:
+    except HFMoEOffloadError as err:
         if debug:
             raise
         logging.getLogger(__name__).debug("error", exc_info=True)
@@ -47,4 +57,5 @@ def run_reporting_errors(fn: Callable[[], object], prog: str, debug: bool) -> in
     return 0
 
 
-__all__ = ["UserError", "user_error_types", "add_debug_flag", "run_reporting_errors"]
+__all__ = ["CheckpointError", "ExpertStoreError", "FairseqConversionError", "HFMoEOffloadError", "UserError",
+           "add_debug_flag", "run_reporting_errors"]

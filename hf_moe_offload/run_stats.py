@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import torch
 from torch import nn
@@ -165,46 +165,28 @@ class ExpertLoadCallback(TrainerCallback):
 
 
 class OffloadTotalsCallback(TrainerCallback):
-    """Sums the offload engine's counters over the whole run, evaluation included.
-
-    NOTE: `ExpertOptimizerCallback.on_log` resets `engine.stats` after logging each interval, so this callback wraps
-    that stats object's `reset` for the duration of training: whatever is reset is added to the totals first. The
-    result does not depend on the order of the callbacks or on who resets.
-    """
+    """Sums the offload engine's counters over the whole run, evaluation included: `OffloadStats.start_run` /
+    `end_run` (the stats keep the totals of the intervals `ExpertOptimizerCallback.on_log` resets, whatever the
+    order of the callbacks)."""
 
     def __init__(self) -> None:
         self.totals = OffloadStats()
         self.mode: str | None = None
         self._stats: OffloadStats | None = None
 
-    def _add(self, stats: OffloadStats) -> None:
-        for f in fields(OffloadStats):
-            if f.name != "tokens_per_expert":
-                setattr(self.totals, f.name, getattr(self.totals, f.name) + getattr(stats, f.name))
-
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         engine = get_offload_engine(model) if model is not None else None
         if engine is None:
             return
         self.mode = getattr(engine, "mode", None)
-        stats = engine.stats
-        original = type(stats).reset
-
-        def reset() -> None:
-            self._add(stats)
-            original(stats)
-
-        stats.reset()  # start from zero: counters of work done before training (loading, warm-up) are not the run's
-        stats.reset = reset
-        self._stats = stats
+        self._stats = engine.stats
+        self._stats.start_run()
         self.totals = OffloadStats()
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._stats is None:
             return
-        self._stats.__dict__.pop("reset", None)
-        self._add(self._stats)
-        self._stats.reset()
+        self.totals = self._stats.end_run()
         self._stats = None
 
     def as_dict(self) -> dict[str, float]:
@@ -232,9 +214,9 @@ class OffloadTotalsCallback(TrainerCallback):
         """The disk tier's cache hit rate over the run so far (None for the other tiers, or before training)."""
         if self.mode != "disk" or self._stats is None:
             return None
-        hits = self.totals.cache_hits + self._stats.cache_hits
-        lookups = hits + self.totals.cache_misses + self._stats.cache_misses
-        return hits / lookups if lookups else None
+        totals = self._stats.run_totals()
+        lookups = totals.cache_hits + totals.cache_misses
+        return totals.cache_hits / lookups if lookups else None
 
 
 # --- the terminal ---

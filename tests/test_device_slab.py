@@ -214,8 +214,8 @@ FAMILIES = {"moe_gpt": lambda seed: small_model(seed=seed), "qwen3_moe": lambda 
 def test_slab_training_equals_torch_adamw(family, tier, autocast, clip, tmp_path, monkeypatch):
     """3 optimizer steps x 2 accumulated micro-steps on fresh random batches, weight decay, global clipping
     (deferred expert steps) or none (eager), pins on: losses and weights against torch.optim.AdamW on the resident
-    model (biases and norms not decayed, as the expert optimizer does). The slab computes each layer's experts as grouped GEMMs where the resident model loops or groups them
-    otherwise, so the two round differently: weights within what Adam can move an element, all but 1% within 2e-6
+    model (biases and norms not decayed, as the expert optimizer does). The slab computes each layer's experts as
+    grouped GEMMs where the resident model loops or groups them otherwise, so the two round differently: weights within what Adam can move an element, all but 1% within 2e-6
     in fp32 (lr/10 under bf16, 10%; tests/numerics.py), losses 1e-5 apart in fp32 and 2e-3 under bf16."""
     calls = _slab_calls(monkeypatch)
     vocab = 101 if family == "moe_gpt" else VOCAB
@@ -276,15 +276,17 @@ def _slow_steps_then_forward(tmp_path, monkeypatch) -> None:
                                    ExpertOptimizer(engine, lr=1e-2, workers=1))
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
         x = torch.randint(0, 101, (3, 11), generator=torch.Generator().manual_seed(4))
-        for m, o in ((reference, ref_opt), (model, opt)):
-            m(x, labels=x).loss.backward()
-            o.step()  # the expert steps run on the worker, 20 ms each
-            o.zero_grad()
-        calls = _slab_calls(monkeypatch)
-        loss = model(x, labels=x).loss  # a training call: through the slab
-        assert calls["_slab_forward"] == len(engine.layers)
-        assert abs(loss.item() - reference(x, labels=x).loss.item()) <= 1e-5
-        engine.synchronize()
+        try:
+            for m, o in ((reference, ref_opt), (model, opt)):
+                m(x, labels=x).loss.backward()
+                o.step()  # the expert steps run on the worker, 20 ms each
+                o.zero_grad()
+            calls = _slab_calls(monkeypatch)
+            loss = model(x, labels=x).loss  # a training call: through the slab
+            assert calls["_slab_forward"] == len(engine.layers)
+            assert abs(loss.item() - reference(x, labels=x).loss.item()) <= 1e-5
+        finally:
+            opt.expert_optimizer.close()  # its worker done before the next test (whatever failed here)
 
 
 def test_the_next_forward_waits_for_each_experts_update(tmp_path, monkeypatch):
@@ -302,17 +304,19 @@ def test_the_next_forward_waits_for_each_experts_update(tmp_path, monkeypatch):
 # --- (e) ---
 def test_device_pinned_experts_move_no_bytes_and_step_on_the_device(monkeypatch):
     """At a first window's close the best-loaded quarter of each layer's experts is pinned; the next forward brings
-    their whole state to the device. In that window's step: the bytes up are the other routed experts' weights only, the bytes down their
-    gradients only; the host Adam never sees a pinned expert and every pinned expert steps once, from its device
-    record; the stores' rows of pinned experts are left alone until they come home (`synchronize`), holding then what
+    their whole state to the device. In that window's step: the bytes up are the other routed experts' weights only,
+    the bytes down their gradients only; the host Adam never sees a pinned expert and every pinned expert steps once,
+    from its device record; the stores' rows of pinned experts are left alone until they come home (`synchronize`), holding then what
     the device computed."""
     from hf_moe_offload.optim.expert_optimizer import ExpertOptimizer as Opt
 
     stepped: list = []
     original = Opt._adam_many
+    mine: list = []
 
     def spy(self, steps, lr):
-        stepped.extend((key, record) for key, record, _ in steps)
+        if self in mine:  # (not a worker some earlier test left running)
+            stepped.extend((key, record) for key, record, _ in steps)
         return original(self, steps, lr)
 
     monkeypatch.setattr(Opt, "_adam_many", spy)
@@ -320,6 +324,7 @@ def test_device_pinned_experts_move_no_bytes_and_step_on_the_device(monkeypatch)
         model = _qwen3(8)
         engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=0.25))
         opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), ExpertOptimizer(engine, lr=1e-2))
+        mine.append(opt.expert_optimizer)
         g = torch.Generator().manual_seed(5)
         for window in range(2):
             x = torch.randint(0, VOCAB, (4, 16), generator=g)

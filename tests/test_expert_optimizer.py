@@ -168,7 +168,7 @@ def overflow_in_backward(engine, value=float("inf")) -> None:
     becomes final, so an overflow is injected where a real one arises, not into the store afterwards)."""
 
     def overflow(items) -> set:
-        engine._grad_hooks.remove(overflow)
+        handle.remove()
         _key, record, arrival = items[0]
         if arrival.parts is not None:  # autograd's own gradients (the host computes)
             arrival.parts[0].view(-1)[0] = value
@@ -178,7 +178,8 @@ def overflow_in_backward(engine, value=float("inf")) -> None:
         arrival.buffer[0] = value
         return set()  # the optimizer's hook still gets it
 
-    engine._grad_hooks.insert(0, overflow)
+    handle = engine.add_grad_hook(overflow)
+    engine._grad_hooks.move_to_end(handle.id, last=False)  # runs before the optimizer's hook
 
 
 def test_fp16_overflow_skips_expert_steps(tmp_path):
@@ -876,3 +877,75 @@ def test_after_backward_the_waiting_experts_step_layer_zero_first():
     assert set(engine.store.steps.values()) == {1}
     assert taken[0] == {0, 1}, taken
     experts.close()
+
+
+# --- issue 36: optimizers that come and go on one model ---
+def _trainer_phases(model, tmp_path, name: str, callbacks_fn, clip: float) -> list[float]:
+    """A Trainer (lr 1e-2, 2 steps) trained twice, then a second Trainer (lr 5e-3, 2 steps) on the same model ->
+    the logged losses."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    ids = torch.randint(0, 101, (16, 11), generator=torch.Generator().manual_seed(0))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    losses = []
+    for phase, lr in (("a", 1e-2), ("b", 5e-3)):
+        args = TrainingArguments(output_dir=str(tmp_path / f"{name}-{phase}"), max_steps=2, learning_rate=lr,
+                                 per_device_train_batch_size=4, report_to=[], logging_steps=1, save_strategy="no",
+                                 max_grad_norm=clip, seed=0, data_seed=0, use_cpu=True, lr_scheduler_type="constant")
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks_fn())
+        for _ in range(2 if phase == "a" else 1):
+            trainer.train()
+            losses += [h["loss"] for h in trainer.state.log_history if "loss" in h][-2:]
+    return losses
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("clip", [0.0, 1.0])  # eager expert steps (no clipping) / deferred (global clipping)
+def test_two_trainers_and_train_twice_equal_plain_adamw(tier, clip, tmp_path):
+    """Issue 36: `trainer.train()` twice (the Trainer keeps its optimizer: Adam continues), then a second Trainer with
+    another learning rate (a new optimizer: Adam starts afresh), on one offloaded model with ExpertOptimizerCallback,
+    equal the same calls on the resident model with the Trainer's own torch AdamW: losses within 1e-5, weights all but
+    1% within 2e-6 and every one within what Adam can move it (fp32). Each run's expert optimizer takes its hooks off
+    when it ends (before the fix the first run's hooks kept taking gradients: an error about a shut-down executor, or
+    on the disk tier experts stepped twice); the experts' Adam state restarts with the new Trainer."""
+    from hf_moe_offload import ExpertOptimizerCallback
+
+    reference = small_model(seed=6)
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "e"),
+                                                        host_cache_experts=4))
+    ref_losses = _trainer_phases(reference, tmp_path, "ref", list, clip)
+    losses = _trainer_phases(model, tmp_path, "off", lambda: [ExpertOptimizerCallback()], clip)
+    assert len(losses) == len(ref_losses) == 6
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)
+    assert not engine._grad_hooks and not engine._layer_done_hooks
+    assert set(engine.store.steps.values()) == {2}  # the second Trainer's two steps, counted afresh
+    assert_within_adam_drift(model, reference, 1e-2, 6, atol=2e-6, outliers=0.01)
+
+
+def test_enable_disable_twice_leaves_no_hook_behind():
+    """Offload on, an ExpertOptimizer that trains a step and closes, offload off; twice: every module's hooks are
+    what they were before, no attribute of ours stays on the model, and the closed optimizer's hooks are off its
+    engine."""
+    from hf_moe_offload import disable_expert_offload
+
+    model = small_model(seed=1)
+
+    def hooks():
+        return {name: tuple(len(getattr(m, attr)) for attr in ("_forward_hooks", "_forward_pre_hooks",
+                                                                "_backward_hooks", "_state_dict_hooks",
+                                                                "_load_state_dict_pre_hooks"))
+                for name, m in model.named_modules()}
+
+    before, attrs = hooks(), set(model.__dict__)
+    for _ in range(2):
+        engine = enable_expert_offload(model, OffloadConfig(mode="host"))
+        experts = ExpertOptimizer(engine, lr=1e-2)
+        x = torch.randint(0, 101, (2, 7))
+        model(x, labels=x).loss.backward()
+        experts.step()
+        experts.close()
+        assert not engine._grad_hooks and not engine._layer_done_hooks and not engine._steps_now
+        disable_expert_offload(model)
+        assert hooks() == before and set(model.__dict__) == attrs

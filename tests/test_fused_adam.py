@@ -83,7 +83,8 @@ def test_host_steps_write_the_copies_in_the_same_pass(clip, monkeypatch):
         engine = enable_expert_offload(model, OffloadConfig(mode="host", compute_dtype=torch.bfloat16))
         ref_opt = torch.optim.AdamW(param_groups(reference, 0.1), lr=1e-2)
         boundary = [False]
-        experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, max_grad_norm=clip, boundary_fn=lambda: boundary[0])
+        experts = ExpertOptimizer(engine, lr=1e-2, weight_decay=0.1, max_grad_norm=clip,
+                                  boundary_fn=lambda: boundary[0])
         opt = ExpertAwareOptimizer(torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2), experts)
         g = torch.Generator().manual_seed(3)
         for _ in range(3):

@@ -310,7 +310,7 @@ def enable_expert_parallel(
                                             placement_cost, pin_fraction, validate_replicated)
     if offloaded:
         engine.coordinator = coordinator
-        engine.add_layer_done_hook(coordinator.on_layer_backward_done)
+        coordinator.layer_hook = engine.add_layer_done_hook(coordinator.on_layer_backward_done)
     else:
         _exclude_from_ddp(model, path.layers)
     # One exchange implementation: the layer is one partition of MPMoE's partitioned executor over this mode's
@@ -389,24 +389,11 @@ def _share_existing_store(engine: OffloadEngine, config: OffloadConfig | None, g
         io_threads=config.io_threads if config is not None else 2,
     )
     if leader:
-        for key in old.keys():
-            src = old.acquire(key)
-            try:
-                src.current_grad()  # a stale gradient is zero: copied as such
-                store.write_param(key, src.param)
-                dst = store.acquire(key)
-                try:
-                    dst.buffer.copy_(src.buffer)
-                    dst.refresh_compute()
-                finally:
-                    store.release(key, dirty=True)
-                store.steps[key] = old.steps[key]
-            finally:
-                old.release(key)
+        store.copy_experts_from(old)
         store.flush()
     dist.barrier(group=group)
+    engine.replace_store(store)
     old.close()
-    engine.store = store
 
 
 def _expert_parameter_ids(layers) -> set[int]:
@@ -498,28 +485,13 @@ def disable_expert_parallel(model: nn.Module, offload_dir: str | None = None) ->
         else:
             private = DiskExpertStore(shared.keys(), shared.numel, shared.compute_dtype, engine.stats, offload_dir,
                                       shared.cache_experts, 2)
-        for key in shared.keys():
-            src = shared.acquire(key)
-            try:
-                src.current_grad()  # a stale gradient is zero: copied as such
-                private.write_param(key, src.param)
-                dst = private.acquire(key)
-                try:
-                    dst.buffer.copy_(src.buffer)
-                    dst.refresh_compute()
-                finally:
-                    private.release(key, dirty=True)
-                private.steps[key] = shared.steps[key]
-                private.has_grad[key] = shared.has_grad[key]
-            finally:
-                shared.release(key)
+        private.copy_experts_from(shared)
         private.flush()
         dist.barrier(group=coordinator.group)  # nobody reads the shared copy any more
+        engine.replace_store(private)
         shared.close()
-        engine.store = private
         engine.coordinator = None
-        if coordinator.on_layer_backward_done in engine._layer_done_hooks:
-            engine._layer_done_hooks.remove(coordinator.on_layer_backward_done)
+        coordinator.layer_hook.remove()
     for layer in coordinator.layers:
         layer.set_parallel(None)
     delattr(model, STATE_ATTR)

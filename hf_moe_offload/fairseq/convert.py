@@ -24,6 +24,7 @@ import struct
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import FairseqConversionError
 from ..models.moe_gpt import MoEGPTConfig
 
 logger = logging.getLogger(__name__)
@@ -32,10 +33,6 @@ _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"
 _WRAPPERS = ("_fsdp_wrapped_module.", "_fpw_module.", "_checkpoint_wrapped_module.")  # spec §2, stripped defensively
 _EXPERT_KEY = re.compile(r"^decoder\.layers\.(\d+)\.moe_layer\.experts\.(\d+)\.(fc1|fc2)\.(weight|bias)$")
 _ACTIVATIONS = {"gelu": "gelu", "gelu_accurate": "gelu_new", "relu": "relu"}
-
-
-class FairseqConversionError(ValueError):
-    """A fairseq checkpoint that cannot be converted; the message names the file and the fix."""
 
 
 # --- locating and loading files (spec §1) ---

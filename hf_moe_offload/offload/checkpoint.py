@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..errors import CheckpointError
 from .api import enable_expert_offload, find_expert_modules, get_offload_engine
 from .hub_layout import plan_checkpoint
 from .config import OffloadConfig
@@ -43,10 +44,6 @@ INDEX_FILE = "model.safetensors.index.json"
 # Shards written by save_offloaded_pretrained: the Hub's names, or with a save token when a re-save must not
 # overwrite the shards the live index still points to.
 _SHARD_PATTERN = re.compile(r"^model-\d{5}-of-\d{5}(-[0-9a-f]{8})?\.safetensors$")
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def _raise_io(err: OSError, path: str) -> None:

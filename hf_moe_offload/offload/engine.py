@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,9 +26,11 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..models.moe_gpt.modeling_moe_gpt import dropout_active, grouped_expert_counts
 from ..precision import autocast_state, compute_dtype, restore_autocast
+from ..rng import get_rng, rng_devices, set_rng
 from ..runtime import HOST, DeviceRuntime, Event, runtime_for
 from .inference import DecodeCache, PlacementCostModel, PreGate
 from .layout import ExpertLayout
@@ -594,7 +596,7 @@ class OffloadedExpertsLayer:
                 segments = [s for s in segments if s not in on_host]
         for w, (e, start, n) in zip(self.engine.stream(self.layer, [s[0] for s in segments], phase=phase), segments):
             if save_rng:
-                rng_states.append(_get_rng(x.device))
+                rng_states.append(get_rng(x.device))
             if graphs is not None:
                 out = self._forward_kept(x[start : start + n], w, graphs)
             else:
@@ -662,10 +664,10 @@ class OffloadedExpertsLayer:
             else:
                 leaves = [v.detach().requires_grad_(True) for v in self._weights(w, x)]
                 xs = x[start : start + n].detach().requires_grad_(True)
-                with torch.enable_grad(), torch.random.fork_rng(devices=_rng_devices(x.device),
+                with torch.enable_grad(), torch.random.fork_rng(devices=rng_devices(x.device),
                                                                 enabled=bool(rng_states)):
                     if rng_states:
-                        _set_rng(x.device, rng_states[i])
+                        set_rng(x.device, rng_states[i])
                     ys = self.layout.forward(xs, leaves)
             gx[start : start + n], expert_grads = self._differentiate(ys, xs, leaves, gy[start : start + n], shared,
                                                                       g_shared)
@@ -700,20 +702,6 @@ def _kept_graph(forward: Callable, xs: torch.Tensor, leaves: list[torch.Tensor],
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         ys = forward(xs)
     return xs, leaves, ys, holder
-
-
-def _rng_devices(device: torch.device) -> list:
-    return [device] if device.type == "cuda" else []
-
-
-def _get_rng(device: torch.device):
-    return (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def _set_rng(device: torch.device, state) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 class _StreamedExperts(torch.autograd.Function):
@@ -816,8 +804,10 @@ class OffloadEngine:
         self._host_jobs: deque[Future] = deque()
         self._grad_jobs: dict[ExpertKey, Future] = {}
         self._pending: dict[ExpertKey, Future] = {}  # expert updates in flight (set by the optimizer)
-        self._grad_hooks: list[GradHook] = []
-        self._layer_done_hooks: list[Callable[[int], None]] = []
+        # Hooks by handle id (`add_grad_hook`, `add_layer_done_hook`: each returns a handle that removes it).
+        # (OrderedDicts: a handle holds a weak reference to its dict.)
+        self._grad_hooks: OrderedDict[int, GradHook] = OrderedDict()
+        self._layer_done_hooks: OrderedDict[int, Callable[[int], None]] = OrderedDict()
         self._warned_no_optimizer = False
         self.coordinator: UpdateCoordinator | None = None
         # Inference (offload/inference.py). `inference_setting` (OffloadConfig.inference): None = a call is inference
@@ -841,7 +831,7 @@ class OffloadEngine:
         self.map_files = False
         # `add_grad_hook(..., steps_now=)`: whether a hook steps the experts it takes in the backward that hands them
         # over (`backward_rows`).
-        self._steps_now: list[Callable[[], bool]] = []
+        self._steps_now: OrderedDict[int, Callable[[], bool]] = OrderedDict()
 
     # --- device binding ---
     def bind(self, device: torch.device) -> None:
@@ -1317,7 +1307,8 @@ class OffloadEngine:
         record holds its slot."""
         if not self.train_experts:
             return WEIGHTS
-        if self.coordinator is None and self.layers[layer].outstanding <= 1 and any(f() for f in self._steps_now):
+        if (self.coordinator is None and self.layers[layer].outstanding <= 1
+                and any(f() for f in self._steps_now.values())):
             return None
         return WEIGHTS_AND_GRAD
 
@@ -1417,7 +1408,7 @@ class OffloadEngine:
                     "the experts will not be updated: add ExpertOptimizerCallback() to the Trainer (or an "
                     "ExpertOptimizer to your loop); call engine.zero_grad() if you only inspect gradients"
                 )
-            for hook in self._grad_hooks:
+            for hook in list(self._grad_hooks.values()):
                 taken = hook(items)
                 if taken:
                     items = [item for item in items if item[0] not in taken]
@@ -1454,7 +1445,7 @@ class OffloadEngine:
         state = self.layers[layer]
         state.outstanding = max(0, state.outstanding - 1)
         if state.outstanding == 0:  # the layer's gradients are final for this micro-step
-            for hook in self._layer_done_hooks:
+            for hook in list(self._layer_done_hooks.values()):
                 hook(layer)
         prev = layer - 1  # ES-MoE: prefetch in the known reverse order, across layers too
         if prev >= 0:
@@ -1462,18 +1453,24 @@ class OffloadEngine:
             ids = [e for e in reversed(range(len(counts))) if counts[e]]
             self.store.prefetch([(prev, e) for e in ids[: self.depth + 1]], self.backward_rows(prev))
 
-    def add_grad_hook(self, hook: GradHook, steps_now: Callable[[], bool] | None = None) -> None:
+    def add_grad_hook(self, hook: GradHook, steps_now: Callable[[], bool] | None = None) -> RemovableHandle:
         """`hook(items)` on the micro-step where these experts' gradients are final (one expert, or a layer's experts
         at once from the grouped host path), items being (key, record, arrival); it returns the keys it takes over:
         for each, the hook must `arrival.land(record)` (or use `arrival.in_place_of(record)`) and release the record
         (dirty). `steps_now()`: whether the hook updates those experts right away (the backward then reads their Adam
-        moments with their weights: `backward_rows`)."""
-        self._grad_hooks.append(hook)
+        moments with their weights: `backward_rows`). Returns a handle whose `remove()` takes both off again (the
+        expert optimizer's `close()`)."""
+        handle = RemovableHandle(self._grad_hooks, extra_dict=self._steps_now)
+        self._grad_hooks[handle.id] = hook
         if steps_now is not None:
-            self._steps_now.append(steps_now)
+            self._steps_now[handle.id] = steps_now
+        return handle
 
-    def add_layer_done_hook(self, hook: Callable[[int], None]) -> None:
-        self._layer_done_hooks.append(hook)
+    def add_layer_done_hook(self, hook: Callable[[int], None]) -> RemovableHandle:
+        """`hook(layer)` once `layer`'s expert gradients are final for the micro-step. Returns its removable handle."""
+        handle = RemovableHandle(self._layer_done_hooks)
+        self._layer_done_hooks[handle.id] = hook
+        return handle
 
     def set_pending(self, key: ExpertKey, fut: Future) -> None:
         self._pending[key] = fut

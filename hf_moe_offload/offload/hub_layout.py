@@ -19,12 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-
-
-def CheckpointError(message: str) -> Exception:  # noqa: N802 (checkpoint.py imports this module: resolve late)
-    from .checkpoint import CheckpointError as error
-
-    return error(message)
+from ..errors import CheckpointError
 
 
 @dataclass

@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import xxhash
 
+from ..errors import ExpertStoreError
 from ..runtime import HOST, DeviceRuntime, InlineRuntime
 from .telemetry import OffloadStats
 
@@ -71,10 +72,6 @@ STATE_ROWS = 4  # rows of a trainable expert's record: param, grad, exp_avg, exp
 PARAM, GRAD, EXP_AVG, EXP_AVG_SQ = range(STATE_ROWS)
 WEIGHTS = (PARAM,)  # what a forward reads
 WEIGHTS_AND_GRAD = (PARAM, GRAD)  # what a backward reads (and adds its gradient to)
-
-
-class ExpertStoreError(RuntimeError):
-    """Base class of the store's errors; the message says what to do."""
 
 
 class ExpertStoreFullError(ExpertStoreError):
@@ -245,6 +242,37 @@ class ExpertStore:
             record.refresh_compute()
         finally:
             self.release(key, dirty=True, grad_zeroed=reset_state)
+
+    def copy_experts_from(self, other: "ExpertStore") -> None:
+        """Every expert's record (weights, gradient, moments), step count and gradient flag from `other`, a store
+        of the same experts (moving between a private and a node-shared store: hf_moe_offload.distributed)."""
+        for key in other.keys():
+            src = other.acquire(key)
+            try:
+                src.current_grad()  # a stale gradient is zero: copied as such
+                self.write_param(key, src.param)
+                dst = self.acquire(key)
+                try:
+                    dst.buffer.copy_(src.buffer)
+                    dst.refresh_compute()
+                finally:
+                    self.release(key, dirty=True)
+                self.steps[key] = other.steps[key]
+                self.has_grad[key] = other.has_grad[key]
+            finally:
+                other.release(key)
+
+    def reset_optimizer_state(self) -> None:
+        """Every expert's Adam state afresh (moments zero, step count 0), its weights kept: what a new
+        `torch.optim.AdamW` over resident experts starts from. Gradients are left as they are."""
+        for key in self.keys():
+            record = self.acquire(key)
+            try:
+                record.exp_avg.zero_()
+                record.exp_avg_sq.zero_()
+            finally:
+                self.release(key, dirty=(EXP_AVG, EXP_AVG_SQ))
+            self.steps[key] = 0
 
     def clear_grad(self, key: ExpertKey) -> None:
         """Zero `key`'s accumulated gradient (the disk tier does it without I/O)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -27,10 +27,46 @@ class OffloadStats:
     host_computed_experts: int = 0
     tokens_per_expert: dict[str, list[int]] = field(default_factory=dict)  # "layer" -> counts (last forward)
 
+    def __post_init__(self) -> None:
+        self._run: OffloadStats | None = None  # `start_run`: the counters of the intervals reset so far
+
     def reset(self) -> None:
+        """Zero the counters (an interval ends: `ExpertOptimizerCallback` logs and resets them); inside a run
+        (`start_run`) they are added to its totals first."""
+        if self._run is not None:
+            self._run.add(self)
         fresh = OffloadStats()
         for k, v in asdict(fresh).items():
             setattr(self, k, v)
+
+    def add(self, other: "OffloadStats") -> None:
+        """Add `other`'s counters into these (the tokens per expert are the last forward's, not summed)."""
+        for f in fields(OffloadStats):
+            if f.name != "tokens_per_expert":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def start_run(self) -> None:
+        """Count a run from here (zeroed: work done before it, loading or warm-up, is not the run's), however often
+        the counters are reset meanwhile; `end_run` returns the totals."""
+        self._run = None
+        self.reset()
+        self._run = OffloadStats()
+
+    def run_totals(self) -> "OffloadStats":
+        """The run's totals so far (since `start_run`; this interval included), the counters left as they are."""
+        totals = OffloadStats()
+        if self._run is not None:
+            totals.add(self._run)
+        totals.add(self)
+        return totals
+
+    def end_run(self) -> "OffloadStats":
+        """The run's totals since `start_run` (this interval included); the counters start again from zero."""
+        totals = self._run if self._run is not None else OffloadStats()
+        self._run = None
+        totals.add(self)
+        self.reset()
+        return totals
 
     @property
     def cache_hit_rate(self) -> float | None:

@@ -6,6 +6,9 @@ What it does, in Trainer order (clip -> on_pre_optimizer_step -> optimizer.step 
 - on_train_begin: builds an `ExpertOptimizer` over the model's offload engine with the Trainer's AdamW settings
   (lr follows the Trainer's optimizer, i.e. its scheduler, every step); with `max_grad_norm` it takes clipping over
   (exact global norm across expert and non-expert gradients) so the Trainer does not clip the non-expert part alone.
+  The experts' Adam state follows the Trainer's optimizer: `train()` again continues it (the Trainer keeps its
+  optimizer), a new Trainer on a model an earlier Trainer trained starts it afresh (a new optimizer starts from zero
+  moments), as `torch.optim.AdamW` over resident experts would.
   When the Trainer resumes (from any path: the argument of `Trainer.train(resume_from_checkpoint=...)`), it restores
   the experts' fp32 weights, Adam moments and step counts from that checkpoint, or stops with an error that says what
   is missing there; never a silent restart from the initial expert weights.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 from accelerate import PartialState
 from transformers import TrainerCallback
@@ -46,6 +50,10 @@ from .checkpoints import (
 from .expert_optimizer import ExpertOptimizer
 
 logger = logging.getLogger(__name__)
+
+
+# engine -> the (inner) optimizer of the last Trainer that trained it: a new one starts the experts' Adam state afresh.
+_TRAINED_WITH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _has_offloaded_experts(model) -> bool:
@@ -105,6 +113,19 @@ class ExpertOptimizerCallback(TrainerCallback):
             grad_scaler=getattr(optimizer, "scaler", None),
         )
         resume = self._resume_path(args, state)
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper is made anew by every train()
+        last = _TRAINED_WITH.get(engine)
+        if resume is None and last is not None and last() is not inner and engine.store.trainable:
+            if engine.coordinator is not None:  # NOTE: ranks share the store; one reset would need a collective
+                logger.warning("ExpertOptimizerCallback: a new Trainer under expert parallelism: the experts' Adam "
+                               "state continues from the earlier run (not reset across ranks)")
+            else:
+                engine.synchronize()
+                engine.store.reset_optimizer_state()
+                logger.info("ExpertOptimizerCallback: a new Trainer's optimizer: the experts' Adam state starts "
+                            "afresh")
+        if inner is not None:
+            _TRAINED_WITH[engine] = weakref.ref(inner)
         if resume is not None:
             self._restore(engine, str(resume), state)
 

@@ -37,7 +37,7 @@ from torch.optim.adam import adam
 
 from ..offload.engine import GradArrival, OffloadEngine
 from ..offload.store import GRAD, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord
-from . import fused_adam
+from .fused_adam import adamw_with_copy, fits
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +151,10 @@ class ExpertOptimizer:
         self._window = 0
         self._jobs: list[tuple[int, float, float]] = []  # (window, start, end) of each expert step
         self._step_called: dict[int, float] = {}
-        engine.add_grad_hook(self._on_grads, steps_now=lambda: self.eager and self.boundary_fn())
-        engine.add_layer_done_hook(self._on_layer_done)
+        # Removed by `close()`: a later optimizer on the same model (a second Trainer, `train()` again) must not find
+        # this one's hooks still taking gradients.
+        self._hooks = [engine.add_grad_hook(self._on_grads, steps_now=lambda: self.eager and self.boundary_fn()),
+                       engine.add_layer_done_hook(self._on_layer_done)]
 
     # --- workers ---
     @property
@@ -438,12 +440,11 @@ class ExpertOptimizer:
                                            layout.views(record.compute)):
                 for out, t in zip(groups[spec.decay], (p, g, m, v, c, self.store.steps[key] + 1)):
                     out.append(t)
-        if not all(fused_adam.fits(*group[:5]) for group in groups.values()):
+        if not all(fits(*group[:5]) for group in groups.values()):
             return False
         for decayed, (params, grads, avgs, avg_sqs, copies, counts) in groups.items():
-            fused_adam.adamw_with_copy(params, grads, avgs, avg_sqs, copies, counts, lr=lr, beta1=beta1, beta2=beta2,
-                                       eps=self.eps, decoupled=self.decoupled,
-                                       weight_decay=self.weight_decay if decayed else 0.0)
+            adamw_with_copy(params, grads, avgs, avg_sqs, copies, counts, lr=lr, beta1=beta1, beta2=beta2,
+                            eps=self.eps, decoupled=self.decoupled, weight_decay=self.weight_decay if decayed else 0.0)
         return True
 
     def _step_expert(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None, lr: float,
@@ -670,7 +671,12 @@ class ExpertOptimizer:
             self.store.steps[(layer, e)] = int(v)
 
     def close(self) -> None:
+        """Finish every update in flight, stop the workers and take this optimizer's hooks off the engine (a new
+        ExpertOptimizer on the same model then steps alone). Closing twice is harmless."""
         self.engine.synchronize()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 

@@ -122,7 +122,9 @@ def _build():
         flags = _ISA_FLAGS.get(isa, [])
         logger.info("compiling the fused AdamW + compute-copy kernel for %s (once per machine, cached)", isa)
         return load_inline(name=f"hf_moe_offload_adamw_copy_{isa.lower()}", cpp_sources=_SOURCE,
-                           functions=["adamw_copy_"], extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", *flags],
+                           functions=["adamw_copy_"],
+                           # -fno-math-errno lets sqrt vectorize; no FMA contraction: torch's rounding, op by op.
+                           extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", *flags],
                            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # noqa: BLE001 (no compiler, no headers: the two-pass path is correct too)
         logger.warning("fused AdamW kernel unavailable (%s): the compute copies are refreshed in a second pass", err)

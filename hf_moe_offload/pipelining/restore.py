@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..precision import autocast_state, restore_autocast
+from ..rng import get_rng, set_rng
 from ..runtime import DeviceRuntime, Event, runtime_for
 
 logger = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class PartitionSaver:
         self._recompute = recompute
         self.copier = copier
         self.stats = stats
-        self.rng_state = _get_rng(tdi.device)
+        self.rng_state = get_rng(tdi.device)
         self.autocast = autocast_state(tdi.device.type)  # re-entered by the re-dispatch and the recompute
         self.on_first_unpack: Callable[[], None] | None = None
         self._counted: dict[int, torch.Tensor] = {}  # holds the counted tensors until close(): no address reuse
@@ -310,7 +311,7 @@ class PartitionSaver:
         hooks = torch.autograd.graph.saved_tensors_hooks(record, lambda t: t)
         autocast = restore_autocast(tdi.device.type, self.autocast)
         with torch.enable_grad(), torch.random.fork_rng(devices=devices), hooks, autocast:
-            _set_rng(tdi.device, self.rng_state)
+            set_rng(tdi.device, self.rng_state)
             self._recompute(tdi)
         if len(recorded) != self._n_act:
             raise RuntimeError(
@@ -318,16 +319,6 @@ class PartitionSaver:
                 "deterministic in what they save; use strategy S1/S2 (offload T_M) for this experts module"
             )
         self._recorded = recorded
-
-
-def _get_rng(device: torch.device):
-    return (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def _set_rng(device: torch.device, state) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 __all__ = ["RESTORE_STRATEGIES", "HostCopier", "PartitionSaver", "RestoreStrategy", "SavedBytes", "restore_strategy"]
