@@ -45,12 +45,14 @@ python3 -c "import torch, transformers; print(torch.__version__, transformers.__
   >> "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 
+# 0. The host Adam's one-pass kernel (optim/fused_adam.py), built once here rather than inside a timed step.
+step fused_adam_build 90 python3 -c "from hf_moe_offload.optim.fused_adam import kernel; print(kernel())"
 # 1. The CUDA tests (the CPU suites' comparisons on the GPU) and the slab's, under the stream sanitizer.
 step cuda_tests 150 env TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -x -p no:cacheprovider -n 8 tests/test_cuda.py
 # 2. Issue 35: offloaded training of the Qwen3-MoE shape against DeepSpeed ZeRO-Offload (2k and 16k tokens per step),
 #    and under a 16 GB cap (the resident model OOMs, the host tier trains).
 step qwen3_train 300 python3 benchmarks/gpu_offload.py --family qwen3_moe --tokens 2048,16384
-step qwen3_cap16 100 python3 benchmarks/gpu_offload.py --family qwen3_moe --gpu-memory-gb 16 --variants resident,host
+step qwen3_cap16 100 python3 benchmarks/gpu_offload.py --family qwen3_moe --gpu-memory-gb 16 --variants resident,host,host-pin
 # 3. The MoE-GPT table of earlier sessions (the slab against its per-expert figures).
 step moegpt_offload 120 python3 benchmarks/gpu_offload.py --tiers host,host-bf16
 

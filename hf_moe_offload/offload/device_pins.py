@@ -10,9 +10,8 @@ Adam time; the host steps the others, overlapped with backward.
 A new pin comes up at the first training forward that uses the expert, once its last host update is done (waiting
 for it at the window's close would stall the step on the host Adam). The store's record of a device-pinned expert is
 stale while it is pinned. Its state goes back into the store when the pin moves to another expert (at a window's
-close), and before anything reads or writes the store from outside
-training (a save, a load, `state_dict`, disabling offload): `OffloadEngine.release_device_pins`. The next window's
-pin choice brings it back.
+close), and before anything reads or writes the store from outside training (a save, a load, `state_dict`, disabling
+offload: `OffloadEngine.synchronize`); it then stays pinned, pending, and its next training forward brings it up.
 
 The state sits in one (capacity, 4, P) fp32 block and the copies in one (capacity, P) block, so that a chunk's
 pinned experts are placed into the slab, and their gradients added, with one indexed op each whatever their number.
@@ -54,10 +53,6 @@ class DevicePins:
 
     def keys(self) -> list[ExpertKey]:
         return list(self.records)
-
-    def bytes(self) -> int:
-        return self.state.numel() * 4 + (self.copies.numel() * self.copies.element_size() if self.copies is not None
-                                         else 0)
 
     def weights(self, key: ExpertKey) -> torch.Tensor:
         """The expert's compute weights on the device (what an upload would have brought)."""

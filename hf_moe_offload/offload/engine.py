@@ -1024,8 +1024,8 @@ class OffloadEngine:
                 pins.admit(key)
 
     def release_device_pins(self) -> None:
-        """The device-pinned experts' state back into the store (they stay pinned; the next window's pin choice
-        brings them back): before anything reads or writes the store from outside training."""
+        """The device-pinned experts' state back into the store (they stay pinned, pending: their next training
+        forward brings them up again): before anything reads or writes the store from outside training."""
         if self.device_pins is not None and len(self.device_pins):
             self.wait_in_flight()
             self.device_pins.release_all()
