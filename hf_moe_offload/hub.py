@@ -27,7 +27,7 @@ CARD_FILE = "README.md"
 RECORD_FILE = "metrics.json"
 # Never uploaded: the disk tier's working files, Trainer checkpoints (with their optimizer state) and temp files.
 UPLOAD_IGNORE = ["expert_store/**", "checkpoint-*/**", "runs/**", ".tmp*", "**/.tmp*", "*.tmp*", ".cache/**"]
-REMOTE_CODE_FILES = ("configuration_moe_gpt.py", "modeling_moe_gpt.py")
+REMOTE_CODE_FILES = ("configuration_moe_gpt.py", "modeling_moe_gpt.py", "moe_ops.py")
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from transformers import Trainer
 
 from .errors import UserError
-from .models.moe_gpt.modeling_moe_gpt import chunked_lm_loss
+from .models.moe_gpt.moe_ops import chunked_lm_loss
 
 logger = logging.getLogger(__name__)
 

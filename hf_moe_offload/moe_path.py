@@ -13,10 +13,13 @@ This module registers ours there, "hf_moe_offload", and runs every MoE layer of 
       -> experts(x_sorted, counts, expert_ids): resident (the module's own tensors through its `ExpertLayout`) or
          streamed from the expert store (hf_moe_offload.offload)
 
-A `MoEPath` is installed on a model as one object when the first feature is enabled (offload, pipelining, expert
-parallelism) and removed with the last one, which gives back the model's previous experts implementation. Modules
-are never patched: the path maps each experts module to its `MoELayer`, and the features change a layer only through
-its methods.
+A `MoEPath` is attached to a model as one object (its only attribute on the model) when the first feature is enabled
+(offload, pipelining, expert parallelism) and removed with the last one, which gives back the model's previous
+experts implementation. It holds what the features install: each layer's executors and streamed experts
+(`MoELayer`), the offload engine (`engine`) and the expert-parallel coordinator (`expert_parallel`). Modules are
+never patched: the path maps each experts module to its `MoELayer`, and the features change a layer only through its
+methods. The path serves the layers (the experts implementation is "hf_moe_offload") while any layer has a feature;
+a device-tier offload engine alone keeps it attached without serving.
 """
 
 from __future__ import annotations
@@ -27,12 +30,8 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
-from .models.moe_gpt.modeling_moe_gpt import (
-    DispatchPlan,
-    grouped_expert_counts,
-    run_moe,
-)
-from .offload.layout import ExpertLayout, is_experts_interface_module, layout_for
+from .layouts import ExpertLayout, is_experts_interface_module, layout_for
+from .models.moe_gpt.moe_ops import DispatchPlan, run_moe, run_sorted_experts
 
 IMPLEMENTATION = "hf_moe_offload"
 PATH_ATTR = "_hf_moe_path"
@@ -59,25 +58,14 @@ class ResidentExperts:
         return [params[t.name] for t in self.layout.tensors if t.name in params]
 
     def __call__(self, x_sorted: torch.Tensor, counts: list[int], expert_ids: list[int] | None = None) -> torch.Tensor:
-        # NOTE: unbind once instead of indexing W[e] per expert: each indexing op's backward would materialise a full
-        # (E, ...) gradient, O(E^2) memory traffic per layer; unbind's backward stacks the slices once.
         # getattr, not the parameters themselves: a parametrized tensor (peft's `target_parameters` LoRA on expert
         # tensors) reads as its effective value, weight + the adapter's delta.
         tensors = [getattr(self.module, t.name) for t in self.layout.tensors]
-        full = grouped_expert_counts(x_sorted, self.layout.matrices(tensors), counts, expert_ids, self.module)
-        if full is not None:
-            return self.layout.grouped_forward(x_sorted, full, tensors)
-        per_expert = [t.unbind(0) for t in tensors]
-        outputs, start = [], 0
-        for i, n in enumerate(counts):
-            if n == 0:
-                continue
-            e = i if expert_ids is None else expert_ids[i]
-            outputs.append(self.layout.forward(x_sorted[start : start + n], [w[e] for w in per_expert]))
-            start += n
-        if not outputs:
-            return x_sorted[:0].clone()
-        return torch.cat(outputs)
+        return run_sorted_experts(
+            x_sorted, counts, expert_ids, tensors, self.layout.matrices(tensors), self.module,
+            expert_fn=self.layout.forward,
+            grouped_fn=lambda x, full: self.layout.grouped_forward(x, full, tensors),
+        )
 
 
 def sorted_experts(module: nn.Module) -> ResidentExperts:
@@ -127,9 +115,14 @@ class MoELayer:
         # The inverse permutation serves run_moe's gathering combine; partitions and the exchange combine their own way.
         plan = DispatchPlan.build(top_k_weights, top_k_index, self.num_experts,
                                   gathers=self.pipelined is None and self.parallel is None)
+        executor = self.executor
         if self.streamed is not None:  # offloaded: inference's mode, use scores, pre-gating of the next layer
             self.streamed.on_route(hidden_states, top_k_index, plan.counts)
-        return self.executor(hidden_states, plan, self.experts)
+            if executor is run_moe:
+                # ES-MoE §4.1: the first reads start before the token permutation and overlap it. An exchange or
+                # partitions run other rows than the plan's; their executors ask for what they run.
+                self.streamed.prefetch(plan.counts)
+        return executor(hidden_states, plan, self.experts)
 
 
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -173,7 +166,8 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 class MoEPath:
-    """Every MoE layer of one model on the "hf_moe_offload" experts implementation (module docstring)."""
+    """Every MoE layer of one model on the "hf_moe_offload" experts implementation, and what the features hold
+    (module docstring). Attached to the model as its one attribute `_hf_moe_path`; `remove()` takes it all back."""
 
     def __init__(self, model: nn.Module):
         found = experts_layers(model)
@@ -181,58 +175,105 @@ class MoEPath:
             raise ValueError(
                 f"{type(model).__name__} has no experts module that hf_moe_offload can serve: it needs an experts "
                 "module decorated with transformers' @use_experts_implementation (called as experts(hidden_states, "
-                "top_k_index, top_k_weights)) whose tensors an ExpertLayout describes (hf_moe_offload/offload/layout.py)"
+                "top_k_index, top_k_weights)) whose tensors an ExpertLayout describes (hf_moe_offload/layouts.py)"
             )
         self.layers = [MoELayer(i, name, module, layout) for i, (name, module, layout) in enumerate(found)]
-        if not hasattr(model, "set_experts_implementation"):
-            raise ValueError(f"{type(model).__name__} is not a transformers PreTrainedModel; its experts implementation "
-                             "cannot be set")
         self._model = model
-        self._previous = model.get_experts_implementation()
+        self._previous: str | None = None  # the experts implementation before the path served the layers
+        self.serving = False
+        self.engine = None  # the offload engine (hf_moe_offload.offload), while expert offload is on
+        self.expert_parallel = None  # the ExpertParallelCoordinator (hf_moe_offload.distributed), while on
+
+    def __repr__(self) -> str:
+        features = [name for name, on in (("offload", self.engine is not None),
+                                          ("expert_parallel", self.expert_parallel is not None),
+                                          ("pipelined", any(layer.pipelined is not None for layer in self.layers)))
+                    if on]
+        return (f"MoEPath({type(self._model).__name__}, {len(self.layers)} MoE layers, serving={self.serving}, "
+                f"features={features})")
 
     def __setstate__(self, state: dict) -> None:
         # copy.deepcopy(model) copies the path with the model: the copy's experts modules join the registry.
         self.__dict__.update(state)
-        for layer in self.layers:
-            _LAYERS[layer.module] = layer
+        if self.serving:
+            for layer in self.layers:
+                _LAYERS[layer.module] = layer
+
+    def attach(self) -> None:
+        """Hold the path on its model (what `attached_path` finds), without serving the layers yet."""
+        setattr(self._model, PATH_ATTR, self)
 
     def install(self) -> None:
+        """Attach the path and serve every MoE layer through it (experts implementation "hf_moe_offload")."""
         model = self._model
+        if not hasattr(model, "set_experts_implementation"):
+            raise ValueError(f"{type(model).__name__} is not a transformers PreTrainedModel; its experts implementation "
+                             "cannot be set")
+        if not self.serving:
+            self._previous = model.get_experts_implementation()
         for layer in self.layers:
             _LAYERS[layer.module] = layer
         model.set_experts_implementation(IMPLEMENTATION)
+        self.serving = True
         unserved = [layer.name for layer in self.layers
                     if getattr(getattr(layer.module, "config", None), "_experts_implementation", None) != IMPLEMENTATION]
         if unserved:
             self.remove()
             raise ValueError(f"{type(model).__name__}: set_experts_implementation({IMPLEMENTATION!r}) did not reach the "
                              f"experts of {', '.join(unserved)} (their config is not the model's or a sub-config)")
-        setattr(model, PATH_ATTR, self)
+        self.attach()
 
-    def remove(self) -> None:
+    def _stop_serving(self) -> None:
+        if not self.serving:
+            return
         for layer in self.layers:
             _LAYERS.pop(layer.module, None)
         self._model.set_experts_implementation(self._previous)
+        self.serving = False
+
+    def remove(self) -> None:
+        """Give back the model's previous experts implementation and take the path off the model."""
+        self._stop_serving()
         self._model.__dict__.pop(PATH_ATTR, None)
 
     def remove_if_idle(self) -> None:
+        """After a feature was turned off: stop serving once no layer has a feature, and leave the model once the
+        path holds nothing either."""
         if all(layer.idle() for layer in self.layers):
-            self.remove()
+            self._stop_serving()
+            if self.engine is None and self.expert_parallel is None:
+                self.remove()
 
 
-def get_moe_path(model: nn.Module) -> MoEPath | None:
+def attached_path(model: nn.Module) -> MoEPath | None:
+    """The path attached to the model, serving or not (one holding only a device-tier offload engine)."""
     model = getattr(model, "module", model)  # DDP-wrapped
     return getattr(model, PATH_ATTR, None)
 
 
-def moe_path(model: nn.Module) -> MoEPath:
-    """The model's installed path, installing it first if needed."""
-    path = get_moe_path(model)
+def get_moe_path(model: nn.Module) -> MoEPath | None:
+    """The model's path if it serves the MoE layers, else None."""
+    path = attached_path(model)
+    return path if path is not None and path.serving else None
+
+
+def holding_path(model: nn.Module) -> MoEPath:
+    """The model's attached path, attaching a new one (not serving) if needed: for a feature that holds state on the
+    path without changing how the layers run."""
+    path = attached_path(model)
     if path is None:
         path = MoEPath(getattr(model, "module", model))
+        path.attach()
+    return path
+
+
+def moe_path(model: nn.Module) -> MoEPath:
+    """The model's serving path, installing it first if needed."""
+    path = holding_path(model)
+    if not path.serving:
         path.install()
     return path
 
 
-__all__ = ["IMPLEMENTATION", "MoELayer", "MoEPath", "ResidentExperts", "experts_forward", "experts_layers",
-           "find_experts_modules", "get_moe_path", "moe_path", "sorted_experts"]
+__all__ = ["IMPLEMENTATION", "MoELayer", "MoEPath", "ResidentExperts", "attached_path", "experts_forward",
+           "experts_layers", "find_experts_modules", "get_moe_path", "holding_path", "moe_path", "sorted_experts"]

@@ -19,11 +19,13 @@ and weights undoes it for everything but the expert parameters.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..pipelining.partition import Dispatched, PartPlan, Pending
-from .expert_parallel import _keep_parameters_in_graph, check_replicated
 from .exchange import (
     ExchangePlan,
     all_gather_counts,
@@ -35,6 +37,31 @@ from .exchange import (
     scale_grad,
 )
 from .placement import static_owner
+
+
+def check_replicated(c, layer: int, x: torch.Tensor, counts: Sequence[int]) -> None:
+    """mode="ppmoe": raise unless the MoE input (and its routing) is identical on every rank of the group."""
+    xd = x.detach().double()
+    fingerprint = torch.tensor([float(xd.sum()), float(xd.abs().sum()), *counts], dtype=torch.float64,
+                               device=c.device)
+    lo, hi = fingerprint.clone(), fingerprint.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=c.group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=c.group)
+    if not torch.equal(lo, hi):
+        raise ValueError(
+            f"mode='ppmoe' needs the MoE input identical on every rank of the group (a tensor-parallel region, "
+            f"PPMoE §3.3), but MoE layer {layer} got different inputs: feed every rank the same batch, or "
+            "use mode='static' / 'dynamic' for data-parallel inputs"
+        )
+
+
+def _keep_parameters_in_graph(y: torch.Tensor, experts, ran_any: bool) -> torch.Tensor:
+    """Device tier: when this rank ran none of its experts, still give their parameters a (zero) gradient, as the
+    single-process model does, so AdamW steps them (weight decay, moments) in lockstep with the reference."""
+    params = experts.expert_parameters()
+    if ran_any or not params or not torch.is_grad_enabled():
+        return y
+    return y + sum(p.reshape(-1)[:1].sum() for p in params) * 0.0
 
 
 def _layer_of(coordinator, experts) -> int:
@@ -69,7 +96,7 @@ class _ExpertParallelStage:
 
     def _with_idle_expert_grads(self, y: torch.Tensor) -> torch.Tensor:
         """The call's first combine gives idle resident experts a zero gradient, as the single-process model does
-        (see `expert_parallel._keep_parameters_in_graph`)."""
+        (see `_keep_parameters_in_graph`)."""
         if self._idle_experts is not None:
             y = _keep_parameters_in_graph(y, self._idle_experts, ran_any=False)
             self._idle_experts = None

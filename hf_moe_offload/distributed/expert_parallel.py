@@ -57,19 +57,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..moe_path import get_moe_path, moe_path
+from ..moe_path import attached_path, moe_path
 from ..pipelining.partition import PartitionedExecutor
 from ..offload.api import enable_expert_offload, get_offload_engine
 from ..offload.config import OffloadConfig
 from ..offload.engine import OffloadEngine
 from ..offload.store import DiskExpertStore, ExpertKey, HostExpertStore
+from .comm_stages import AllToAllComm, PPMoEComm
 from .placement import Placement, PlacementCost, plan_placement, static_owner, static_placement
 from .shared_store import create_node_shared_store
 
 logger = logging.getLogger(__name__)
 
 MODES = ("static", "dynamic", "ppmoe")
-STATE_ATTR = "_moe_expert_parallel"
 
 
 def _require_distributed() -> None:
@@ -196,8 +196,6 @@ class ExpertParallelCoordinator:
 
     def comm_stage(self, overlap: bool = True):
         """The communication stage of MPMoE's partitioned layer for this mode (hf_moe_offload.pipelining)."""
-        from .comm_stages import AllToAllComm, PPMoEComm  # noqa: PLC0415 (comm_stages imports this module)
-
         return (PPMoEComm if self.mode == "ppmoe" else AllToAllComm)(self, overlap=overlap)
 
     def on_layer_backward_done(self, layer: int) -> None:
@@ -211,34 +209,10 @@ class ExpertParallelCoordinator:
             publish(keys)
 
 
-def check_replicated(c: ExpertParallelCoordinator, layer: int, x: torch.Tensor, counts: Sequence[int]) -> None:
-    """mode="ppmoe": raise unless the MoE input (and its routing) is identical on every rank of the group."""
-    xd = x.detach().double()
-    fingerprint = torch.tensor([float(xd.sum()), float(xd.abs().sum()), *counts], dtype=torch.float64,
-                               device=c.device)
-    lo, hi = fingerprint.clone(), fingerprint.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=c.group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=c.group)
-    if not torch.equal(lo, hi):
-        raise ValueError(
-            f"mode='ppmoe' needs the MoE input identical on every rank of the group (a tensor-parallel region, "
-            f"PPMoE §3.3), but MoE layer {layer} got different inputs: feed every rank the same batch, or "
-            "use mode='static' / 'dynamic' for data-parallel inputs"
-        )
-
-
-def _keep_parameters_in_graph(y: torch.Tensor, experts, ran_any: bool) -> torch.Tensor:
-    """Device tier: when this rank ran none of its experts, still give their parameters a (zero) gradient, as the
-    single-process model does, so AdamW steps them (weight decay, moments) in lockstep with the reference."""
-    params = experts.expert_parameters()
-    if ran_any or not params or not torch.is_grad_enabled():
-        return y
-    return y + sum(p.reshape(-1)[:1].sum() for p in params) * 0.0
-
-
 def get_expert_parallel(model: nn.Module) -> ExpertParallelCoordinator | None:
-    model = getattr(model, "module", model)  # DDP-wrapped
-    return getattr(model, STATE_ATTR, None)
+    """The model's coordinator (held by its MoE path), or None where expert parallelism is off."""
+    path = attached_path(model)  # DDP-wrapped models too
+    return path.expert_parallel if path is not None else None
 
 
 def enable_expert_parallel(
@@ -281,26 +255,13 @@ def enable_expert_parallel(
                 f"MoE layer {layer.name} already runs {layer.executor!r}; enable expert parallelism first and "
                 "micro-batch pipelining after it (it then runs over this exchange)"
             )
-    engine = get_offload_engine(model)
-    offloaded = engine is not None and engine.store is not None
-    wants_offload = offload_config is not None and offload_config.mode in ("host", "disk", "auto")
-    no_store_message = (
-        "mode='dynamic' places experts per batch, so they must stream from a store: pass "
-        "offload_config=OffloadConfig(mode='host') (or 'disk' with offload_dir), or use mode='static' for resident "
-        "experts"
-    )
-    if mode == "dynamic" and not offloaded and not wants_offload:
-        raise ValueError(no_store_message)
+    if mode == "dynamic" and not _offloaded(model) and not _wants_offload(offload_config):
+        raise ValueError(_NO_STORE)
     if group is None:
         # A communicator of its own: token exchanges never interleave with DDP's gradient all-reduces.
         group = dist.new_group(list(range(dist.get_world_size())))
-    if not offloaded and wants_offload:
-        engine = _offload_into_shared_store(model, offload_config, group, shared_dir)
-        offloaded = engine is not None and engine.store is not None
-    elif offloaded:
-        _share_existing_store(engine, offload_config, group, shared_dir)
-    if mode == "dynamic" and not offloaded:  # mode="auto" chose the device tier
-        raise ValueError(no_store_message)
+    engine = _node_shared_engine(model, mode, offload_config, group, shared_dir)
+    offloaded = engine is not None and engine.store is not None
     num_experts = [layer.num_experts for layer in path.layers]
     if pin_fraction is None:
         pin_fraction = engine.pin_fraction if offloaded else 0.0
@@ -319,10 +280,42 @@ def enable_expert_parallel(
     for layer in path.layers:
         layer.set_parallel(executor)
     coordinator.layers = list(path.layers)
-    setattr(model, STATE_ATTR, coordinator)
+    path.expert_parallel = coordinator
     logger.info("expert parallelism: mode=%s, %d MoE layers, rank %d of %d, experts %s", mode, len(path.layers),
                 coordinator.rank, coordinator.world_size, "offloaded (node-shared store)" if offloaded else "resident")
     return coordinator
+
+
+_NO_STORE = (
+    "mode='dynamic' places experts per batch, so they must stream from a store: pass "
+    "offload_config=OffloadConfig(mode='host') (or 'disk' with offload_dir), or use mode='static' for resident "
+    "experts"
+)
+
+
+def _offloaded(model: nn.Module) -> bool:
+    engine = get_offload_engine(model)
+    return engine is not None and engine.store is not None
+
+
+def _wants_offload(config: OffloadConfig | None) -> bool:
+    return config is not None and config.mode in ("host", "disk", "auto")
+
+
+def _node_shared_engine(model: nn.Module, mode: str, offload_config: OffloadConfig | None, group,
+                        shared_dir: str) -> OffloadEngine | None:
+    """The model's offload engine over a node-shared store: the experts offloaded straight into one (when
+    `offload_config` asks for offload), or the existing store replaced by one; None or a device-tier engine where
+    the experts stay resident."""
+    engine = get_offload_engine(model)
+    offloaded = _offloaded(model)
+    if not offloaded and _wants_offload(offload_config):
+        engine = _offload_into_shared_store(model, offload_config, group, shared_dir)
+    elif offloaded:
+        _share_existing_store(engine, offload_config, group, shared_dir)
+    if mode == "dynamic" and not (engine is not None and engine.store is not None):  # "auto" chose the device tier
+        raise ValueError(_NO_STORE)
+    return engine
 
 
 def _default_placement_cost(model: nn.Module, mode: str, group, engine: OffloadEngine | None) -> PlacementCost:
@@ -494,10 +487,9 @@ def disable_expert_parallel(model: nn.Module, offload_dir: str | None = None) ->
         coordinator.layer_hook.remove()
     for layer in coordinator.layers:
         layer.set_parallel(None)
-    delattr(model, STATE_ATTR)
-    path = get_moe_path(model)
-    if path is not None:
-        path.remove_if_idle()
+    path = attached_path(model)
+    path.expert_parallel = None
+    path.remove_if_idle()
 
 
 __all__ = [

@@ -3,7 +3,7 @@
 from .api import disable_expert_offload, enable_expert_offload, find_expert_modules, get_offload_engine
 from .config import OffloadConfig
 from .engine import OffloadEngine
-from .layout import ExpertLayout, ExpertTensor, layout_for
+from ..layouts import ExpertLayout, ExpertTensor, layout_for
 from .planner import choose_tier, estimate_memory
 from .store import (
     CorruptExpertFileError,

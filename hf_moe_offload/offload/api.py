@@ -18,17 +18,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..moe_path import MoELayer, attached_path, experts_layers, find_experts_modules, holding_path, moe_path
 from .config import OffloadConfig
 from .engine import OffloadEngine, ResidentEngine
 from .inference import PreGate, Router, find_router
-from ..moe_path import experts_layers, find_experts_modules, get_moe_path, moe_path
-from .planner import choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
+from .planner import MemoryEstimate, choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
+from .saving import streaming_save_pretrained
 from .store import STATE_ROWS, DiskExpertStore, ExpertStore, ExpertStoreError, HostExpertStore
 from .telemetry import OffloadStats
 
 logger = logging.getLogger(__name__)
-
-ENGINE_ATTR = "_moe_offload_engine"
 
 
 def find_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -37,8 +36,9 @@ def find_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def get_offload_engine(model: nn.Module) -> OffloadEngine | None:
-    model = getattr(model, "module", model)  # DDP-wrapped
-    return getattr(model, ENGINE_ATTR, None)
+    """The model's offload engine (held by its MoE path), or None where expert offload is off."""
+    path = attached_path(model)  # DDP-wrapped models too
+    return path.engine if path is not None else None
 
 
 def enable_expert_offload(
@@ -54,91 +54,111 @@ def enable_expert_offload(
     if get_offload_engine(model) is not None:
         raise RuntimeError("expert offload is already enabled on this model; call disable_expert_offload first")
     found = experts_layers(model)
-    experts = [(name, module) for name, module, _ in found]
-    if not experts:
+    if not found:
         raise ValueError(
             f"{type(model).__name__} has no experts module that hf_moe_offload can serve: it needs an experts module "
             "decorated with transformers' @use_experts_implementation whose tensors an ExpertLayout describes "
-            "(hf_moe_offload/offload/layout.py)"
+            "(hf_moe_offload/layouts.py)"
         )
+    modules = [module for _, module, _ in found]
     device = config.resolved_device()
-    mode = config.mode
-    est = estimate_memory(model, [m for _, m in experts], tokens_per_batch)
-    if mode == "auto":
-        dev_budget, host_budget = detect_budgets(device)
-        dev_budget = config.device_budget_bytes or dev_budget
-        host_budget = config.host_budget_bytes or host_budget
-        mode, why = choose_tier(est, dev_budget, host_budget)
-        logger.info("expert offload mode=auto chose %r: %s", mode, why)
-        if mode != "device":
-            # Device copies every offloaded tier keeps: pinned experts (ES-MoE §4.3) and the upload slots.
-            resident = math.ceil(config.pin_fraction * est.num_experts_total) + config.prefetch_depth + 1
-            compute_bytes = (config.compute_dtype.itemsize if config.compute_dtype is not None
-                             else next(experts[0][1].parameters()).element_size())
-            need = offloaded_device_bytes(est, resident, compute_bytes)
-            if need > 0.9 * dev_budget:
-                logger.warning(
-                    "even offloaded, training needs ~%.2f GiB on %s (non-expert state, activations, %d resident "
-                    "expert copies) of %.2f GiB free: lower pin_fraction, prefetch_depth or the batch size",
-                    need / 2**30, device, resident, dev_budget / 2**30)
-        if mode == "disk" and not config.offload_dir:
-            raise ValueError(
-                f"mode='auto' chose the disk tier ({why}); set OffloadConfig.offload_dir to a directory on a fast disk"
-            )
+    mode = _resolve_mode(config, device, estimate_memory(model, modules, tokens_per_batch), modules[0])
     layouts = [layout for _, _, layout in found]
-    first = experts[0][1]
-    model_dtype = getattr(first, layouts[0].tensors[0].name).dtype
+    model_dtype = getattr(modules[0], layouts[0].tensors[0].name).dtype
+    stats = OffloadStats()
+    store = None if mode == "device" else _build_store(mode, config, layouts, model_dtype, stats, store_factory)
+    if store is None:
+        engine = ResidentEngine(stats)
+        holding_path(model).engine = engine
+        logger.info("expert offload: device tier (all experts resident, dropless sequential execution)")
+        return engine
+
+    # The compute device is bound on the first forward, from the inputs (or checked against OffloadConfig.device).
+    path = moe_path(model)  # the engine's layers and the path's share one layout per module
+    engine = _build_engine(model, path.layers, store, config, mode, model_dtype, stats)
+    for streamed, route in zip(engine.layers, path.layers):
+        _put_layer_in_store(streamed, route, store, _initialize)
+    store.flush()
+    path.engine = engine
+    if hasattr(model, "save_pretrained"):
+        # Trainer checkpoints and push_to_hub call save_pretrained: make it stream experts from the store.
+        model.save_pretrained = functools.partial(streaming_save_pretrained, model)
+    return engine
+
+
+def _resolve_mode(config: OffloadConfig, device: torch.device, est: MemoryEstimate, first_experts: nn.Module) -> str:
+    """The tier: `config.mode`, or for mode="auto" the one the memory budgets allow (ES-MoE §4.3 adaptive offload)."""
+    if config.mode != "auto":
+        return config.mode
+    dev_budget, host_budget = detect_budgets(device)
+    dev_budget = config.device_budget_bytes or dev_budget
+    host_budget = config.host_budget_bytes or host_budget
+    mode, why = choose_tier(est, dev_budget, host_budget)
+    logger.info("expert offload mode=auto chose %r: %s", mode, why)
+    if mode != "device":
+        # Device copies every offloaded tier keeps: pinned experts (ES-MoE §4.3) and the upload slots.
+        resident = math.ceil(config.pin_fraction * est.num_experts_total) + config.prefetch_depth + 1
+        compute_bytes = (config.compute_dtype.itemsize if config.compute_dtype is not None
+                         else next(first_experts.parameters()).element_size())
+        need = offloaded_device_bytes(est, resident, compute_bytes)
+        if need > 0.9 * dev_budget:
+            logger.warning(
+                "even offloaded, training needs ~%.2f GiB on %s (non-expert state, activations, %d resident "
+                "expert copies) of %.2f GiB free: lower pin_fraction, prefetch_depth or the batch size",
+                need / 2**30, device, resident, dev_budget / 2**30)
+    if mode == "disk" and not config.offload_dir:
+        raise ValueError(
+            f"mode='auto' chose the disk tier ({why}); set OffloadConfig.offload_dir to a directory on a fast disk"
+        )
+    return mode
+
+
+def _build_store(mode: str, config: OffloadConfig, layouts: list, model_dtype: torch.dtype, stats: OffloadStats,
+                 store_factory: Callable[..., ExpertStore] | None) -> ExpertStore:
+    """The host or disk tier's store, one record per (layer, expert)."""
     compute_dtype = config.compute_dtype or model_dtype
     numel = layouts[0].numel
     if any(lay.numel != numel for lay in layouts):
         raise ValueError("all MoE layers must have experts of the same size to share one store")
     keys = [(i, e) for i, lay in enumerate(layouts) for e in range(lay.num_experts)]
-    stats = OffloadStats()
     state_rows = STATE_ROWS if config.train_experts else 1  # frozen experts: weights only
     if store_factory is not None and not config.train_experts:
         raise ValueError("frozen experts (train_experts=False) stay in per-process stores; do not share them")
     # A weights-only store keeps the model's own dtype (a bf16 model: bf16 rows, no fp32 copy: nothing is updated,
     # so there is no master to keep); training keeps fp32 masters, gradients and moments.
     row_dtype = model_dtype if state_rows == 1 and model_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    if mode == "host":
+        return (HostExpertStore(keys, numel, compute_dtype, stats, state_rows, row_dtype) if store_factory is None
+                else store_factory("host", keys, numel, compute_dtype, stats, None))
     record_bytes = state_rows * numel * row_dtype.itemsize
-
-    if mode == "device":
-        store = None
-    elif mode == "host":
-        store = (HostExpertStore(keys, numel, compute_dtype, stats, state_rows, row_dtype) if store_factory is None
-                 else store_factory("host", keys, numel, compute_dtype, stats, None))
-    else:
-        cache = config.host_cache_experts
-        if config.host_cache_bytes is not None:
-            cache = config.host_cache_bytes // record_bytes
-            if cache < 1:
-                raise ExpertStoreError(
-                    f"host_cache_bytes={config.host_cache_bytes} is smaller than one expert's state ({record_bytes} "
-                    "bytes: fp32 weights, and unless the experts are frozen its gradient and two Adam moments); "
-                    "raise it"
-                )
-        if cache is None:  # default: a quarter of the experts, at least prefetch_depth + 2
-            cache = max(config.prefetch_depth + 2, len(keys) // 4)
-        if store_factory is None:
-            store = DiskExpertStore(
-                keys, numel, compute_dtype, stats, os.path.join(config.offload_dir), cache, config.io_threads,
-                state_rows=state_rows, row_dtype=row_dtype,
+    cache = config.host_cache_experts
+    if config.host_cache_bytes is not None:
+        cache = config.host_cache_bytes // record_bytes
+        if cache < 1:
+            raise ExpertStoreError(
+                f"host_cache_bytes={config.host_cache_bytes} is smaller than one expert's state ({record_bytes} "
+                "bytes: fp32 weights, and unless the experts are frozen its gradient and two Adam moments); "
+                "raise it"
             )
-        else:
-            store = store_factory("disk", keys, numel, compute_dtype, stats, cache)
-        logger.info(
-            "disk tier: %d experts x %.1f MiB in %s, host cache %d experts (%.1f MiB)",
-            len(keys), record_bytes / 2**20, config.offload_dir, cache, cache * record_bytes / 2**20,
+    if cache is None:  # default: a quarter of the experts, at least prefetch_depth + 2
+        cache = max(config.prefetch_depth + 2, len(keys) // 4)
+    if store_factory is None:
+        store = DiskExpertStore(
+            keys, numel, compute_dtype, stats, os.path.join(config.offload_dir), cache, config.io_threads,
+            state_rows=state_rows, row_dtype=row_dtype,
         )
-    if store is None:
-        engine = ResidentEngine(stats)
-        setattr(model, ENGINE_ATTR, engine)
-        logger.info("expert offload: device tier (all experts resident, dropless sequential execution)")
-        return engine
+    else:
+        store = store_factory("disk", keys, numel, compute_dtype, stats, cache)
+    logger.info(
+        "disk tier: %d experts x %.1f MiB in %s, host cache %d experts (%.1f MiB)",
+        len(keys), record_bytes / 2**20, config.offload_dir, cache, cache * record_bytes / 2**20,
+    )
+    return store
 
-    # The compute device is bound on the first forward, from the inputs (or checked against OffloadConfig.device).
-    path = moe_path(model)  # the engine's layers and the path's share one layout per module
-    engine = OffloadEngine(store, [(layer.module, layer.layout) for layer in path.layers], config.device,
+
+def _build_engine(model: nn.Module, layers: list[MoELayer], store: ExpertStore, config: OffloadConfig, mode: str,
+                  model_dtype: torch.dtype, stats: OffloadStats) -> OffloadEngine:
+    engine = OffloadEngine(store, [(layer.module, layer.layout) for layer in layers], config.device,
                            config.prefetch_depth, config.pin_fraction, stats, mode, config.decode_cache_decay)
     engine.config = config
     engine.model_dtype = model_dtype
@@ -153,27 +173,26 @@ def enable_expert_offload(
     engine.pregate_setting = config.pregate
     engine.mmap_setting = config.mmap_weights
     if config.pregate is not False and mode == "disk":  # the host tier has nothing to read early (README)
-        engine.pregate = PreGate([_router(model, route) for route in path.layers], stats)
-    for streamed, route in zip(engine.layers, path.layers):
-        module, layout = route.module, route.layout
-        if _initialize:
-            with torch.no_grad():
-                flat = torch.empty(layout.numel)
-                for e in range(layout.num_experts):
-                    tensors = [getattr(module, t.name)[e].detach().float() for t in layout.tensors]
-                    store.write_param((streamed.layer, e), layout.pack(tensors, flat))
-        streamed.meta = _detach_parameters(module, layout)
-        streamed.handles = [
-            module._register_state_dict_hook(functools.partial(_state_dict_hook, layer=streamed)),
-            module._register_load_state_dict_pre_hook(functools.partial(_load_state_dict_pre_hook, layer=streamed)),
-        ]
-        route.set_streamed(streamed)
-    store.flush()
-    setattr(model, ENGINE_ATTR, engine)
-    if hasattr(model, "save_pretrained"):
-        # Trainer checkpoints and push_to_hub call save_pretrained: make it stream experts from the store.
-        model.save_pretrained = functools.partial(_streaming_save_pretrained, model)
+        engine.pregate = PreGate([_router(model, route) for route in layers], stats)
     return engine
+
+
+def _put_layer_in_store(streamed, route: MoELayer, store: ExpertStore, initialize: bool) -> None:
+    """Move one layer's experts into the store (unless `initialize` is False: the caller fills the store), take the
+    tensors off the module, keep `state_dict()` / `load_state_dict()` whole through the store, and stream the layer."""
+    module, layout = route.module, route.layout
+    if initialize:
+        with torch.no_grad():
+            flat = torch.empty(layout.numel)
+            for e in range(layout.num_experts):
+                tensors = [getattr(module, t.name)[e].detach().float() for t in layout.tensors]
+                store.write_param((streamed.layer, e), layout.pack(tensors, flat))
+    streamed.meta = _detach_parameters(module, layout)
+    streamed.handles = [
+        module._register_state_dict_hook(functools.partial(_state_dict_hook, layer=streamed)),
+        module._register_load_state_dict_pre_hook(functools.partial(_load_state_dict_pre_hook, layer=streamed)),
+    ]
+    route.set_streamed(streamed)
 
 
 def _router(model: nn.Module, route) -> Router | None:
@@ -186,18 +205,6 @@ def _router(model: nn.Module, route) -> Router | None:
     if found is None:
         logger.info("pre-gating: no single router found next to %s; its experts are not guessed", route.name)
     return found
-
-
-def _streaming_save_pretrained(model: nn.Module, save_directory, state_dict=None, is_main_process: bool = True,
-                               **kwargs):
-    if state_dict is not None:  # an explicit state dict: the ordinary path
-        return type(model).save_pretrained(model, save_directory, state_dict=state_dict,
-                                           is_main_process=is_main_process, **kwargs)
-    if not is_main_process:
-        return None
-    from .checkpoint import save_offloaded_pretrained
-
-    save_offloaded_pretrained(model, str(save_directory))
 
 
 def _detach_parameters(module: nn.Module, layout) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -263,9 +270,9 @@ def disable_expert_offload(model: nn.Module) -> None:
     engine = get_offload_engine(model)
     if engine is None:
         raise RuntimeError("expert offload is not enabled on this model")
+    path = attached_path(model)
     if engine.store is not None:
         engine.synchronize()
-        path = get_moe_path(model)
         for layer, route in zip(engine.layers, path.layers):
             module = layer.module
             tensors = {n: _expert_tensor(layer, n) for n in layer.meta}
@@ -275,9 +282,9 @@ def disable_expert_offload(model: nn.Module) -> None:
                 module.register_parameter(n, nn.Parameter(t))
             route.set_streamed(None)
         engine.store.close()
-        path.remove_if_idle()
     model.__dict__.pop("save_pretrained", None)
-    delattr(model, ENGINE_ATTR)
+    path.engine = None
+    path.remove_if_idle()
 
 
 __all__ = [

@@ -17,6 +17,7 @@ import time
 import torch
 from torch import nn
 
+from ..models.moe_gpt.moe_ops import DispatchPlan
 from ..moe_path import get_moe_path, moe_path
 from .configurator import (
     GranularitySearch,
@@ -40,8 +41,6 @@ def make_layer_profiler(layer, top_k: int, executor_kwargs: dict | None = None):
     if hasattr(experts, "prefetch"):
         raise ValueError("method='profile' needs resident experts (streamed experts would accumulate gradients); "
                          "use method='model' with expert offload")
-    from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import DispatchPlan
-
     p = experts.expert_parameters()[0]
     num_experts = layer.num_experts
     hidden = layer.layout.hidden_size
@@ -88,13 +87,14 @@ def enable_micro_batch_pipelining(
     executor shared by all blocks; reversible with `disable_micro_batch_pipelining`. `overlap=False` runs every
     exchange synchronously, in line (the baseline of the overlap measurement).
     """
-    layers = moe_path(model).layers
+    path = moe_path(model)
+    layers = path.layers
     parallel = any(layer.parallel is not None for layer in layers)
     if parallel:
         if comm is not None:
             raise ValueError("this model runs expert parallelism, which brings its own communication stage; "
                              "leave comm=None")
-        comm = _get_expert_parallel(model).comm_stage(overlap=overlap)
+        comm = path.expert_parallel.comm_stage(overlap=overlap)
     if strategy != "auto":
         restore_strategy(strategy)  # validates the name
     configurator = None
@@ -128,12 +128,6 @@ def disable_micro_batch_pipelining(model: nn.Module) -> None:
     for layer in path.layers:
         layer.set_pipelined(None)
     path.remove_if_idle()
-
-
-def _get_expert_parallel(model: nn.Module):
-    from hf_moe_offload.distributed.expert_parallel import get_expert_parallel  # noqa: PLC0415 (optional part)
-
-    return get_expert_parallel(model)
 
 
 __all__ = [

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.moe_gpt.moe_ops import run_moe
 from .partition import PartitionedExecutor
 
 
@@ -73,8 +74,6 @@ def measure_saving(x: torch.Tensor, plan, experts, n: int, strategy: str) -> Sav
     `experts`: resident experts in the sorted signature (`hf_moe_offload.moe_path.sorted_experts(module)`). `plan`:
     built with `gathers=False`, the partitions' own index_add_ combine (the unpartitioned layer's gathering combine
     saves no copy of T_DO, a smaller baseline than the one Eq. 5 counts from)."""
-    from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import run_moe
-
     params = {p.untyped_storage().data_ptr() for p in experts.expert_parameters()}
     _, keep = _count_saved(lambda: run_moe(x, plan, experts), params)
     ex = PartitionedExecutor(n, strategy)

@@ -1,6 +1,5 @@
 from .configuration_moe_gpt import MOE_GPT_PRESETS, MoEGPTConfig
 from .modeling_moe_gpt import (
-    DispatchPlan,
     MoEGPTExperts,
     MoEGPTForCausalLM,
     MoEGPTForSequenceClassification,
@@ -8,5 +7,5 @@ from .modeling_moe_gpt import (
     MoEGPTPreTrainedModel,
     MoEGPTRouter,
     MoEGPTSparseMoeBlock,
-    run_moe,
 )
+from .moe_ops import DispatchPlan, run_moe
