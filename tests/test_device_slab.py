@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
-from hf_moe_offload.offload.engine import GradRing, OffloadedExpertsLayer
+from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
+from hf_moe_offload.offload.transfers import GradRing
 from hf_moe_offload.offload.slab import DeviceSlab
 from hf_moe_offload.precision import GemmCounter
 from hf_moe_offload.runtime import HappensBeforeError, use_runtime
@@ -103,7 +104,7 @@ def test_bytes_moved_are_the_routed_experts_once(autocast, compute_dtype, stream
         assert engine.stats.h2d_reupload_bytes == routed[0] * width
         assert engine.stats.h2d_bytes == (sum(routed) + routed[0]) * width
         assert engine.stats.d2h_bytes == sum(routed) * width
-        assert set(engine._block_rings) == {streamed}
+        assert set(engine._grad_rings) == {streamed}
         record = engine.store.acquire((0, 0))
         assert record.param.dtype == torch.float32 and torch.equal(record.compute_param(), record.param.to(streamed))
         engine.store.release((0, 0))
@@ -186,7 +187,7 @@ def _no_download_order(self, flat):  # GradRing.send minus `wait_stream`: the co
         i = self._free.pop()
     buffer = self.buffers[i][: flat.numel()]
     self.rt.copy_(buffer, flat, self.stream)
-    from hf_moe_offload.offload.engine import GradArrival
+    from hf_moe_offload.offload.transfers import GradArrival
 
     return GradArrival(self.rt, buffer, self.rt.record(self.stream), lambda: self._give_back(i))
 

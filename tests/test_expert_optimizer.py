@@ -538,21 +538,32 @@ def step_both(reference, ref_opt, opt, clip: float | None = None) -> None:
     opt.zero_grad()
 
 
+# A path of `OffloadedExpertsLayer` by its chunk plan's source and direction (streamed.ChunkPlan).
+PATH_NAMES = {("layer", "forward"): "_grouped_forward", ("layer", "backward"): "_grouped_backward",
+              ("staged", "forward"): "_staged_forward", ("staged", "backward"): "_staged_backward",
+              ("slab", "forward"): "_slab_forward", ("slab", "backward"): "_slab_backward",
+              ("expert", "forward"): "run_forward", ("expert", "backward"): "run_backward"}
+
+
 def count_expert_paths(monkeypatch, names=("_grouped_forward", "_grouped_backward", "run_forward",
                                             "run_backward")) -> dict[str, int]:
-    """Counts the calls of these `OffloadedExpertsLayer` paths (default: the host tier's grouped path and the
-    per-expert loop)."""
-    from hf_moe_offload.offload.engine import OffloadedExpertsLayer
+    """Counts the calls of `OffloadedExpertsLayer`'s streamed path by the source of their chunks (`PATH_NAMES`:
+    "_grouped_*" the host tier's whole layer, "_slab_*" a device's slab, "run_*" one expert at a time; default: the
+    host tier's grouped path and the per-expert loop)."""
+    from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
 
     calls = dict.fromkeys(names, 0)
-    for name in calls:
-        original = getattr(OffloadedExpertsLayer, name)
+    for direction in ("forward", "backward"):
+        original = getattr(OffloadedExpertsLayer, f"run_{direction}")
 
-        def spy(self, *args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(self, *args, **kwargs)
+        def spy(self, x, *args, _direction=direction, _original=original, **kwargs):
+            plan = args[1] if _direction == "backward" else args[0]
+            name = PATH_NAMES[(plan.source, _direction)]
+            if name in calls:
+                calls[name] += 1
+            return _original(self, x, *args, **kwargs)
 
-        monkeypatch.setattr(OffloadedExpertsLayer, name, spy)
+        monkeypatch.setattr(OffloadedExpertsLayer, f"run_{direction}", spy)
     return calls
 
 
@@ -744,7 +755,7 @@ def test_stepping_from_autograds_gradient_changes_no_bit(tier, autocast, tmp_pat
     over resident training). Weights, moments, step counts and the other parameters equal those of the same training
     with every gradient landed in the store first, bit for bit (torch.equal), over 4 eager steps (one a window of
     2 micro-steps) on fresh random batches, on the grouped host path (fp32 and bf16 autocast) and the disk tier's per-expert loop."""
-    from hf_moe_offload.offload.engine import GradArrival
+    from hf_moe_offload.offload.transfers import GradArrival
 
     if runtime_for(torch.device("cpu")).asynchronous:
         pytest.skip("gradients are downloaded into ring buffers on an asynchronous runtime, and always landed")

@@ -136,7 +136,7 @@ def test_upload_order_forward_then_reverse_backward_with_lookahead(tmp_path, mon
     """An instrumented store records acquire/prefetch order: forward in expert order, backward reversed, with
     `depth` experts acquired ahead of the one computing (the host tier streaming expert by expert, as it does on a
     device: on the CPU it would run the layer as one grouped GEMM)."""
-    from hf_moe_offload.offload.engine import OffloadedExpertsLayer
+    from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
 
     monkeypatch.setattr(OffloadedExpertsLayer, "grouped_counts", lambda self, *args: None)
     model = small_model(num_experts=5, num_hidden_layers=1)
@@ -628,7 +628,7 @@ def test_disk_tier_row_io_and_schedule_change_no_bit(clip, mapped, tmp_path, mon
     from the mapped files (the default on the CPU) or reading through the cache. Both tiers compute expert by expert
     (the host tier's grouped GEMM rounds some sums in another order)."""
     from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer
-    from hf_moe_offload.offload.engine import OffloadedExpertsLayer
+    from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
 
     monkeypatch.setattr(OffloadedExpertsLayer, "grouped_counts", lambda self, *args: None)
 
@@ -857,20 +857,21 @@ def test_disk_tier_staged_chunks_train_exactly_like_the_host_tiers_grouped_gemm(
     kept (fp32) or recomputed (bf16 autocast casts the fp32 weights); the weights, Adam moments and step counts equal
     the host tier's, which runs each layer as one grouped GEMM over its store (torch.equal: per expert the same
     GEMMs and the same bias sums). During backward the optimizer steps a chunk's experts several per fused call."""
-    from hf_moe_offload.offload.engine import OffloadedExpertsLayer
+    from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
 
     chunks = []
-    original = OffloadedExpertsLayer._stage
+    original = OffloadedExpertsLayer.plan
 
-    def stage(self, stream, chunk, held=None):
-        chunks.append(len(chunk))
-        return original(self, stream, chunk, held)
+    def plan(self, *args):
+        made = original(self, *args)
+        chunks.extend(len(chunk) for chunk in made.chunks if made.source == "staged")
+        return made
 
-    OffloadedExpertsLayer._stage = stage
+    OffloadedExpertsLayer.plan = plan
     try:
         disk, disk_steps, engine, batches = _train_state("disk", tmp_path, autocast, stage_experts=3)
     finally:
-        OffloadedExpertsLayer._stage = original
+        OffloadedExpertsLayer.plan = original
     host, host_steps, _, _ = _train_state("host", tmp_path, autocast)
     assert engine.stage_experts == 3 and engine.stats.evictions > 0
     assert chunks and max(chunks) == 3  # forward and backward staged, chunks of up to 3
@@ -1000,7 +1001,7 @@ def test_host_tier_runs_expert_by_expert_where_one_grouped_gemm_cannot(tmp_path,
     """The per-expert loop stays where the grouped path does not apply: dropout inside the experts (the recompute
     replays each expert's RNG state), too few rows (a decoded token), and the disk tier (no block of weights on the
     CPU; on a device a cache of 6 leaves no room for the slab's two chunks beside 2 reads ahead)."""
-    from hf_moe_offload.offload.engine import OffloadedExpertsLayer
+    from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
 
     used = []
     original = OffloadedExpertsLayer.grouped_counts

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
-from hf_moe_offload.offload.engine import DeviceStager, GradArrival
+from hf_moe_offload.offload.transfers import DeviceStager, GradArrival
 from hf_moe_offload.runtime import HOST, HappensBeforeError, use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
 
@@ -247,7 +247,7 @@ def test_gradients_are_downloaded_in_their_own_dtype(tmp_path):
             loss = model(x, labels=x).loss
         loss.backward()
         engine.synchronize()
-        ring = engine._block_rings[torch.bfloat16]  # the slab's chunks: one block of gradients per chunk
+        ring = engine._grad_rings[torch.bfloat16]  # the slab's chunks: one block of gradients per chunk
         assert all(b.dtype == torch.bfloat16 for b in ring.buffers) and len(ring._free) == len(ring.buffers)
         experts_run = sum(1 for layer in engine.layers for n in layer.last_counts if n)
         assert engine.stats.d2h_bytes == experts_run * engine.store.numel * 2

@@ -1,15 +1,15 @@
-"""Pipelined per-expert processing over the expert store (ES-MoE §4.1, §4.3).
+"""The offload engine: the experts' weights brought to where they compute, their gradients handed on (ES-MoE §4.1).
 
-One MoE layer's experts run one after another on their contiguous token slices. While expert e computes, experts
-e+1 .. e+depth are being brought in: disk reads on background threads (disk tier), and on CUDA an upload on a side
-stream into a ring of device slots guarded by events. Backward re-streams the weights in reverse order, recomputes
-each expert's FFN locally (its middle activation is never kept), and hands the finished fp32 gradient to the store,
-where it accumulates across micro-steps; on the micro-step that closes an accumulation window the expert-wise
-optimizer (hf_moe_offload.optim) may step that expert at once. The next forward of an expert waits for its own update
-only (no staleness, no global barrier).
+It owns the store (offload/store.py), binds to the compute device and its runtime at the first forward, and streams
+each call's chunks of experts (`stream_chunks`, for the layer of offload/streamed.py): the next ones are read ahead
+(disk reads on background threads) and, on a device, uploaded on a side stream (offload/transfers.py one expert at a
+time, offload/slab.py a chunk of them) while the current one computes; a backward streams them again in reverse. A
+chunk's finished gradients go to the hooks (the expert optimizer, hf_moe_offload.optim), which may step them at once on
+the micro-step that closes an accumulation window; the next forward of an expert waits for its own update only (no
+staleness, no global barrier). Pinning (ES-MoE §4.3) keeps the most-loaded experts close (`update_pins`; on a device
+their whole state: offload/device_pins.py).
 
-On CPU-only machines the "device" is the host: the same loop runs, with weights used in place (host tier) or from
-the disk tier's cache.
+On CPU-only machines the "device" is the host: weights are used in place (host tier) or from the disk tier's cache.
 """
 
 from __future__ import annotations
@@ -28,711 +28,17 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..models.moe_gpt.modeling_moe_gpt import dropout_active, grouped_expert_counts
-from ..precision import autocast_state, compute_dtype, restore_autocast
-from ..rng import get_rng, rng_devices, set_rng
-from ..runtime import HOST, DeviceRuntime, Event, runtime_for
+from ..runtime import DeviceRuntime, Event, runtime_for
+from .device_pins import DevicePins
 from .inference import DecodeCache, PlacementCostModel, PreGate
 from .layout import ExpertLayout
-from .device_pins import DevicePins
-from .slab import DeviceSlab, StallTimer
+from .slab import DeviceSlab
 from .store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore
+from .streamed import OffloadedExpertsLayer, Segment
 from .telemetry import OffloadStats
+from .transfers import DeviceStager, GradArrival, GradHook, GradRing
 
 logger = logging.getLogger(__name__)
-
-
-class DeviceStager:
-    """Makes expert weights usable on the compute device, through the device runtime (hf_moe_offload.runtime).
-
-    Asynchronous runtimes (CUDA, the CPU simulation): copies into `depth + 1` device slots on a side stream; an event
-    per upload lets compute wait for exactly that expert, and an event per use lets the copy stream reuse the slot
-    only after compute is done with it. Pinned experts (ES-MoE §4.3) keep a device copy, reused while the expert's
-    version (its update count, kept by the store) is unchanged.
-    Inline runtime (CPU): the host tensor is already usable; nothing is copied.
-    """
-
-    def __init__(self, runtime: DeviceRuntime, numel: int, dtype: torch.dtype, depth: int, stats: OffloadStats):
-        self.rt = runtime
-        self.stats = stats
-        self.pinned: dict[ExpertKey, tuple[torch.Tensor, int, Event]] = {}  # key -> (copy, version, its upload)
-        self.pinned_keys: set[ExpertKey] = set()
-        self.timer = StallTimer(runtime, stats)
-        if runtime.asynchronous:
-            self.stream = runtime.new_stream()
-            # Allocated for the copy stream (which writes them) and owned for the stager's life: compute reads them
-            # only between the upload's event and the use's event.
-            self.slots = [runtime.empty((numel,), dtype, stream=self.stream, persistent=True)
-                          for _ in range(depth + 1)]
-            self.slot_free: list[Event | None] = [None] * (depth + 1)  # after the last use of each slot
-            self.next_slot = 0
-
-    def upload(self, key: ExpertKey, record: ExpertRecord) -> tuple[torch.Tensor, Event | None, int | None]:
-        """Returns (weights, ready_event_or_None, slot_or_None)."""
-        rt = self.rt
-        src = record.compute_param()
-        if not rt.asynchronous:
-            return src, None, None
-        cached = self.pinned.get(key)
-        if cached is not None and cached[1] == record.version:
-            # Its upload's event too: a first use that was interrupted may never have waited for it.
-            return cached[0], cached[2], None
-        if key in self.pinned_keys:
-            # A copy of its own, allocated on the copy stream that writes it; compute reads it (record_stream), so
-            # its memory is not handed out again before compute is done with it.
-            dst = rt.empty(src.shape, src.dtype, stream=self.stream)
-            rt.record_stream(dst, rt.current_stream())
-            slot = None
-        else:
-            slot = self.next_slot
-            self.next_slot = (slot + 1) % len(self.slots)
-            dst = self.slots[slot]
-            rt.wait_event(self.slot_free[slot], self.stream)  # compute is done with the slot's previous expert
-        rt.copy_(dst, src, self.stream)
-        ready = rt.record(self.stream)
-        self.stats.h2d_bytes += src.numel() * src.element_size()
-        if slot is None:
-            self.pinned[key] = (dst, record.version, ready)
-        return dst, ready, slot
-
-    def wait(self, ready: Event | None, weights: torch.Tensor) -> None:
-        """Compute waits for the upload of `weights` (timed with events: the compute stream's idle time)."""
-        if ready is None:
-            return
-        self.timer.wait(ready)
-        self.rt.access(weights)
-
-    def done(self, slot: int | None) -> None:
-        if slot is not None:
-            self.slot_free[slot] = self.rt.record()
-
-    def set_pinned(self, keys: set[ExpertKey]) -> None:
-        self.pinned_keys = set(keys)
-        for key in list(self.pinned):
-            if key not in self.pinned_keys:
-                del self.pinned[key]
-
-    def drop_copies(self) -> None:
-        """Forget every device copy (the store was replaced: its versions start again)."""
-        self.pinned.clear()
-
-
-class GradRing:
-    """Expert gradients on their way to the host (asynchronous runtimes): a ring of page-locked buffers in the
-    gradient's dtype, filled by copies on a side stream. `send` returns a `GradArrival` that the consumer (the expert
-    optimizer's worker, or the engine's own) lands on the host; the buffer is reused only after that."""
-
-    def __init__(self, runtime: DeviceRuntime, numel: int, dtype: torch.dtype, size: int):
-        self.rt = runtime
-        self.stream = runtime.new_stream()
-        self.buffers = [runtime.pinned_empty((numel,), dtype) for _ in range(size)]
-        self._free = list(range(size))
-        self._cond = threading.Condition()
-
-    def send(self, flat: torch.Tensor) -> "GradArrival":
-        with self._cond:
-            while not self._free:  # every buffer is waiting for its consumer: backpressure on the compute thread
-                self._cond.wait()
-            i = self._free.pop()
-        rt = self.rt
-        rt.access(flat, write=True)  # produced on the compute stream
-        rt.wait_stream(self.stream, rt.current_stream())
-        rt.record_stream(flat, self.stream)
-        buffer = self.buffers[i][: flat.numel()]  # a slab chunk may hold fewer experts than the buffer
-        rt.copy_(buffer, flat, self.stream)
-        return GradArrival(rt, buffer, rt.record(self.stream), lambda: self._give_back(i))
-
-    def _give_back(self, i: int) -> None:
-        with self._cond:
-            self._free.append(i)
-            self._cond.notify()
-
-
-class GradArrival:
-    """One expert's gradient for this micro-step, on its way into the store's fp32 gradient slot: a flat `buffer`
-    downloaded from a device (`event` marks the copy), or, where the host computes, the per-tensor gradients autograd
-    made (`parts`, layout order, `views` splitting the record's flat row the same way)."""
-
-    __slots__ = ("rt", "buffer", "event", "release", "parts", "views")
-
-    def __init__(self, rt: DeviceRuntime, buffer: torch.Tensor | None, event: Event | None, release=None,
-                 parts: list[torch.Tensor] | None = None, views: Callable | None = None):
-        self.rt, self.buffer, self.event, self.release = rt, buffer, event, release
-        self.parts, self.views = parts, views
-
-    @classmethod
-    def on_host(cls, rt: DeviceRuntime, parts: list[torch.Tensor], views: Callable) -> "GradArrival":
-        return cls(rt, None, None, parts=parts, views=views)
-
-    def land(self, record: ExpertRecord) -> None:
-        """Add it to `record.grad` (fp32) on the calling host thread, once its copy has happened."""
-        if self.parts is not None:
-            record.add_grad_parts(self.parts, self.views)
-            self.parts = None
-            return
-        if self.buffer is None:
-            return  # landed already
-        if self.event is not None:
-            self.event.synchronize()
-            self.rt.access(self.buffer, stream=HOST)
-        record.add_grad(self.buffer)
-        self.buffer = None
-        if self.release is not None:
-            self.release()
-
-    def in_place_of(self, record: ExpertRecord) -> list[torch.Tensor] | None:
-        """The gradient per tensor, to be used instead of landing it (issue 14: the copy into the store's row was
-        the host tier's largest cost over resident training): where it is autograd's own host tensors in the
-        record's dtype and the record's row holds nothing (stale: it counts as zero, so the sum would be this
-        gradient). The row stays stale; None: `land` it."""
-        parts = self.parts
-        if parts is None or not record.grad_stale or any(p.dtype != record.grad.dtype for p in parts):
-            return None
-        self.parts = None
-        return parts
-
-
-# `OffloadEngine.add_grad_hook`: (key, record, arrival) of experts whose gradients are final -> the keys taken over.
-GradHook = Callable[[list[tuple[ExpertKey, ExpertRecord, GradArrival]]], set]
-
-
-class OffloadedExpertsLayer:
-    """The streamed experts of one MoE layer, `experts(x_sorted, counts, expert_ids)` on the model's MoE path; their
-    weights live in the store under keys (layer, e)."""
-
-    def __init__(self, engine: "OffloadEngine", layer: int, module: nn.Module, layout: ExpertLayout):
-        self.engine = engine
-        self.layer = layer
-        self.module = module
-        self.layout = layout
-        self.last_counts: list[int] = [0] * layout.num_experts
-        # Streamed calls of this layer whose backward has not run yet. A layer may be called several times per
-        # micro-step (MPMoE partitions): an expert's gradient is final only in the backward of the last call.
-        self.outstanding = 0
-        # Makes autograd call our backward even when no input requires grad (e.g. frozen layers below).
-        self._anchor = torch.zeros(0, requires_grad=True)
-        # Trainable parameters of the module that every expert's computation uses (e.g. a post-expert norm): ordinary
-        # parameters, whose gradients the recompute in backward accumulates.
-        expert_names = set(layout.names())
-        self.shared_parameters = [p for n, p in module.named_parameters() if n not in expert_names]
-        self.meta: dict[str, tuple[torch.Size, torch.dtype]] = {}  # expert tensor -> (shape, dtype) on the module
-        self.handles: list = []  # the module's state-dict hooks (offload/api.py)
-        self._recompute_forced = 0  # > 0 inside `recomputing()`
-        self._view_cache: dict[tuple[int, int], list[torch.Tensor]] = {}  # see _forward_weights
-        self._grouped: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # see _grouped_views
-
-    @contextmanager
-    def recomputing(self):
-        """Calls inside recompute T_M in backward whatever the engine's `keep_activations` (MPMoE partitions: their
-        restore strategies handle what the layer saves and assume the expert inputs are all of it)."""
-        self._recompute_forced += 1
-        try:
-            yield
-        finally:
-            self._recompute_forced -= 1
-
-    def keeps_activations(self, x: torch.Tensor) -> bool:
-        """Whether this call keeps its experts' forward graphs (`OffloadEngine.keep_activations`). Not inside
-        `recomputing()`; not on the disk tier where the forward casts the weights (autocast to another dtype than the
-        streamed copy's): the graphs would hold a copy of every expert's weights, which the disk tier bounds."""
-        if not self.engine.keep_activations or self._recompute_forced:
-            return False
-        return self.engine.store.tier == "host" or compute_dtype(x) == self.engine.store.compute_dtype
-
-    def keys(self, expert_ids: list[int]) -> list[ExpertKey]:
-        return [(self.layer, e) for e in expert_ids]
-
-    def on_route(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, counts: list[int]) -> None:
-        """Called by the MoE path with the layer's router input, choices and tokens per expert, before anything is
-        dispatched or read: picks the engine's mode for this call (inference or training) and, in inference, counts
-        the routed experts' use (before a read of this call could evict one of them), scores this layer's
-        pre-gating guess and starts the reads of the next layer's guessed experts (offload/inference.py)."""
-        engine = self.engine
-        engine.bind(hidden_states.device)  # before the plan's first reads, which depend on the runtime
-        if not engine.enter_call(self.layer, engine.inference_for(self.module)):
-            return
-        for e, n in enumerate(counts):
-            if n:
-                engine.decode_cache.touch((self.layer, e))
-        if engine.pregate is None:
-            return
-        engine.pregate.observe(self.layer, top_k_index, self.num_experts)
-        nxt = self.layer + 1
-        if nxt < len(engine.layers):
-            ids = engine.pregate.guess(nxt, hidden_states, top_k_index.shape[-1])
-            keys = [k for k in ((nxt, e) for e in ids) if k in engine.store]
-            if keys and engine.pregate.acting:
-                engine.prefetch(keys[: engine.decode_cache.budget], WEIGHTS, engine.map_files)
-
-    def prefetch(self, counts: list[int]) -> None:
-        """Called with the dispatch plan before the token permutation, so the first reads overlap it."""
-        self.engine.read_ahead(self.keys([e for e, n in enumerate(counts) if n]), WEIGHTS, self.engine.map_files)
-
-    @property
-    def training(self) -> bool:
-        return self.module.training
-
-    @property
-    def num_experts(self) -> int:
-        return self.layout.num_experts
-
-    def expert_parameters(self) -> list[nn.Parameter]:
-        return []  # the experts live in the store
-
-    def __call__(self, x_sorted: torch.Tensor, counts: list[int], expert_ids: list[int] | None = None) -> torch.Tensor:
-        ids = list(range(len(counts))) if expert_ids is None else list(expert_ids)
-        self.engine.bind(x_sorted.device)
-        total = [0] * self.layout.num_experts
-        for e, n in zip(ids, counts):
-            total[e] += n
-        self.last_counts = total
-        self.engine.stats.tokens_per_expert[str(self.layer)] = total
-        grouped = self.grouped_counts(x_sorted, counts, ids)
-        if torch.is_grad_enabled() and self.engine.trainable:
-            self.outstanding += 1
-            shared = [p for p in self.shared_parameters if p.requires_grad]
-            with self.engine.training_threads():
-                return _StreamedExperts.apply(x_sorted, self._anchor, self, tuple(counts), tuple(ids), grouped,
-                                              *shared)
-        with torch.no_grad():
-            if grouped is not None:
-                return self._grouped_forward(x_sorted, grouped, None)
-            return self.run_forward(x_sorted, counts, ids, rng_states=None)
-
-    # --- every expert at once: the host tier on the CPU ---
-    def grouped_counts(self, x: torch.Tensor, counts: list[int], ids: list[int]) -> list[int] | None:
-        """Rows per expert, all E in expert order, when this call runs each matmul as one grouped GEMM under the
-        resident experts' rule (`grouped_expert_counts`); None: expert by expert. Only where the host computes (inline
-        runtime: a device would need every expert uploaded at once), over the store's weights where it keeps the
-        layer's as one (E, P) tensor (the host tier), else over the engine's staging block, chunk by chunk (the disk
-        tier in a training call: `staged`)."""
-        engine = self.engine
-        if engine.runtime.asynchronous:
-            # A device: a training call streams the routed experts chunk by chunk through the slab (issue 35).
-            if engine.slab is None or not (torch.is_grad_enabled() and engine.trainable and not engine.inference):
-                return None
-            weights = engine.slab.blocks[0]
-            views = self._grouped_views(weights)
-            if weights.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-                return None
-            return grouped_expert_counts(x, self.layout.matrices(views), counts, ids, self.module, self.num_experts)
-        weights = engine.store.grouped_weights(self.layer)
-        if weights is not None:
-            if weights.shape[0] != self.num_experts:
-                return None
-            views = self._grouped_views(weights)
-        elif self.staged and torch.is_grad_enabled() and engine.trainable and not engine.inference:
-            weights = engine.staging_block()
-            views = self._grouped_views(weights)
-        else:
-            return None
-        if weights.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-            return None
-        return grouped_expert_counts(x, self.layout.matrices(views), counts, ids, self.module, self.num_experts)
-
-    @property
-    def staged(self) -> bool:
-        """Whether a grouped call of this layer runs over the engine's staging block (`_staged_forward`): only the
-        disk tier computing on the host stages (`OffloadEngine._bind_staging`)."""
-        return self.engine.stage_experts > 1
-
-    def _grouped_views(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        """The layer's (E, ...) expert tensors as views of the store's (E, P) weights (or of the engine's staging
-        block), made once per block."""
-        if self._grouped is None or self._grouped[0] is not weights:
-            self._grouped = (weights, self.layout.grouped_views(weights))
-        return self._grouped[1]
-
-    def _grouped_tensors(self, used: int) -> list[torch.Tensor]:
-        """The layer's (E, ...) expert tensors, once pending updates are in."""
-        t0 = time.perf_counter()
-        for e in range(self.num_experts):
-            self.engine.wait_for_update((self.layer, e))
-        self.engine.stats.stall_seconds += time.perf_counter() - t0
-        return self._grouped_views(self.engine.store.grouped_weights(self.layer, used))
-
-    def _grouped_forward(self, x: torch.Tensor, full: list[int], graphs: list | None) -> torch.Tensor:
-        """`run_forward` as one grouped GEMM per matmul; with `graphs`, the forward graph is kept for backward."""
-        if self.engine.slab is not None:
-            return self._slab_forward(x, full)
-        if self.staged:
-            return self._staged_forward(x, full, graphs)
-        t0 = time.perf_counter()
-        tensors = self._grouped_tensors(used=sum(1 for n in full if n))
-        if graphs is None:
-            y = self.layout.grouped_forward(x, full, tensors)
-        else:
-            # The leaves are views of the store's block, whose own version counter no update touches (records are
-            # tensors of their own over it): nothing updates this layer's experts before this graph's backward.
-            leaves = [t.detach().requires_grad_(True) for t in tensors]
-            xs = x.detach().requires_grad_(True)
-            with torch.enable_grad():
-                ys = self.layout.grouped_forward(xs, full, leaves)
-            graphs.append((xs, leaves, ys))
-            y = ys.detach()
-        self.engine.stats.compute_seconds += time.perf_counter() - t0
-        return y
-
-    def _grouped_backward(self, x, gy, full: list[int], shared: tuple, graphs: list | None) -> tuple:
-        """`run_backward` for a call `_grouped_forward` ran: one autograd pass over all experts (the kept graph, or a
-        grouped recompute), then each expert's gradient to the store, in the loop's reverse order."""
-        if self.engine.slab is not None:
-            return self._slab_backward(x, gy, full, shared)
-        if self.staged:
-            return self._staged_backward(x, gy, full, shared, graphs)
-        t0 = time.perf_counter()
-        if graphs:
-            xs, leaves, ys = graphs.pop()
-        else:
-            leaves = [t.detach().requires_grad_(True) for t in self._grouped_tensors(used=0)]
-            xs = x.detach().requires_grad_(True)
-            with torch.enable_grad():
-                ys = self.layout.grouped_forward(xs, full, leaves)
-        engine = self.engine
-        g_shared = [None] * len(shared)
-        gx, expert_grads = self._differentiate(ys, xs, leaves, gy, shared, g_shared)
-        if expert_grads:
-            self._hand_over(expert_grads, [(e, (self.layer, e), engine.store.acquire((self.layer, e), WEIGHTS_AND_GRAD))
-                                           for e in reversed(range(self.num_experts)) if full[e]])
-        engine.stats.compute_seconds += time.perf_counter() - t0
-        engine.layer_backward_done(self.layer)
-        return gx, g_shared
-
-    def _differentiate(self, ys, xs, leaves: list, gy, shared: tuple, g_shared: list) -> tuple:
-        """One autograd pass over a forward graph (an expert's, a staged chunk's, a layer's) -> (the input gradient,
-        the expert tensors' gradients in layout order, none when the experts are frozen); the `shared` parameters'
-        gradients are added into `g_shared`."""
-        train = self.engine.train_experts
-        grads = torch.autograd.grad(ys, [xs, *(leaves if train else []), *shared], gy.to(ys.dtype),
-                                    allow_unused=bool(shared))
-        for j, g in enumerate(grads[len(grads) - len(shared):]):
-            if g is not None:
-                g_shared[j] = g if g_shared[j] is None else g_shared[j] + g
-        return grads[0], grads[1 : 1 + len(leaves)] if train else ()
-
-    def _hand_over(self, expert_grads: tuple, held: list[tuple[int, ExpertKey, ExpertRecord]]) -> None:
-        """The gradients of several experts computed at once, (k, ...) per tensor, to the store: `held` names each
-        expert's row i, key and record (acquired with its gradient row); handed over together (the expert optimizer
-        steps them several per fused call)."""
-        rt = self.engine.runtime
-        self.engine.grads_arrived(self.layer, [
-            (key, record, GradArrival.on_host(rt, [g[i] for g in expert_grads], self.layout.views))
-            for i, key, record in held])
-
-    # --- the disk tier on the CPU: the stream in chunks, each one grouped GEMM per matmul ---
-    # The disk tier holds a quarter of the experts, so no (E, P) block of a layer's weights exists. Run one expert at a
-    # time, a training step of the benchmark's MoE-GPT (32 rows per expert) took 1.18x the resident step with every
-    # expert cached (no I/O), staged 0.94x (`benchmarks/offload.py --compute-path-only`, issue 14).
-    # So a training call copies each chunk's weights, as the stream yields them, into the engine's staging block and
-    # runs the chunk's rows as one grouped GEMM per matmul; its records go back to the cache as soon as they are
-    # copied. Backward re-stages each chunk (the stream in reverse) and differentiates the chunk's kept graph, whose
-    # saved weights were packed as their place in the block (`_forward_kept`'s trick, a chunk at a time), then hands
-    # the chunk's gradients over at once (the expert optimizer steps them several per fused call).
-    def _chunks(self, full: list[int]) -> list[list[tuple[int, int, int]]]:
-        """The segments (expert, first row, rows) of the experts with rows, `engine.stage_experts` per chunk."""
-        segments = self._segments(full, range(len(full)))
-        k = self.engine.slab.experts if self.engine.slab is not None else self.engine.stage_experts
-        return [segments[i : i + k] for i in range(0, len(segments), k)]
-
-    def _stage(self, stream: Iterator, chunk: list, held: list | None = None) -> torch.Tensor:
-        """Copy the chunk's weights into the staging block as `stream` yields them (in the chunk's order, or in
-        reverse with `held`: a backward stream, whose (record, position) pairs go to `held`) -> the block's rows."""
-        block = self.engine.staging_block()
-        positions = range(len(chunk)) if held is None else reversed(range(len(chunk)))
-        for i in positions:
-            item = next(stream)
-            if held is not None:
-                w, record = item
-                held.append((i, record))
-            else:
-                w = item
-            block[i].copy_(w)
-        return block[: len(chunk)]
-
-    def _staged_forward(self, x: torch.Tensor, full: list[int], graphs: list | None) -> torch.Tensor:
-        chunks = self._chunks(full)
-        stream = self.engine.stream(self.layer, [e for chunk in chunks for e, _, _ in chunk], phase="forward")
-        y = None
-        try:
-            for chunk in chunks:
-                block = self._stage(stream, chunk)
-                lo, hi = chunk[0][1], chunk[-1][1] + chunk[-1][2]
-                counts = [n for _, _, n in chunk]
-                if graphs is None:
-                    out = self.layout.grouped_forward(x[lo:hi], counts, self.layout.grouped_views(block))
-                else:
-                    out = self._staged_kept(x[lo:hi], counts, block, graphs)
-                if y is None:
-                    y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out.dtype)
-                y[lo:hi] = out
-        finally:
-            stream.close()  # hands back the last chunk's records
-        return y if y is not None else x[:0].clone()
-
-    def _staged_kept(self, xs: torch.Tensor, counts: list[int], block: torch.Tensor, graphs: list) -> torch.Tensor:
-        """A chunk's grouped forward with its graph kept (`_kept_graph` over the staging block, which the backward
-        re-stages with the same experts in the same rows)."""
-        leaves = [v.detach().requires_grad_(True) for v in self.layout.grouped_views(block)]
-        graphs.append(_kept_graph(lambda inputs: self.layout.grouped_forward(inputs, counts, leaves), xs, leaves,
-                                  block))
-        return graphs[-1][2].detach()
-
-    def _staged_backward(self, x, gy, full: list[int], shared: tuple, graphs: list | None) -> tuple:
-        engine = self.engine
-        chunks = self._chunks(full)
-        order = [e for chunk in reversed(chunks) for e, _, _ in reversed(chunk)]
-        stream = engine.stream(self.layer, order, keep=True, phase="backward")
-        gx = torch.zeros_like(x)
-        g_shared = [None] * len(shared)
-        held: list[tuple[int, ExpertRecord]] = []  # records handed over by the stream, not yet handed on
-        try:
-            for c in reversed(range(len(chunks))):
-                chunk = chunks[c]
-                block = self._stage(stream, chunk, held)
-                lo, hi = chunk[0][1], chunk[-1][1] + chunk[-1][2]
-                if graphs:
-                    xs, leaves, ys, holder = graphs[c]
-                    holder[0] = block  # the kept graph's saved weights are these rows (see _kept_graph)
-                    graphs[c] = None  # freed once used, as autograd frees a resident model's saved tensors
-                else:
-                    leaves = [v.detach().requires_grad_(True) for v in self.layout.grouped_views(block)]
-                    xs = x[lo:hi].detach().requires_grad_(True)
-                    with torch.enable_grad():
-                        ys = self.layout.grouped_forward(xs, [n for _, _, n in chunk], leaves)
-                gx[lo:hi], expert_grads = self._differentiate(ys, xs, leaves, gy[lo:hi], shared, g_shared)
-                done, held = [(i, (self.layer, chunk[i][0]), record) for i, record in held], []
-                if expert_grads:
-                    self._hand_over(expert_grads, done)
-                else:
-                    for _, key, record in done:
-                        engine.release_record(key, record)
-        finally:
-            for i, _ in held:  # interrupted: hand back what the stream handed over
-                engine.store.release((self.layer, chunk[i][0]))
-            stream.close()
-        engine.layer_backward_done(self.layer)
-        return gx, g_shared
-
-    # --- a device: the layer's routed experts through the slab, chunk by chunk (offload/slab.py, issue 35) ---
-    def _slab_forward(self, x: torch.Tensor, full: list[int]) -> torch.Tensor:
-        chunks = self._chunks(full)
-        y = None
-        for chunk, rows, _ in self.engine.stream_chunks(self.layer, chunks, phase="forward"):
-            lo, hi = chunk[0][1], chunk[-1][1] + chunk[-1][2]
-            out = self.layout.grouped_forward(x[lo:hi], [n for _, _, n in chunk], self.layout.grouped_views(rows))
-            if y is None:
-                y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out.dtype)
-            y[lo:hi] = out
-        return y if y is not None else x[:0].clone()
-
-    def _slab_backward(self, x, gy, full: list[int], shared: tuple) -> tuple:
-        """Each chunk in reverse: its forward recomputed from the slab and differentiated once; its experts'
-        gradients to the host as one block (`OffloadEngine.chunk_grads_arrived`)."""
-        engine = self.engine
-        chunks = self._chunks(full)[::-1]
-        gx = torch.zeros_like(x)
-        g_shared = [None] * len(shared)
-        for chunk, rows, records in engine.stream_chunks(self.layer, chunks, phase="backward"):
-            keys = [(self.layer, e) for e, _, _ in chunk]
-            try:
-                lo, hi = chunk[0][1], chunk[-1][1] + chunk[-1][2]
-                leaves = [v.detach().requires_grad_(True) for v in self.layout.grouped_views(rows)]
-                xs = x[lo:hi].detach().requires_grad_(True)
-                with torch.enable_grad():
-                    ys = self.layout.grouped_forward(xs, [n for _, _, n in chunk], leaves)
-                gx[lo:hi], expert_grads = self._differentiate(ys, xs, leaves, gy[lo:hi], shared, g_shared)
-            except BaseException:
-                for key, record in zip(keys, records):
-                    engine.release_record(key, record)
-                raise
-            if expert_grads:
-                engine.chunk_grads_arrived(self.layer, keys, records, expert_grads)
-            else:
-                for key, record in zip(keys, records):
-                    engine.release_record(key, record)
-        engine.layer_backward_done(self.layer)
-        return gx, g_shared
-
-    # --- the two streamed loops ---
-    def _segments(self, counts, ids) -> list[tuple[int, int, int]]:
-        out, start = [], 0
-        for e, n in zip(ids, counts):
-            if n:
-                out.append((e, start, n))
-            start += n
-        return out
-
-    def _weights(self, w: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
-        # Under autocast the streamed copy is used in its own dtype (autocast casts per op; a bf16 copy is never
-        # upcast back to fp32). Without autocast it takes the activations' dtype.
-        if not torch.is_autocast_enabled(x.device.type):
-            w = w.to(x.dtype)
-        return self.layout.views(w)
-
-    def _forward_weights(self, w: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
-        """`_weights` for a forward (a kept graph takes detached leaves of these). On the inline runtime `w` is the
-        store's own buffer (a host record, a disk-tier cache slot: fixed memory, whatever expert it holds), so its
-        per-tensor views are made once per buffer and reused (decoding calls each expert for one token: making the
-        views cost as much as its GEMMs)."""
-        if self.engine.runtime.asynchronous or torch.is_autocast_enabled(x.device.type) or w.dtype != x.dtype:
-            return self._weights(w, x)
-        key = (w.data_ptr(), w.numel())
-        views = self._view_cache.get(key)
-        if views is None:
-            views = self._view_cache[key] = self.layout.views(w)
-        return views
-
-    def run_forward(self, x, counts, ids, rng_states: list | None, graphs: list | None = None) -> torch.Tensor:
-        """`rng_states`: a list to record each expert's RNG state in (for the recompute; None: no backward follows).
-        `graphs`: a list to keep each expert's forward graph in, (input leaf, weight leaves, output), instead."""
-        segments = self._segments(counts, ids)
-        y = None  # in the experts' output dtype (autocast: bf16), like the resident experts' torch.cat
-        save_rng = rng_states is not None and graphs is None and dropout_active(self.module)
-        phase = "inference" if rng_states is None else "forward"  # rng_states: a backward will follow
-        if phase == "inference" and self.engine.cost_model is not None and self.engine.inference:
-            on_host = [s for s in segments if self.engine.compute_on_host((self.layer, s[0]), s[2], x)]
-            if on_host:
-                y = self._run_on_host(x, on_host)
-                segments = [s for s in segments if s not in on_host]
-        for w, (e, start, n) in zip(self.engine.stream(self.layer, [s[0] for s in segments], phase=phase), segments):
-            if save_rng:
-                rng_states.append(get_rng(x.device))
-            if graphs is not None:
-                out = self._forward_kept(x[start : start + n], w, graphs)
-            else:
-                out = self.layout.forward(x[start : start + n], self._forward_weights(w, x))
-            if y is None:
-                y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out.dtype)
-            y[start : start + n] = out
-        return y if y is not None else x[:0].clone()
-
-    def forget_buffers(self) -> None:
-        """The store was replaced: drop the views made of its buffers."""
-        self._view_cache.clear()
-        self._grouped = None
-
-    def _run_on_host(self, x: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Inference on an asynchronous device: run these experts on the host, from the store's host weights,
-        instead of uploading them (Fiddler; `OffloadEngine.compute_on_host` chose them). -> the output buffer with
-        their rows filled, in the dtype the device experts produce."""
-        rt = self.engine.runtime
-        rt.record().synchronize()  # the host reads the inputs the compute stream produced
-        out_dtype = compute_dtype(x)
-        y = None
-        store = self.engine.store
-        for e, start, n in segments:
-            key = (self.layer, e)
-            self.engine.wait_for_update(key)
-            record = store.acquire(key, WEIGHTS)
-            try:
-                xs = x[start : start + n].to("cpu")
-                out = self.layout.forward(xs, self._weights(record.compute_param(), xs))
-            finally:
-                store.release(key)
-            if y is None:
-                y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out_dtype)
-            y[start : start + n] = out.to(x.device, out_dtype)
-            self.engine.stats.host_computed_experts += 1
-        return y
-
-    def _forward_kept(self, xs: torch.Tensor, w: torch.Tensor, graphs: list) -> torch.Tensor:
-        """One expert's forward with its graph kept for backward (`keep_activations`): its middle activation (T_M) is
-        saved as a resident model saves it, its weights are not. Saved tensors that are views of the streamed weights
-        `w` are packed as their place in `w` and unpacked from the weights the backward's stream yields for this
-        expert (`run_backward` sets them): the same values, since nothing updates an expert between its forward and
-        its backward in a micro-step (its step waits for the backward of the layer's last call). So a disk-tier slot
-        can hold other experts meanwhile, and the host tier's records need no autograd version check (the gradient
-        landed by another call of the layer, MPMoE partitions, bumps the counter of the record's buffer)."""
-        leaves = [v.detach().requires_grad_(True) for v in self._forward_weights(w, xs)]
-        graphs.append(_kept_graph(lambda inputs: self.layout.forward(inputs, leaves), xs, leaves, w))
-        return graphs[-1][2].detach()
-
-    def run_backward(self, x, gy, counts, ids, rng_states: list, shared: tuple = (), graphs: list | None = None) -> tuple:
-        """-> (input gradient, gradients of the `shared` parameters); expert gradients go to the store. With
-        `graphs` (kept by the forward) the experts are differentiated without recomputing their forward."""
-        segments = self._segments(counts, ids)
-        gx = torch.zeros_like(x)
-        g_shared = [None] * len(shared)
-        order = list(reversed(range(len(segments))))
-        stream = self.engine.stream(self.layer, [segments[i][0] for i in order], keep=True, phase="backward")
-        for (w, record), i in zip(stream, order):
-            e, start, n = segments[i]
-            if graphs is not None:
-                xs, leaves, ys, holder = graphs[i]
-                holder[0] = w  # the kept graph's saved weights are these (see _kept_graph)
-                graphs[i] = None  # freed as soon as it is used, as autograd frees a resident model's saved tensors
-            else:
-                leaves = [v.detach().requires_grad_(True) for v in self._weights(w, x)]
-                xs = x[start : start + n].detach().requires_grad_(True)
-                with torch.enable_grad(), torch.random.fork_rng(devices=rng_devices(x.device),
-                                                                enabled=bool(rng_states)):
-                    if rng_states:
-                        set_rng(x.device, rng_states[i])
-                    ys = self.layout.forward(xs, leaves)
-            gx[start : start + n], expert_grads = self._differentiate(ys, xs, leaves, gy[start : start + n], shared,
-                                                                      g_shared)
-            if expert_grads:
-                self.engine.accumulate_grad((self.layer, e), record, expert_grads)
-            else:
-                self.engine.release_record((self.layer, e), record)
-        self.engine.layer_backward_done(self.layer)
-        return gx, g_shared
-
-
-def _kept_graph(forward: Callable, xs: torch.Tensor, leaves: list[torch.Tensor], w: torch.Tensor) -> tuple:
-    """Run `forward(xs)` over weight `leaves` that are views of `w` with the graph kept for backward, but not `w`:
-    saved tensors that are views of `w` are packed as their place in it and unpacked from `holder[0]`, which the
-    backward sets to the same weights at the same places (`w` itself, or the buffer they were streamed or staged
-    into again). -> (input leaf, leaves, output, holder)."""
-    holder: list[torch.Tensor | None] = [None]
-    base, origin = w.untyped_storage().data_ptr(), w.storage_offset()
-
-    def pack(t: torch.Tensor):
-        if t.untyped_storage().data_ptr() == base:
-            return (t.storage_offset() - origin, t.shape, t.stride())
-        return t
-
-    def unpack(saved):
-        if isinstance(saved, tuple):
-            now = holder[0]
-            return now.as_strided(saved[1], saved[2], now.storage_offset() + saved[0])
-        return saved
-
-    xs = xs.detach().requires_grad_(True)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        ys = forward(xs)
-    return xs, leaves, ys, holder
-
-
-class _StreamedExperts(torch.autograd.Function):
-    """Saves the expert inputs (T_DI). By default weights are re-streamed and T_M recomputed in backward, under the
-    autocast state of the forward (backward itself runs outside the user's autocast block). With the engine's
-    `keep_activations` each expert's forward graph is kept instead (T_M saved, as a resident model does), and
-    backward differentiates it without a second forward."""
-
-    @staticmethod
-    def forward(ctx, x_sorted, anchor, layer: OffloadedExpertsLayer, counts, ids, grouped, *shared):
-        ctx.layer, ctx.counts, ctx.ids, ctx.grouped, ctx.shared = layer, counts, ids, grouped, shared
-        ctx.rng_states = []
-        ctx.graphs = [] if layer.keeps_activations(x_sorted) else None
-        ctx.autocast = autocast_state(x_sorted.device.type)
-        ctx.save_for_backward(x_sorted)
-        if grouped is not None:
-            return layer._grouped_forward(x_sorted, grouped, ctx.graphs)
-        return layer.run_forward(x_sorted, counts, ids, ctx.rng_states, ctx.graphs)
-
-    @staticmethod
-    def backward(ctx, gy):
-        (x_sorted,) = ctx.saved_tensors
-        with restore_autocast(x_sorted.device.type, ctx.autocast), ctx.layer.engine.training_threads():
-            if ctx.grouped is not None:
-                gx, g_shared = ctx.layer._grouped_backward(x_sorted, gy.contiguous(), ctx.grouped, ctx.shared,
-                                                           ctx.graphs)
-            else:
-                gx, g_shared = ctx.layer.run_backward(x_sorted, gy.contiguous(), ctx.counts, ctx.ids,
-                                                      ctx.rng_states, ctx.shared, ctx.graphs)
-        ctx.graphs = None
-        return gx, None, None, None, None, None, *g_shared
 
 
 class UpdateCoordinator(Protocol):
@@ -786,7 +92,7 @@ class OffloadEngine:
         # Training on an asynchronous device: pinned experts' whole state on the device (offload/device_pins.py).
         self.device_pins: DevicePins | None = None
         self.compute_dtype_setting: torch.dtype | None = None  # OffloadConfig.compute_dtype (`_bind_compute_dtype`)
-        self._block_rings: dict[torch.dtype, GradRing] = {}  # a chunk's gradients on their way to the host
+        self._grad_rings: dict[torch.dtype, GradRing] = {}  # chunks' gradients on their way to the host, by dtype
         self._cache = cache
         self._load_scores: dict[ExpertKey, float] = {}  # `update_pins`: each expert's decayed token load
         self.trainable = True  # False: no backward through the experts at all
@@ -797,7 +103,6 @@ class OffloadEngine:
         self._state_dict_experts = True
         self.layers = [OffloadedExpertsLayer(self, i, m, layout) for i, (m, layout) in enumerate(layers_modules)]
         self.pinned: list[ExpertKey] = []
-        self._rings: dict[torch.dtype, GradRing] = {}
         # Host-side work of asynchronous runtimes, in order on one thread: releasing records once their upload has
         # happened, landing gradients nobody else takes.
         self._host_worker: ThreadPoolExecutor | None = None
@@ -1135,7 +440,7 @@ class OffloadEngine:
     # --- streaming ---
     def stream(self, layer: int, expert_ids: list[int], keep: bool = False, phase: str = "inference") -> Iterator:
         """Yields each expert's compute weights in order, `depth` experts ahead; with keep=True also the record,
-        which the caller must hand back through `accumulate_grad` (backward). `phase` ("forward" of training,
+        which the caller must hand back (`chunk_grads_arrived`, `release_record`: backward). `phase` ("forward" of training,
         "backward", "inference") tells the store what comes next (`_schedule`)."""
         keys = [(layer, e) for e in expert_ids]
         # Only the rows this phase uses (issue 14): weights; in a training backward `backward_rows`.
@@ -1199,12 +504,73 @@ class OffloadEngine:
                     self._release_after(key, ready)
             self.stats.compute_seconds += time.perf_counter() - t_start
 
-    def stream_chunks(self, layer: int, chunks: list[list[tuple[int, int, int]]], phase: str) -> Iterator:
-        """The slab's pipeline (offload/slab.py): yields (chunk, its rows in a device block, its records) for each
-        chunk of `layer`'s segments, the next chunk's upload enqueued before this one is yielded (double buffering).
-        In a "forward" each record goes back to the store once its upload has happened; in a "backward" the caller
-        owns the records (hands them over with the gradients: `chunk_grads_arrived`, or `release_record`), and a
-        chunk a block still holds from the forward is not uploaded again."""
+    def stream_chunks(self, layer: int, source: str, chunks: list[list[Segment]], phase: str) -> Iterator:
+        """The weights of each chunk of `layer`'s segments where the experts compute, in the given order (a backward
+        passes them reversed): yields (chunk, rows, records). `source` (streamed.ChunkPlan): "slab" (a device block,
+        `_slab_chunks`), "layer" (the host tier's (E, P) block, `_layer_chunk`), "staged" (one by one through `stream`,
+        copied into the staging block), "expert" (one by one through `stream`). `rows`: (k, P), or for "expert" the
+        expert's (P,) weights. In a "backward" the
+        caller owns `records` (one per segment; None where nothing was acquired: a device-pinned expert, an expert
+        without rows) and hands them over with the gradients (`chunk_grads_arrived`) or `release_record`s them; in a
+        "forward" or "inference" `records` is None and the stream hands them back itself."""
+        if source == "slab":
+            return self._slab_chunks(layer, chunks, phase)
+        if source == "layer":
+            return self._layer_chunk(layer, chunks, phase)
+        return self._expert_chunks(layer, chunks, phase, staged=source == "staged")
+
+    def _layer_chunk(self, layer: int, chunks: list[list[Segment]], phase: str) -> Iterator:
+        """The host tier computing on the host: every expert of the layer at once, from the store's (E, P) block,
+        once their pending updates are in."""
+        (chunk,) = chunks
+        t0 = time.perf_counter()
+        for e, _, _ in chunk:
+            self.wait_for_update((layer, e))
+        self.stats.stall_seconds += time.perf_counter() - t0
+        records = None
+        if phase == "backward":
+            rows = self.backward_rows(layer)
+            records = [self.store.acquire((layer, e), rows) if n else None for e, _, n in chunk]
+        weights = self.store.grouped_weights(layer, used=0 if records is not None else sum(1 for s in chunk if s[2]))
+        t_start = time.perf_counter()
+        try:
+            yield chunk, weights, records
+        finally:
+            self.stats.compute_seconds += time.perf_counter() - t_start
+
+    def _expert_chunks(self, layer: int, chunks: list[list[Segment]], phase: str, staged: bool) -> Iterator:
+        """Chunks of the per-expert `stream`: each expert's weights as they come (k = 1), or, `staged` (the disk tier
+        computing on the host), a chunk's weights copied into the staging block as the stream yields them (its records
+        go back to the cache as soon as they are copied in a forward)."""
+        keep = phase == "backward"
+        order = [e for chunk in chunks for e, _, _ in (reversed(chunk) if keep else chunk)]
+        stream = self.stream(layer, order, keep=keep, phase=phase)
+        held: list[tuple[ExpertKey, ExpertRecord]] = []  # handed over by the stream for the chunk being staged
+        try:
+            for chunk in chunks:
+                if not staged:
+                    item = next(stream)
+                    yield (chunk, item[0], [item[1]]) if keep else (chunk, item, None)
+                    continue
+                block = self.staging_block()
+                records: list[ExpertRecord | None] = [None] * len(chunk)
+                for i in (reversed(range(len(chunk))) if keep else range(len(chunk))):
+                    item = next(stream)
+                    if keep:
+                        item, records[i] = item
+                        held.append(((layer, chunk[i][0]), records[i]))
+                    block[i].copy_(item)
+                held = []
+                yield chunk, block[: len(chunk)], records if keep else None
+        finally:
+            for key, record in held:  # interrupted while staging: hand back what the stream handed over
+                self.release_record(key, record)
+            stream.close()
+
+    def _slab_chunks(self, layer: int, chunks: list[list[Segment]], phase: str) -> Iterator:
+        """The slab's pipeline (offload/slab.py): each chunk's rows in a device block, the next chunk's upload
+        enqueued before this one is yielded (double buffering); a backward's chunk a block still holds from the
+        forward is not uploaded again."""
         keep = phase == "backward"
         slab, store, pins = self.slab, self.store, self.device_pins
         if pins is not None and phase == "forward":
@@ -1331,49 +697,50 @@ class OffloadEngine:
         return list(current) + [key for keys in passes for key in keys]
 
     # --- gradients and updates ---
-    def accumulate_grad(self, key: ExpertKey, record: ExpertRecord, grads: tuple[torch.Tensor, ...]) -> None:
-        """Adds one expert's gradient (per-tensor, layout order, in its own dtype) into its fp32 store slot.
-
-        Asynchronous runtimes download it through the `GradRing` (no host sync here); the `GradArrival` goes to a
-        hook (the expert optimizer, which lands it on its worker and steps the expert, or steps straight from the
-        host gradient) or is landed on the engine's host worker, which then releases the record."""
-        rt = self.runtime
-        if self.device_pins is not None and key in self.device_pins:  # its gradient stays on the device
-            self.device_pins.add_grads([key], torch.cat([g.reshape(1, -1) for g in grads], dim=1))
-            return
-        if rt.asynchronous:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            ring = self._rings.get(flat.dtype)
-            if ring is None:
-                ring = self._rings[flat.dtype] = GradRing(rt, self.store.numel, flat.dtype, self.grad_ring_size)
-            arrival = ring.send(flat)
-            self.stats.d2h_bytes += flat.numel() * flat.element_size()
-        else:
-            arrival = GradArrival.on_host(rt, list(grads), self.layers[key[0]].layout.views)
-        self.grads_arrived(key[0], [(key, record, arrival)])
-
-    def chunk_grads_arrived(self, layer: int, keys: list[ExpertKey], records: list[ExpertRecord],
+    def chunk_grads_arrived(self, layer: int, chunk: list[Segment], records: list[ExpertRecord | None],
                             grads: tuple[torch.Tensor, ...]) -> None:
-        """A slab chunk's gradients ((k, ...) per tensor, layout order, in the dtype autocast produced them in) to
-        the host as one (k, P) block: one copy down on the gradient stream, and each expert's row handed over as its
-        arrival (landed into the fp32 store slot by whoever takes it; the block's buffer is reused once all are)."""
-        k = len(keys)
-        flat = torch.cat([g.reshape(k, -1) for g in grads], dim=1)
+        """A chunk's expert gradients ((k, ...) per tensor, layout order, in the dtype the GEMMs produced them in;
+        none: frozen experts) on their way into the store's fp32 slots, the records `stream_chunks` handed over with
+        them. Where the host computes: each expert's rows of autograd's tensors, as its arrival. On a device: the rows
+        of the experts with tokens go down as one (k, P) block on the gradient stream (`GradRing`), each row handed
+        over as its arrival (landed by whoever takes it; the buffer is reused once all are); device-pinned experts'
+        (record None) stay on the device, added in one indexed add (offload/device_pins.py)."""
+        routed = [i for i, (_, _, n) in enumerate(chunk) if n]
+        keys = [(layer, chunk[i][0]) for i in routed]
+        if not grads:
+            for i, key in zip(routed, keys):
+                self.release_record(key, records[i])
+            return
+        rt = self.runtime
+        if not rt.asynchronous:
+            views = self.layers[layer].layout.views
+            self.grads_arrived(layer, [(key, records[i], GradArrival.on_host(rt, [g[i] for g in grads], views))
+                                       for i, key in reversed(list(zip(routed, keys)))])
+            return
+        flat = torch.cat([g.reshape(g.shape[0], -1) for g in grads], dim=1)
+        if len(routed) < len(chunk):
+            flat = flat.index_select(0, torch.tensor(routed, device=flat.device))
+        records = [records[i] for i in routed]
         on_device = [i for i, record in enumerate(records) if record is None]
-        if on_device:  # device-pinned experts: their gradients stay on the device (one indexed add)
-            index = torch.tensor(on_device, device=flat.device)
-            self.device_pins.add_grads([keys[i] for i in on_device], flat.index_select(0, index))
-            if len(on_device) == k:
+        if on_device:  # device-pinned experts: their gradients stay on the device
+            self.device_pins.add_grads([keys[i] for i in on_device],
+                                       flat.index_select(0, torch.tensor(on_device, device=flat.device)))
+            if len(on_device) == len(keys):
                 return
             host = [i for i, record in enumerate(records) if record is not None]
             flat = flat.index_select(0, torch.tensor(host, device=flat.device))
-            keys, records, k = [keys[i] for i in host], [records[i] for i in host], len(host)
-        ring = self._block_rings.get(flat.dtype)
+            keys, records = [keys[i] for i in host], [records[i] for i in host]
+        k = len(keys)
+        ring = self._grad_rings.get(flat.dtype)
         if ring is None:
-            ring = self._block_rings[flat.dtype] = GradRing(self.runtime, self.slab.experts * self.store.numel,
-                                                             flat.dtype, self.grad_ring_size)
+            per_chunk = self.slab.experts if self.slab is not None else 1
+            ring = self._grad_rings[flat.dtype] = GradRing(rt, per_chunk * self.store.numel, flat.dtype,
+                                                           self.grad_ring_size)
         block = ring.send(flat.reshape(-1))
         self.stats.d2h_bytes += flat.numel() * flat.element_size()
+        if k == 1:
+            self.grads_arrived(layer, [(keys[0], records[0], block)])
+            return
         rows = block.buffer.view(k, self.store.numel).unbind(0)  # one op, not one per expert
         left = [k]
         lock = threading.Lock()
@@ -1385,13 +752,12 @@ class OffloadEngine:
             if last:
                 block.release()
 
-        self.grads_arrived(layer, [(key, record, GradArrival(self.runtime, rows[i], block.event, landed))
+        self.grads_arrived(layer, [(key, record, GradArrival(rt, rows[i], block.event, landed))
                                    for i, (key, record) in enumerate(zip(keys, records))])
 
     def grads_arrived(self, layer: int, items: list[tuple[ExpertKey, ExpertRecord, GradArrival]]) -> None:
-        """These experts of `layer` have their gradients on the way (one expert from the streamed loop, a layer's
-        experts at once from the grouped host path, so that the expert optimizer can step them several per fused
-        call)."""
+        """These experts of `layer` have their gradients on the way (a chunk's at once, so that the expert optimizer
+        can step them several per fused call)."""
         for key, _, _ in items:
             self.store.has_grad[key] = True
         self._hand_over(layer, items)

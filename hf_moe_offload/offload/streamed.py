@@ -1,0 +1,398 @@
+"""The streamed experts of one MoE layer: one chunked path on every runtime (ES-MoE §4.1, issues 35-36).
+
+A call's routed experts run in chunks of k: a chunk's weights are made usable where the experts compute (the engine's
+`stream_chunks`: uploaded into a device slab, copied into a host staging block, or read in place) and its rows run as
+one grouped GEMM per matmul; the next chunk's weights come in meanwhile. k = 1 is ES-MoE's per-expert pipeline (each
+expert by its own function: dropout inside the experts replays one RNG state per expert, a decoded token's few rows);
+k = a layer's experts is the host tier's whole-layer GEMM or a device's layer-granular slab. Backward takes the chunks
+in reverse, differentiates each chunk's forward (kept, or recomputed from the weights streamed again: T_M is not kept
+on a device), and hands the chunk's expert gradients to the engine at once (one block down from a device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..models.moe_gpt.modeling_moe_gpt import dropout_active, grouped_expert_counts
+from ..precision import autocast_state, compute_dtype, restore_autocast
+from ..rng import get_rng, rng_devices, set_rng
+from .layout import ExpertLayout
+from .store import WEIGHTS, ExpertKey
+
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
+
+Segment = tuple[int, int, int]  # (expert, first row, rows) in the call's expert-sorted input
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How one call runs its experts: `chunks` of segments, each chunk computed at once, its weights from `source`
+    (`OffloadEngine.stream_chunks`): "slab" (a device block of k experts, issue 35), "layer" (the host tier's (E, P)
+    block: one chunk of every expert, those without rows included), "staged" (streamed one by one and copied into the
+    host staging block, k = `stage_experts`): one grouped GEMM per matmul over the chunk's (k, P) rows; "expert"
+    (streamed one by one, k = 1): the layout's expert function over the expert's (P,) weights."""
+
+    source: str
+    chunks: list[list[Segment]]
+
+    @property
+    def grouped(self) -> bool:
+        return self.source != "expert"
+
+
+def segments(counts, ids, keep_empty: bool = False) -> list[Segment]:
+    out, start = [], 0
+    for e, n in zip(ids, counts):
+        if n or keep_empty:
+            out.append((e, start, n))
+        start += n
+    return out
+
+
+def span(chunk: list[Segment]) -> tuple[int, int]:
+    """The chunk's rows [lo, hi) of the call's input (its segments are adjacent)."""
+    return chunk[0][1], chunk[-1][1] + chunk[-1][2]
+
+
+class OffloadedExpertsLayer:
+    """The streamed experts of one MoE layer, `experts(x_sorted, counts, expert_ids)` on the model's MoE path; their
+    weights live in the store under keys (layer, e)."""
+
+    def __init__(self, engine: "OffloadEngine", layer: int, module: nn.Module, layout: ExpertLayout):
+        self.engine = engine
+        self.layer = layer
+        self.module = module
+        self.layout = layout
+        self.last_counts: list[int] = [0] * layout.num_experts
+        # Streamed calls of this layer whose backward has not run yet. A layer may be called several times per
+        # micro-step (MPMoE partitions): an expert's gradient is final only in the backward of the last call.
+        self.outstanding = 0
+        # Makes autograd call our backward even when no input requires grad (e.g. frozen layers below).
+        self._anchor = torch.zeros(0, requires_grad=True)
+        # Trainable parameters of the module that every expert's computation uses (e.g. a post-expert norm): ordinary
+        # parameters, whose gradients the recompute in backward accumulates.
+        expert_names = set(layout.names())
+        self.shared_parameters = [p for n, p in module.named_parameters() if n not in expert_names]
+        self.meta: dict[str, tuple[torch.Size, torch.dtype]] = {}  # expert tensor -> (shape, dtype) on the module
+        self.handles: list = []  # the module's state-dict hooks (offload/api.py)
+        self._recompute_forced = 0  # > 0 inside `recomputing()`
+        self._view_cache: dict[tuple, list[torch.Tensor]] = {}  # see `_tensors`
+
+    @contextmanager
+    def recomputing(self):
+        """Calls inside recompute T_M in backward whatever the engine's `keep_activations` (MPMoE partitions: their
+        restore strategies handle what the layer saves and assume the expert inputs are all of it)."""
+        self._recompute_forced += 1
+        try:
+            yield
+        finally:
+            self._recompute_forced -= 1
+
+    def keeps_activations(self, x: torch.Tensor) -> bool:
+        """Whether this call keeps its experts' forward graphs (`OffloadEngine.keep_activations`). Not inside
+        `recomputing()`; not on the disk tier where the forward casts the weights (autocast to another dtype than the
+        streamed copy's): the graphs would hold a copy of every expert's weights, which the disk tier bounds."""
+        if not self.engine.keep_activations or self._recompute_forced:
+            return False
+        return self.engine.store.tier == "host" or compute_dtype(x) == self.engine.store.compute_dtype
+
+    def keys(self, expert_ids: list[int]) -> list[ExpertKey]:
+        return [(self.layer, e) for e in expert_ids]
+
+    def on_route(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, counts: list[int]) -> None:
+        """Called by the MoE path with the layer's router input, choices and tokens per expert, before anything is
+        dispatched or read: picks the engine's mode for this call (inference or training) and, in inference, counts
+        the routed experts' use (before a read of this call could evict one of them), scores this layer's
+        pre-gating guess and starts the reads of the next layer's guessed experts (offload/inference.py)."""
+        engine = self.engine
+        engine.bind(hidden_states.device)  # before the plan's first reads, which depend on the runtime
+        if not engine.enter_call(self.layer, engine.inference_for(self.module)):
+            return
+        for e, n in enumerate(counts):
+            if n:
+                engine.decode_cache.touch((self.layer, e))
+        if engine.pregate is None:
+            return
+        engine.pregate.observe(self.layer, top_k_index, self.num_experts)
+        nxt = self.layer + 1
+        if nxt < len(engine.layers):
+            ids = engine.pregate.guess(nxt, hidden_states, top_k_index.shape[-1])
+            keys = [k for k in ((nxt, e) for e in ids) if k in engine.store]
+            if keys and engine.pregate.acting:
+                engine.prefetch(keys[: engine.decode_cache.budget], WEIGHTS, engine.map_files)
+
+    def prefetch(self, counts: list[int]) -> None:
+        """Called with the dispatch plan before the token permutation, so the first reads overlap it."""
+        self.engine.read_ahead(self.keys([e for e, n in enumerate(counts) if n]), WEIGHTS, self.engine.map_files)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    @property
+    def num_experts(self) -> int:
+        return self.layout.num_experts
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        return []  # the experts live in the store
+
+    def __call__(self, x_sorted: torch.Tensor, counts: list[int], expert_ids: list[int] | None = None) -> torch.Tensor:
+        ids = list(range(len(counts))) if expert_ids is None else list(expert_ids)
+        self.engine.bind(x_sorted.device)
+        total = [0] * self.layout.num_experts
+        for e, n in zip(ids, counts):
+            total[e] += n
+        self.last_counts = total
+        self.engine.stats.tokens_per_expert[str(self.layer)] = total
+        plan = self.plan(x_sorted, counts, ids)
+        if torch.is_grad_enabled() and self.engine.trainable:
+            self.outstanding += 1
+            shared = [p for p in self.shared_parameters if p.requires_grad]
+            with self.engine.training_threads():
+                return _StreamedExperts.apply(x_sorted, self._anchor, self, plan, *shared)
+        with torch.no_grad():
+            return self.run_forward(x_sorted, plan, rng_states=None)
+
+    # --- the plan: which chunks, from where ---
+    def plan(self, x: torch.Tensor, counts: list[int], ids: list[int]) -> ChunkPlan:
+        """Chunks of k experts where one grouped GEMM per matmul computes them as the resident experts would
+        (`grouped_counts`): a device's slab (k by its budget), the host tier's whole layer, the disk tier's staging
+        block on the CPU (k = `stage_experts`); else one expert per chunk."""
+        full = self.grouped_counts(x, counts, ids)
+        if full is None:
+            return ChunkPlan("expert", [[s] for s in segments(counts, ids)])
+        engine = self.engine
+        if engine.runtime.asynchronous:
+            source, k = "slab", engine.slab.experts
+        elif engine.store.grouped_weights(self.layer) is not None:
+            return ChunkPlan("layer", [segments(full, range(len(full)), keep_empty=True)])
+        else:
+            source, k = "staged", engine.stage_experts
+        routed = segments(full, range(len(full)))
+        return ChunkPlan(source, [routed[i : i + k] for i in range(0, len(routed), k)])
+
+    def grouped_counts(self, x: torch.Tensor, counts: list[int], ids: list[int]) -> list[int] | None:
+        """Rows per expert, all E in expert order, when this call's chunks each run as one grouped GEMM per matmul
+        under the resident experts' rule (`grouped_expert_counts`); None: expert by expert. A device: training calls
+        through the slab. The CPU: over the store's (E, P) weights where it keeps a layer's so (the host tier), else in
+        a training call over the engine's staging block (the disk tier, `stage_experts` > 1)."""
+        engine = self.engine
+        training = torch.is_grad_enabled() and engine.trainable and not engine.inference
+        if engine.runtime.asynchronous:
+            if engine.slab is None or not training:
+                return None
+            weights = engine.slab.blocks[0]
+        else:
+            weights = engine.store.grouped_weights(self.layer)
+            if weights is not None and weights.shape[0] != self.num_experts:
+                return None
+            if weights is None:
+                if not (engine.stage_experts > 1 and training):
+                    return None
+                weights = engine.staging_block()
+        if weights.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            return None
+        views = self.layout.grouped_views(weights)
+        return grouped_expert_counts(x, self.layout.matrices(views), counts, ids, self.module, self.num_experts)
+
+    # --- one chunk's compute ---
+    def _tensors(self, rows: torch.Tensor, x: torch.Tensor, grouped: bool) -> list[torch.Tensor]:
+        """The chunk's expert tensors (layout order): (k, ...) views of its rows, or one expert's views of its (P,)
+        weights. Under autocast a streamed copy is used in its own dtype (autocast casts per op; a bf16 copy is never
+        upcast back to fp32); without it the weights take the activations' dtype. Views of fixed buffers (blocks, host
+        records, cache slots) are made once per buffer: decoding calls each expert for one token, and making the views
+        cost as much as its GEMMs."""
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if not autocast and rows.dtype != x.dtype:
+            rows = rows.to(x.dtype)
+            return self.layout.grouped_views(rows) if grouped else self.layout.views(rows)
+        if self.engine.runtime.asynchronous and not grouped:
+            return self.layout.views(rows)  # a slot or a device copy: cheap on the host, never reused as such
+        key = (rows.data_ptr(), tuple(rows.shape), grouped)
+        views = self._view_cache.get(key)
+        if views is None:
+            views = self._view_cache[key] = (self.layout.grouped_views(rows) if grouped
+                                             else self.layout.views(rows))
+        return views
+
+    def _compute(self, xs: torch.Tensor, chunk: list[Segment], tensors: list[torch.Tensor],
+                 grouped: bool) -> torch.Tensor:
+        if grouped:
+            return self.layout.grouped_forward(xs, [n for _, _, n in chunk], tensors)
+        return self.layout.forward(xs, tensors)
+
+    def _forward_chunk(self, xs: torch.Tensor, chunk: list[Segment], rows: torch.Tensor, grouped: bool,
+                       graphs: list | None) -> torch.Tensor:
+        """One chunk's forward; with `graphs`, its graph is kept for backward (`keep_activations`): the middle
+        activation (T_M) saved as a resident model saves it, the weights not (`_kept_graph`)."""
+        if graphs is None:
+            return self._compute(xs, chunk, self._tensors(rows, xs, grouped), grouped)
+        leaves = [t.detach().requires_grad_(True) for t in self._tensors(rows, xs, grouped)]
+        graphs.append(_kept_graph(lambda inputs: self._compute(inputs, chunk, leaves, grouped), xs, leaves, rows))
+        return graphs[-1][2].detach()
+
+    def _differentiate(self, ys, xs, leaves: list, gy, shared: tuple, g_shared: list) -> tuple:
+        """One autograd pass over a chunk's forward graph -> (the input gradient, the expert tensors' gradients in
+        layout order, none when the experts are frozen); the `shared` parameters' gradients are added into
+        `g_shared`."""
+        train = self.engine.train_experts
+        grads = torch.autograd.grad(ys, [xs, *(leaves if train else []), *shared], gy.to(ys.dtype),
+                                    allow_unused=bool(shared))
+        for j, g in enumerate(grads[len(grads) - len(shared):]):
+            if g is not None:
+                g_shared[j] = g if g_shared[j] is None else g_shared[j] + g
+        return grads[0], grads[1 : 1 + len(leaves)] if train else ()
+
+    # --- the path: forward and backward ---
+    def run_forward(self, x: torch.Tensor, plan: ChunkPlan, rng_states: list | None,
+                    graphs: list | None = None) -> torch.Tensor:
+        """`rng_states`: a list to record each chunk's RNG state in (for the recompute; None: no backward follows).
+        `graphs`: a list to keep each chunk's forward graph in, (input leaf, weight leaves, output, holder), instead."""
+        engine = self.engine
+        chunks = plan.chunks
+        y = None  # in the experts' output dtype (autocast: bf16), like the resident experts' torch.cat
+        phase = "inference" if rng_states is None else "forward"
+        if phase == "inference" and engine.cost_model is not None and engine.inference and not plan.grouped:
+            on_host = [c[0] for c in chunks if engine.compute_on_host((self.layer, c[0][0]), c[0][2], x)]
+            if on_host:
+                y = self._run_on_host(x, on_host)
+                chunks = [c for c in chunks if c[0] not in on_host]
+        save_rng = rng_states is not None and graphs is None and not plan.grouped and dropout_active(self.module)
+        with contextlib.closing(engine.stream_chunks(self.layer, plan.source, chunks, phase)) as stream:
+            for chunk, rows, _ in stream:
+                lo, hi = span(chunk)
+                if save_rng:
+                    rng_states.append(get_rng(x.device))
+                out = self._forward_chunk(x[lo:hi], chunk, rows, plan.grouped, graphs)
+                if y is None:
+                    y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out.dtype)
+                y[lo:hi] = out
+        return y if y is not None else x[:0].clone()
+
+    def run_backward(self, x, gy, plan: ChunkPlan, rng_states: list, shared: tuple = (),
+                     graphs: list | None = None) -> tuple:
+        """-> (input gradient, gradients of the `shared` parameters); the experts' gradients go to the engine, a
+        chunk's at once. The chunks in reverse, each differentiated from its kept graph (`graphs`) or its forward
+        recomputed from the weights streamed again (under the chunk's RNG state where the forward recorded one)."""
+        engine = self.engine
+        gx = torch.zeros_like(x)
+        g_shared = [None] * len(shared)
+        order = list(reversed(range(len(plan.chunks))))
+        stream = engine.stream_chunks(self.layer, plan.source, [plan.chunks[c] for c in order], "backward")
+        with contextlib.closing(stream):
+            for c, (chunk, rows, records) in zip(order, stream):
+                try:
+                    lo, hi = span(chunk)
+                    if graphs:
+                        xs, leaves, ys, holder = graphs[c]
+                        holder[0] = rows  # the kept graph's saved weights are these (see _kept_graph)
+                        graphs[c] = None  # freed once used, as autograd frees a resident model's saved tensors
+                    else:
+                        leaves = [t.detach().requires_grad_(True) for t in self._tensors(rows, x, plan.grouped)]
+                        xs = x[lo:hi].detach().requires_grad_(True)
+                        with torch.enable_grad(), torch.random.fork_rng(devices=rng_devices(x.device),
+                                                                        enabled=bool(rng_states)):
+                            if rng_states:
+                                set_rng(x.device, rng_states[c])
+                            ys = self._compute(xs, chunk, leaves, plan.grouped)
+                    gx[lo:hi], expert_grads = self._differentiate(ys, xs, leaves, gy[lo:hi], shared, g_shared)
+                except BaseException:
+                    for (e, _, _), record in zip(chunk, records):
+                        engine.release_record((self.layer, e), record)
+                    raise
+                if not plan.grouped:
+                    expert_grads = tuple(g.unsqueeze(0) for g in expert_grads)
+                engine.chunk_grads_arrived(self.layer, chunk, records, expert_grads)
+        engine.layer_backward_done(self.layer)
+        return gx, g_shared
+
+    def forget_buffers(self) -> None:
+        """The store was replaced: drop the views made of its buffers."""
+        self._view_cache.clear()
+
+    def _run_on_host(self, x: torch.Tensor, on_host: list[Segment]) -> torch.Tensor:
+        """Inference on an asynchronous device: run these experts on the host, from the store's host weights,
+        instead of uploading them (Fiddler; `OffloadEngine.compute_on_host` chose them). -> the output buffer with
+        their rows filled, in the dtype the device experts produce."""
+        engine = self.engine
+        engine.runtime.record().synchronize()  # the host reads the inputs the compute stream produced
+        out_dtype = compute_dtype(x)
+        y = None
+        for e, start, n in on_host:
+            key = (self.layer, e)
+            engine.wait_for_update(key)
+            record = engine.store.acquire(key, WEIGHTS)
+            try:
+                xs = x[start : start + n].to("cpu")
+                out = self.layout.forward(xs, self._tensors(record.compute_param(), xs, grouped=False))
+            finally:
+                engine.store.release(key)
+            if y is None:
+                y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out_dtype)
+            y[start : start + n] = out.to(x.device, out_dtype)
+            engine.stats.host_computed_experts += 1
+        return y
+
+
+def _kept_graph(forward: Callable, xs: torch.Tensor, leaves: list[torch.Tensor], w: torch.Tensor) -> tuple:
+    """Run `forward(xs)` over weight `leaves` that are views of `w` with the graph kept for backward, but not `w`:
+    saved tensors that are views of `w` are packed as their place in it and unpacked from `holder[0]`, which the
+    backward sets to the same weights at the same places (`w` itself, or the buffer they were streamed or staged
+    into again: nothing updates an expert between its forward and its backward in a micro-step, since its step
+    waits for the backward of the layer's last call). So a disk-tier slot can hold other experts meanwhile, and the
+    host tier's records need no autograd version check (a gradient landed by another call of the layer, MPMoE
+    partitions, bumps the counter of the record's buffer). -> (input leaf, leaves, output, holder)."""
+    holder: list[torch.Tensor | None] = [None]
+    base, origin = w.untyped_storage().data_ptr(), w.storage_offset()
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == base:
+            return (t.storage_offset() - origin, t.shape, t.stride())
+        return t
+
+    def unpack(saved):
+        if isinstance(saved, tuple):
+            now = holder[0]
+            return now.as_strided(saved[1], saved[2], now.storage_offset() + saved[0])
+        return saved
+
+    xs = xs.detach().requires_grad_(True)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        ys = forward(xs)
+    return xs, leaves, ys, holder
+
+
+class _StreamedExperts(torch.autograd.Function):
+    """Saves the expert inputs (T_DI). By default weights are re-streamed and T_M recomputed in backward, under the
+    autocast state of the forward (backward itself runs outside the user's autocast block). With the engine's
+    `keep_activations` each chunk's forward graph is kept instead (T_M saved, as a resident model does), and
+    backward differentiates it without a second forward."""
+
+    @staticmethod
+    def forward(ctx, x_sorted, anchor, layer: OffloadedExpertsLayer, plan: ChunkPlan, *shared):
+        ctx.layer, ctx.plan, ctx.shared = layer, plan, shared
+        ctx.rng_states = []
+        ctx.graphs = [] if layer.keeps_activations(x_sorted) else None
+        ctx.autocast = autocast_state(x_sorted.device.type)
+        ctx.save_for_backward(x_sorted)
+        return layer.run_forward(x_sorted, plan, ctx.rng_states, ctx.graphs)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (x_sorted,) = ctx.saved_tensors
+        with restore_autocast(x_sorted.device.type, ctx.autocast), ctx.layer.engine.training_threads():
+            gx, g_shared = ctx.layer.run_backward(x_sorted, gy.contiguous(), ctx.plan, ctx.rng_states, ctx.shared,
+                                                  ctx.graphs)
+        ctx.graphs = None
+        return gx, None, None, None, *g_shared
+
+
+__all__ = ["ChunkPlan", "OffloadedExpertsLayer"]
