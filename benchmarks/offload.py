@@ -171,14 +171,15 @@ def checksum_table(expert_counts, steps: int, batch: int, seq: int, rounds: int 
     function is a benchmark-only patch of the store module."""
     import zlib
 
-    from hf_moe_offload.offload import store as store_module
+    from hf_moe_offload.offload import expert_files as files_module
+    from hf_moe_offload.offload.store import tensor_bytes
 
-    shipped = store_module._row_hash
-    hashes = {"none": lambda buffer: 0, "crc32": lambda buffer: zlib.crc32(store_module.tensor_bytes(buffer)),
+    shipped = files_module._row_hash
+    hashes = {"none": lambda buffer: 0, "crc32": lambda buffer: zlib.crc32(tensor_bytes(buffer)),
               "xxh3": shipped}
 
     def use(name: str) -> None:
-        store_module._row_hash = hashes[name]
+        files_module._row_hash = hashes[name]
 
     rows = []
     try:
@@ -196,7 +197,7 @@ def checksum_table(expert_counts, steps: int, batch: int, seq: int, rounds: int 
                              "ratio_vs_none": walls[name] / walls["none"]})
                 engine.store.close()
     finally:
-        store_module._row_hash = shipped
+        files_module._row_hash = shipped
     return rows
 
 

@@ -25,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from hf_moe_offload.offload.store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, DiskExpertStore
+from hf_moe_offload.offload.disk_store import DiskExpertStore
+from hf_moe_offload.offload.store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD
 from hf_moe_offload.offload.telemetry import OffloadStats
 
 NUMEL = 257  # odd, so records are not page multiples
@@ -48,7 +49,7 @@ class SlowDiskStore(DiskExpertStore):
     def _write_file(self, key, buffer, rows):
         # A write in progress: the rows being written are torn (scribbled over) while the writer pauses. A file
         # written whole is truncated instead, as an interrupted rewrite leaves it.
-        if key in self._hashes:
+        if key in self.files.hashes:
             with open(self.path(key), "r+b") as f:
                 for r in rows:
                     f.seek(r * NUMEL * 4)

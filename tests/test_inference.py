@@ -98,7 +98,7 @@ def test_the_decode_cache_never_holds_more_than_its_slots_and_reads_only_weights
     ids, mask = left_padded_batch(model.config.vocab_size, seed=3)
     greedy(model, ids, mask, n=12)
     assert peak and max(peak) <= cache
-    assert store._decode is engine.decode_cache  # the disk tier evicted by decoding's scores
+    assert store.eviction.decode is engine.decode_cache  # the disk tier evicted by decoding's scores
     # A trainable store read for inference: only the weights row of each expert, never gradients or moments.
     assert engine.stats.disk_read_bytes > 0 and engine.stats.disk_read_bytes % (store.numel * 4) == 0
     assert all(store._entries[k].valid == {PARAM} for k in store.resident_keys())
@@ -323,17 +323,17 @@ def test_inference_mode_follows_grad_and_eval_unless_forced(tmp_path):
     x = torch.randint(0, 101, (2, 6))
     model.train()
     model(x, labels=x).loss.backward()
-    assert not engine.inference and engine.store._decode is None
+    assert not engine.inference and engine.store.eviction.decode is None
     with torch.no_grad():
         model(x)
-    assert engine.inference and engine.store._decode is engine.decode_cache
+    assert engine.inference and engine.store.eviction.decode is engine.decode_cache
     model.eval()
     model(x)  # eval with grad on (e.g. a probe): inference's cache policy, still differentiable
     assert engine.inference
     engine.inference_setting = False
     with torch.no_grad():
         model(x)
-    assert not engine.inference and engine.store._decode is None
+    assert not engine.inference and engine.store.eviction.decode is None
     engine.zero_grad()
 
 
@@ -435,7 +435,7 @@ def test_trainer_evaluation_runs_in_inference_mode_with_the_resident_loss(tmp_pa
                                  report_to=[])
         losses.append(Trainer(model=m, args=args, eval_dataset=data,
                               data_collator=default_data_collator).evaluate()["eval_loss"])
-    assert engine.inference and engine.store._decode is engine.decode_cache
+    assert engine.inference and engine.store.eviction.decode is engine.decode_cache
     assert losses[1] == pytest.approx(losses[0], abs=1e-6)
 
 
@@ -471,7 +471,7 @@ def test_only_a_weights_only_store_leaves_fp32():
 def written_disk_store(tmp_path, num_experts: int, value=lambda key: torch.randn(64)):
     """A disk store of `num_experts` experts of 64 weights (weights row only, a cache of one expert), each written
     with `value(key)` and flushed to its file; returns the store and the values."""
-    from hf_moe_offload.offload.store import DiskExpertStore
+    from hf_moe_offload.offload.disk_store import DiskExpertStore
     from hf_moe_offload.offload.telemetry import OffloadStats
 
     store = DiskExpertStore([(0, e) for e in range(num_experts)], 64, torch.float32, OffloadStats(),
@@ -486,7 +486,7 @@ def written_disk_store(tmp_path, num_experts: int, value=lambda key: torch.randn
 def test_while_decoding_each_row_is_checked_on_its_first_read_only(tmp_path, monkeypatch):
     """A corrupt expert file is still caught while decoding (the first read of each row checks its checksum); a row
     read and checked before is not checked again until it is written."""
-    from hf_moe_offload.offload import store as store_module
+    from hf_moe_offload.offload import expert_files as store_module
     from hf_moe_offload.offload.store import CorruptExpertFileError, WEIGHTS
 
     store, values = written_disk_store(tmp_path, 4)
@@ -512,7 +512,7 @@ def test_mapped_weights_are_checked_once_per_write_and_follow_in_place_writes(tm
     """`map_weights` (inference on the CPU): the view holds the file's weights row; its checksum is matched at the
     first use after each write only; a write that rewrites the file in place shows through the same mapping; an
     expert with a cache entry is not mapped (the cache is current for it); a corrupt file is refused."""
-    from hf_moe_offload.offload import store as store_module
+    from hf_moe_offload.offload import expert_files as store_module
     from hf_moe_offload.offload.store import CorruptExpertFileError
 
     store, values = written_disk_store(tmp_path, 3)

@@ -758,7 +758,7 @@ def test_kept_activations_give_the_recomputed_gradients_bit_for_bit(tier, autoca
     runs no expert forward; the gradients (experts in the store, every other parameter) and the input gradient
     equal the recompute path's bit for bit (torch.equal), in fp32 and under bf16 autocast, over 2 accumulated
     micro-steps."""
-    from hf_moe_offload.offload.layout import ExpertLayout
+    from hf_moe_offload.layouts import ExpertLayout
 
     calls = {"n": 0}
     original, original_grouped = ExpertLayout.forward, ExpertLayout.grouped_forward
@@ -917,7 +917,7 @@ def test_stage_experts_needs_room_for_two_chunks(tmp_path):
 def test_training_experts_compute_with_compute_threads(setting, expected, tmp_path):
     """A training call's experts (forward and backward) run with `compute_threads` intra-op threads (default: one
     fewer than torch's), and torch's setting is back afterwards; inference calls keep torch's."""
-    from hf_moe_offload.offload.layout import ExpertLayout
+    from hf_moe_offload.layouts import ExpertLayout
 
     seen = []
     original = ExpertLayout.grouped_forward

@@ -62,7 +62,8 @@ from ..pipelining.partition import PartitionedExecutor
 from ..offload.api import enable_expert_offload, get_offload_engine
 from ..offload.config import OffloadConfig
 from ..offload.engine import OffloadEngine
-from ..offload.store import DiskExpertStore, ExpertKey, HostExpertStore
+from ..offload.disk_store import DiskExpertStore
+from ..offload.store import ExpertKey, HostExpertStore
 from .comm_stages import AllToAllComm, PPMoEComm
 from .placement import Placement, PlacementCost, plan_placement, static_owner, static_placement
 from .shared_store import create_node_shared_store

@@ -34,10 +34,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..offload.disk_store import CACHED, DiskExpertStore
 from ..offload.store import (
-    CACHED,
     STATE_ROWS,
-    DiskExpertStore,
     ExpertKey,
     ExpertRecord,
     ExpertStore,

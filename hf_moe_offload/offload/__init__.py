@@ -1,13 +1,13 @@
-"""ES-MoE expert offload: expert store tiers, pipelined per-expert streaming, pinning, adaptive mode."""
+"""ES-MoE expert offload: expert store tiers, chunked streaming of the experts, pinning, adaptive mode."""
 
 from .api import disable_expert_offload, enable_expert_offload, find_expert_modules, get_offload_engine
 from .config import OffloadConfig
 from .engine import OffloadEngine
 from ..layouts import ExpertLayout, ExpertTensor, layout_for
 from .planner import choose_tier, estimate_memory
+from .disk_store import DiskExpertStore
 from .store import (
     CorruptExpertFileError,
-    DiskExpertStore,
     ExpertStore,
     ExpertStoreError,
     ExpertStoreFullError,

@@ -24,7 +24,8 @@ from .engine import OffloadEngine, ResidentEngine
 from .inference import PreGate, Router, find_router
 from .planner import MemoryEstimate, choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
 from .saving import streaming_save_pretrained
-from .store import STATE_ROWS, DiskExpertStore, ExpertStore, ExpertStoreError, HostExpertStore
+from .disk_store import DiskExpertStore
+from .store import STATE_ROWS, ExpertStore, ExpertStoreError, HostExpertStore
 from .telemetry import OffloadStats
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 from ..runtime import DeviceRuntime, Event, runtime_for
 from .device_pins import DevicePins
 from .inference import DecodeCache, PlacementCostModel, PreGate
-from .layout import ExpertLayout
+from ..layouts import ExpertLayout
 from .slab import DeviceSlab
 from .store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore
 from .streamed import OffloadedExpertsLayer, Segment

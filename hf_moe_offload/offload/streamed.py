@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..models.moe_gpt.modeling_moe_gpt import dropout_active, grouped_expert_counts
+from ..models.moe_gpt.moe_ops import dropout_active, grouped_expert_counts
 from ..precision import autocast_state, compute_dtype, restore_autocast
 from ..rng import get_rng, rng_devices, set_rng
-from .layout import ExpertLayout
+from ..layouts import ExpertLayout
 from .store import WEIGHTS, ExpertKey
 
 if TYPE_CHECKING:
