@@ -354,7 +354,7 @@ def freeze_offloaded_experts(engine) -> None:
     their own weight gradients are not computed (and no optimizer is needed)."""
     if engine is None or engine.store is None:
         return
-    engine.train_experts = False
+    engine.freeze_experts()
 
 
 # --- 3. several processes ---

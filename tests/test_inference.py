@@ -330,7 +330,7 @@ def test_inference_mode_follows_grad_and_eval_unless_forced(tmp_path):
     model.eval()
     model(x)  # eval with grad on (e.g. a probe): inference's cache policy, still differentiable
     assert engine.inference
-    engine.inference_setting = False
+    engine.config.inference = False
     with torch.no_grad():
         model(x)
     assert not engine.inference and engine.store.eviction.decode is None

@@ -253,7 +253,7 @@ def test_pins_stay_put_under_noisy_loads_and_follow_a_lasting_one(tmp_path, monk
     `last_counts`): under uniform random loads the pins move far less than under ES-MoE's rule (the last step's
     load alone), an expert whose load triples for good is pinned within a few steps, and no more than `pin_limit`
     experts (the cache less the records in flight) are ever pinned."""
-    from hf_moe_offload.offload.engine import OffloadEngine
+    from hf_moe_offload.offload.pinning import PinChoice
 
     g = torch.Generator().manual_seed(3)
     loads = [torch.poisson(torch.full((2, 16), 16.0), generator=g).long() for _ in range(30)]
@@ -263,8 +263,8 @@ def test_pins_stay_put_under_noisy_loads_and_follow_a_lasting_one(tmp_path, monk
     moves = {}
     for rule, (decay, hysteresis) in {"last load": (0.0, 1.0), "decayed": (None, None)}.items():
         if decay is not None:
-            monkeypatch.setattr(OffloadEngine, "PIN_LOAD_DECAY", decay)
-            monkeypatch.setattr(OffloadEngine, "PIN_HYSTERESIS", hysteresis)
+            monkeypatch.setattr(PinChoice, "PIN_LOAD_DECAY", decay)
+            monkeypatch.setattr(PinChoice, "PIN_HYSTERESIS", hysteresis)
         model = small_model(num_experts=16)
         engine = enable_expert_offload(model, offload_cfg("disk", tmp_path / rule, depth=2, pin=0.25, cache=10))
         assert engine.pin_limit == 10 - 2 - 1

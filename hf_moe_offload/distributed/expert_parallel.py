@@ -360,7 +360,7 @@ def _offload_into_shared_store(model: nn.Module, config: OffloadConfig, group, s
 def _share_existing_store(engine: OffloadEngine, config: OffloadConfig | None, group, shared_dir: str) -> None:
     """Replace an offloaded model's per-process store by a node-shared copy of the leader's (weights, moments and
     step counts). The ExpertOptimizer, which holds the store, must be created afterwards."""
-    if engine._grad_hooks or engine._layer_done_hooks:
+    if engine.has_hooks():
         raise RuntimeError(
             "an ExpertOptimizer (or another hook) is already attached to this model's offload engine: call "
             "enable_expert_parallel before creating the ExpertOptimizer / the Trainer with ExpertOptimizerCallback"

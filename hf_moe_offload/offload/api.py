@@ -76,7 +76,7 @@ def enable_expert_offload(
 
     # The compute device is bound on the first forward, from the inputs (or checked against OffloadConfig.device).
     path = moe_path(model)  # the engine's layers and the path's share one layout per module
-    engine = _build_engine(model, path.layers, store, config, mode, model_dtype, stats)
+    engine = _build_engine(model, path.layers, store, config, mode, stats)
     for streamed, route in zip(engine.layers, path.layers):
         _put_layer_in_store(streamed, route, store, _initialize)
     store.flush()
@@ -158,24 +158,11 @@ def _build_store(mode: str, config: OffloadConfig, layouts: list, model_dtype: t
 
 
 def _build_engine(model: nn.Module, layers: list[MoELayer], store: ExpertStore, config: OffloadConfig, mode: str,
-                  model_dtype: torch.dtype, stats: OffloadStats) -> OffloadEngine:
-    engine = OffloadEngine(store, [(layer.module, layer.layout) for layer in layers], config.device,
-                           config.prefetch_depth, config.pin_fraction, stats, mode, config.decode_cache_decay)
-    engine.config = config
-    engine.model_dtype = model_dtype
-    engine.train_experts = config.train_experts
-    engine.keep_activations_setting = config.keep_activations
-    engine.stage_setting = config.stage_experts
-    engine.slab_budget_bytes = config.device_budget_bytes
-    engine.compute_dtype_setting = config.compute_dtype
-    engine.compute_threads = config.compute_threads
-    engine.inference_setting = config.inference
-    engine.compute_on_host_setting = config.compute_on_host
-    engine.pregate_setting = config.pregate
-    engine.mmap_setting = config.mmap_weights
+                  stats: OffloadStats) -> OffloadEngine:
+    pregate = None
     if config.pregate is not False and mode == "disk":  # the host tier has nothing to read early (README)
-        engine.pregate = PreGate([_router(model, route) for route in layers], stats)
-    return engine
+        pregate = PreGate([_router(model, route) for route in layers], stats)
+    return OffloadEngine(store, [(layer.module, layer.layout) for layer in layers], config, stats, mode, pregate)
 
 
 def _put_layer_in_store(streamed, route: MoELayer, store: ExpertStore, initialize: bool) -> None:
@@ -231,7 +218,7 @@ def _expert_tensor(layer, name: str) -> torch.Tensor:
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata, layer):
-    if not layer.engine._state_dict_experts:  # a streaming save writes the experts itself
+    if not layer.engine.experts_in_state_dict:  # a streaming save writes the experts itself
         return state_dict
     layer.engine.synchronize()
     for name in layer.layout.names():

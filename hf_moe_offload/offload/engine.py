@@ -14,6 +14,7 @@ On CPU-only machines the "device" is the host: weights are used in place (host t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -29,8 +30,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..runtime import DeviceRuntime, Event, runtime_for
+from .config import OffloadConfig
 from .device_pins import DevicePins
 from .inference import DecodeCache, PlacementCostModel, PreGate
+from .pinning import PinChoice
 from ..layouts import ExpertLayout
 from .slab import DeviceSlab
 from .store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore
@@ -67,42 +70,37 @@ class OffloadEngine:
 
     grad_ring_size = 4  # gradient download buffers in flight (asynchronous runtimes)
 
-    def __init__(self, store: ExpertStore, layers_modules: list[tuple[nn.Module, ExpertLayout]],
-                 device: torch.device | None, depth: int, pin_fraction: float, stats: OffloadStats, mode: str,
-                 decode_decay: float = 0.9):
+    def __init__(self, store: ExpertStore, layers_modules: list[tuple[nn.Module, ExpertLayout]], config: OffloadConfig,
+                 stats: OffloadStats, mode: str, pregate: PreGate | None = None):
+        # The user's settings (a copy): what depends on the device is resolved once, at `bind`; `inference` per call.
+        self.config = dataclasses.replace(config)
         self.store = store
         self.stats = stats
         self.mode = mode
-        self.requested_device = device
         self.device: torch.device | None = None  # bound on the first forward
         self.runtime: DeviceRuntime | None = None
         self.stager: DeviceStager | None = None
         cache = getattr(store, "cache_experts", None)
-        # Records in flight must fit the cache: clamp the lookahead (a cache of 1 expert streams with no lookahead).
-        self.depth = depth if cache is None else max(0, min(depth, cache - 2))
-        self.pin_fraction = pin_fraction
-        # The disk tier on the CPU: experts per staged chunk (`OffloadedExpertsLayer._staged_forward`; set at bind).
-        self.stage_setting: int | None = None  # OffloadConfig.stage_experts
-        self.compute_threads: int | None = None  # OffloadConfig.compute_threads (`training_threads`)
-        self.stage_experts = 1
-        self._staging: torch.Tensor | None = None
-        # An asynchronous device, training calls: the routed experts chunk by chunk (offload/slab.py; set at bind).
-        self.slab: DeviceSlab | None = None
-        self.slab_budget_bytes: int | None = None  # OffloadConfig.device_budget_bytes: the slab's and the pins'
-        # Training on an asynchronous device: pinned experts' whole state on the device (offload/device_pins.py).
-        self.device_pins: DevicePins | None = None
-        self.compute_dtype_setting: torch.dtype | None = None  # OffloadConfig.compute_dtype (`_bind_compute_dtype`)
-        self._grad_rings: dict[torch.dtype, GradRing] = {}  # chunks' gradients on their way to the host, by dtype
         self._cache = cache
-        self._load_scores: dict[ExpertKey, float] = {}  # `update_pins`: each expert's decayed token load
-        self.trainable = True  # False: no backward through the experts at all
-        self.train_experts = True  # False (frozen experts, e.g. LoRA): backward gives input gradients only
-        # OffloadConfig.keep_activations: None = decide at bind(); `keep_activations` is the decision.
-        self.keep_activations_setting: bool | None = None
-        self.keep_activations = False
-        self._state_dict_experts = True
+        # Records in flight must fit the cache: clamp the lookahead (a cache of 1 expert streams with no lookahead).
+        depth = config.prefetch_depth
+        self.depth = depth if cache is None else max(0, min(depth, cache - 2))
+        self.pin_fraction = config.pin_fraction
+        self.train_experts = config.train_experts  # False (frozen experts, e.g. LoRA): input gradients only
         self.layers = [OffloadedExpertsLayer(self, i, m, layout) for i, (m, layout) in enumerate(layers_modules)]
-        self.pinned: list[ExpertKey] = []
+        # --- resolved at bind ---
+        self.stage_experts = 1  # the disk tier on the CPU: experts per staged chunk (streamed.ChunkPlan "staged")
+        self._staging: torch.Tensor | None = None
+        self.slab: DeviceSlab | None = None  # an asynchronous device, training calls (offload/slab.py)
+        self.device_pins: DevicePins | None = None  # training on a device: pins' whole state there (device_pins.py)
+        self.keep_activations = False  # OffloadConfig.keep_activations, decided
+        self.map_files = False  # OffloadConfig.mmap_weights, decided: a forward computes from mapped files
+        # Fiddler's compute-on-host choice (asynchronous runtimes): measured at bind when OffloadConfig.compute_on_host
+        # allows, or given.
+        self.cost_model: PlacementCostModel | None = None
+        self.pregate = pregate  # OffloadConfig.pregate: dropped at bind on a runtime that is not asynchronous
+        # --- streaming and gradients ---
+        self._grad_rings: dict[torch.dtype, GradRing] = {}  # chunks' gradients on their way to the host, by dtype
         # Host-side work of asynchronous runtimes, in order on one thread: releasing records once their upload has
         # happened, landing gradients nobody else takes.
         self._host_worker: ThreadPoolExecutor | None = None
@@ -113,30 +111,22 @@ class OffloadEngine:
         # (OrderedDicts: a handle holds a weak reference to its dict.)
         self._grad_hooks: OrderedDict[int, GradHook] = OrderedDict()
         self._layer_done_hooks: OrderedDict[int, Callable[[int], None]] = OrderedDict()
+        # `add_grad_hook(..., steps_now=)`: whether a hook steps the experts it takes in the backward that hands them
+        # over (`backward_rows`).
+        self._steps_now: OrderedDict[int, Callable[[], bool]] = OrderedDict()
         self._warned_no_optimizer = False
-        self.coordinator: UpdateCoordinator | None = None
-        # Inference (offload/inference.py). `inference_setting` (OffloadConfig.inference): None = a call is inference
-        # under torch.no_grad() or model.eval(). `inference`: the mode of the current call.
-        self.inference_setting: bool | None = None
+        self.coordinator: UpdateCoordinator | None = None  # several processes sharing the store
+        self._state_dict_experts = True  # `experts_left_out_of_state_dict`
+        # --- inference (offload/inference.py): the mode of the current call ---
         self.inference = False
         # Decoding's use scores (OffloadConfig.decode_cache_decay): the disk tier's eviction and, on an asynchronous
         # device, which experts keep a device copy (`pin_hot_experts`).
         self.decode_cache = DecodeCache(len(self.layers), cache if cache is not None else len(store.keys()),
-                                        decode_decay)
+                                        config.decode_cache_decay)
         self.decode_pin_interval = 16  # tokens between two choices of the hot experts to keep on the device
-        self.pregate: PreGate | None = None  # set by enable_expert_offload (OffloadConfig.pregate)
-        self.pregate_setting: bool | None = None  # None: dropped at bind() on a runtime that is not asynchronous
-        # Fiddler's compute-on-host choice (asynchronous runtimes): the cost model, measured at bind() when
-        # OffloadConfig.compute_on_host allows, or given.
-        self.compute_on_host_setting: bool | None = None
-        self.cost_model: PlacementCostModel | None = None
-        # OffloadConfig.mmap_weights (None: decided at bind()); `map_files`: a forward (inference, or training)
-        # computes an uncached expert from its memory-mapped file (the disk tier computing on the CPU).
-        self.mmap_setting: bool | None = None
-        self.map_files = False
-        # `add_grad_hook(..., steps_now=)`: whether a hook steps the experts it takes in the backward that hands them
-        # over (`backward_rows`).
-        self._steps_now: OrderedDict[int, Callable[[], bool]] = OrderedDict()
+        # --- pinning (ES-MoE §4.3) ---
+        self.pin_choice = PinChoice(self.pin_fraction)
+        self.pinned: list[ExpertKey] = []  # best first, at most `pin_limit`
 
     # --- device binding ---
     def bind(self, device: torch.device) -> None:
@@ -149,9 +139,9 @@ class OffloadEngine:
                     "accelerate, each process offloads its own copy of the model and uses accelerator.device)"
                 )
             return
-        if self.requested_device is not None and device != _normalized(self.requested_device):
+        if self.config.device is not None and device != _normalized(self.config.device):
             raise RuntimeError(
-                f"OffloadConfig.device is {self.requested_device} but the inputs are on {device}: move the model "
+                f"OffloadConfig.device is {self.config.device} but the inputs are on {device}: move the model "
                 "and its inputs there, or leave OffloadConfig.device unset (the engine then uses the inputs' device)"
             )
         self.device = device
@@ -159,25 +149,25 @@ class OffloadEngine:
         # Kept forward graphs (`_forward_kept`) cost what a resident model saves (T_M per expert); on the CPU that
         # memory is the host's either way. On a device ES-MoE keeps only the expert inputs there.
         safe = not self.runtime.asynchronous
-        if self.keep_activations_setting and not safe:
+        if self.config.keep_activations and not safe:
             raise ValueError(
                 f"OffloadConfig.keep_activations=True needs the experts computing on the CPU (here: {device}): on a "
                 "device the kept activations would take device memory that ES-MoE leaves to the experts in flight. "
                 "Leave it unset (the engine then recomputes each expert's middle activation in backward)"
             )
-        self.keep_activations = safe if self.keep_activations_setting is None else self.keep_activations_setting
+        self.keep_activations = safe if self.config.keep_activations is None else self.config.keep_activations
         self._bind_compute_dtype(device)
         self._bind_staging()
         self._bind_device_pins()
         self.store.bind_runtime(self.runtime)
         self.stager = DeviceStager(self.runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1),
                                    self.stats)
-        if self.pregate_setting is None and not self.runtime.asynchronous:
+        if self.config.pregate is None and not self.runtime.asynchronous:
             self.pregate = None  # OffloadConfig.pregate: early reads would compete with the compute for the CPU
         # Compute-on-host pays off where weights cross a link (a GPU); `True` also turns it on for the simulated
         # device (tests). On the inline CPU runtime the host is the device.
-        wanted = (self.runtime.name == "cuda" if self.compute_on_host_setting is None
-                  else self.compute_on_host_setting)
+        wanted = (self.runtime.name == "cuda" if self.config.compute_on_host is None
+                  else self.config.compute_on_host)
         if wanted and self.runtime.asynchronous and self.cost_model is None:
             self.cost_model = PlacementCostModel.measure(self.runtime, self.store.numel, self.store.compute_dtype)
         # On the CPU the host is the device: an expert's file in the page cache is as close to the compute as a cache
@@ -185,12 +175,12 @@ class OffloadEngine:
         # still reads the record: the optimizer updates it). A device needs the weights in its own memory (uploaded
         # from page-locked slots): there the cache stays.
         can_map = getattr(self.store, "mappable", False) and not self.runtime.asynchronous
-        if self.mmap_setting and not can_map:
+        if self.config.mmap_weights and not can_map:
             raise ValueError(
                 f"OffloadConfig.mmap_weights=True needs the disk tier computing on the CPU with rows in the compute "
                 f"dtype (here: {self.store.tier} tier on {device}); leave it unset"
             )
-        self.map_files = can_map if self.mmap_setting is None else self.mmap_setting
+        self.map_files = can_map if self.config.mmap_weights is None else self.config.mmap_weights
         logger.info("expert offload: computing on %s (runtime %s)", device, self.runtime.name)
 
     def _bind_compute_dtype(self, device: torch.device) -> None:
@@ -198,7 +188,7 @@ class OffloadEngine:
         `OffloadConfig.compute_dtype` says otherwise: the same values autocast would cast the fp32 weights to on the
         device (round to nearest), half the bytes up, and gradients down in that dtype (the GEMMs produce them so)."""
         store = self.store
-        if (self.compute_dtype_setting is not None or not self.runtime.asynchronous
+        if (self.config.compute_dtype is not None or not self.runtime.asynchronous
                 or not torch.is_autocast_enabled(device.type) or not store.switches_compute_dtype
                 or store.compute_dtype != store.row_dtype):
             return
@@ -216,7 +206,7 @@ class OffloadEngine:
         1.02x and the disk tier with every expert cached 1.16x instead of 1.38x (issue 14, benchmarks/RESULTS.md).
         An asynchronous device computes elsewhere: nothing changes there."""
         before = torch.get_num_threads()
-        wanted = self.compute_threads if self.compute_threads is not None else max(1, before - 1)
+        wanted = self.config.compute_threads if self.config.compute_threads is not None else max(1, before - 1)
         if self.runtime is None or self.runtime.asynchronous or wanted == before:
             yield
             return
@@ -245,15 +235,15 @@ class OffloadEngine:
             self._bind_slab()
             return
         if cache is None:
-            if self.stage_setting not in (None, 1):
+            if self.config.stage_experts not in (None, 1):
                 raise ValueError(
-                    f"OffloadConfig.stage_experts={self.stage_setting} applies to the disk tier computing on the CPU "
+                    f"OffloadConfig.stage_experts={self.config.stage_experts} applies to the disk tier computing on the CPU "
                     f"(here: {self.store.tier} tier on {self.device}); leave it unset"
                 )
             return
         room = cache - self.depth - 1
-        if self.stage_setting is not None:
-            k = self.stage_setting
+        if self.config.stage_experts is not None:
+            k = self.config.stage_experts
         else:
             k = min(self.STAGE_MAX, room // 3) if 2 * cache >= len(self.store) else 1
         if 2 * k > room and k > 1:
@@ -276,14 +266,14 @@ class OffloadEngine:
             k = min(k, budget // per_expert)
         if self._cache is not None:
             k = min(k, (self._cache - self.depth - 1) // 2)
-        if self.stage_setting is not None:
-            if self._cache is not None and 2 * self.stage_setting > self._cache - self.depth - 1:
+        if self.config.stage_experts is not None:
+            if self._cache is not None and 2 * self.config.stage_experts > self._cache - self.depth - 1:
                 raise ValueError(
-                    f"OffloadConfig.stage_experts={self.stage_setting} needs a host cache of at least "
-                    f"{2 * self.stage_setting + self.depth + 1} experts (two chunks in flight and prefetch_depth="
+                    f"OffloadConfig.stage_experts={self.config.stage_experts} needs a host cache of at least "
+                    f"{2 * self.config.stage_experts + self.depth + 1} experts (two chunks in flight and prefetch_depth="
                     f"{self.depth} reads ahead); the cache holds {self._cache}")
-            k = self.stage_setting
-        if k < (1 if self.stage_setting is not None else 2):
+            k = self.config.stage_experts
+        if k < (1 if self.config.stage_experts is not None else 2):
             # No room for two chunks of two: expert by expert through the stager's slots, which hold the records in
             # flight only (a slab of single experts would take two of the disk tier's cache slots from the pins).
             logger.info("expert offload: no room for the slab's two chunks (budget %s bytes, host cache %s experts): "
@@ -294,8 +284,8 @@ class OffloadEngine:
     def _device_budget(self) -> int | None:
         """Device memory the slab and the device pins may take together: `OffloadConfig.device_budget_bytes`, else a
         quarter of the memory free at bind; None: unbounded (a simulated device without a size)."""
-        if self.slab_budget_bytes is not None:
-            return self.slab_budget_bytes
+        if self.config.device_budget_bytes is not None:
+            return self.config.device_budget_bytes
         free = self.runtime.free_memory()
         return None if free is None else free // 4
 
@@ -358,11 +348,15 @@ class OffloadEngine:
                 (self.stage_experts, numel), (stride, 1))
         return self._staging
 
+    def freeze_experts(self) -> None:
+        """The experts are not trained from now on (LoRA on the other parts): backward gives input gradients only."""
+        self.train_experts = False
+
     # --- inference (offload/inference.py) ---
     def inference_for(self, module: nn.Module) -> bool:
         """Whether a call of `module` runs in inference mode (decode cache, pre-gating, compute on host)."""
-        if self.inference_setting is not None:
-            return self.inference_setting
+        if self.config.inference is not None:
+            return self.config.inference
         return not torch.is_grad_enabled() or not module.training
 
     def enter_call(self, layer: int, inference: bool) -> bool:
@@ -384,7 +378,7 @@ class OffloadEngine:
         """Decoding on an asynchronous device: keep a device copy of each layer's `pin_fraction` hottest experts by
         decoding's use scores (mixtral-offloading's per-layer expert cache on the GPU; ES-MoE §4.3's pinning, chosen
         by recent use instead of the last training step's load). Their uploads are then reused across tokens."""
-        self._set_pins(self._top_experts(lambda layer, e: self.decode_cache.score((layer.layer, e))))
+        self._set_pins(self.pin_choice.top(self.layers, self.decode_cache.score))
 
     def compute_on_host(self, key: ExpertKey, tokens: int, x: torch.Tensor) -> bool:
         """The cost model's choice for one expert of an inference call: host compute, unless a current device copy
@@ -832,6 +826,24 @@ class OffloadEngine:
             self._steps_now[handle.id] = steps_now
         return handle
 
+    def has_hooks(self) -> bool:
+        """Whether a gradient or layer-done hook is attached (an expert optimizer)."""
+        return bool(self._grad_hooks or self._layer_done_hooks)
+
+    @property
+    def experts_in_state_dict(self) -> bool:
+        """Whether the experts modules' state-dict hooks put the experts' tensors in `state_dict()` (offload/api.py)."""
+        return self._state_dict_experts
+
+    @contextmanager
+    def experts_left_out_of_state_dict(self):
+        """`state_dict()` without the experts' tensors meanwhile (a streaming save writes them from the store)."""
+        self._state_dict_experts = False
+        try:
+            yield
+        finally:
+            self._state_dict_experts = True
+
     def add_layer_done_hook(self, hook: Callable[[int], None]) -> RemovableHandle:
         """`hook(layer)` once `layer`'s expert gradients are final for the micro-step. Returns its removable handle."""
         handle = RemovableHandle(self._layer_done_hooks)
@@ -904,38 +916,14 @@ class OffloadEngine:
         finally:
             self.store.release(key)
 
-    # --- pinning (ES-MoE §4.3) ---
-    # ES-MoE pins the experts most loaded in the previous iteration. Each change of a pin costs I/O (on the disk
-    # tier the record leaving the cache is written back and the newcomer read; on a device, an upload), while one
-    # step's loads are noisy (e.g. 16 +- 4 tokens per expert at 64 experts): pinning by the last load alone moved
-    # most pins every step and saved almost nothing. So the load is averaged over recent steps and a pinned expert
-    # keeps its place until another's average is PIN_HYSTERESIS times its own (issue 14: bytes written per step).
-    PIN_LOAD_DECAY = 0.9
-    PIN_HYSTERESIS = 2.0
-
+    # --- pinning (ES-MoE §4.3; the choice: offload/pinning.py) ---
     def update_pins(self) -> None:
-        """Keep the top `pin_fraction` experts of each layer by recent load resident (see above)."""
+        """At a window's close: pin each layer's `pin_fraction` experts by recent load (several processes: the
+        placement's pins)."""
         if self.coordinator is not None:  # several ranks: pins must agree with the placement (ES-MoE §4.2-4.3)
             self._set_pins(self.coordinator.pinned_keys())
             return
-        for layer in self.layers:
-            for e, n in enumerate(layer.last_counts):
-                key = (layer.layer, e)
-                self._load_scores[key] = self.PIN_LOAD_DECAY * self._load_scores.get(key, 0.0) + n
-        held = set(self.pinned)
-        self._set_pins(self._top_experts(lambda layer, e: self._load_scores[(layer.layer, e)]
-                                         * (self.PIN_HYSTERESIS if (layer.layer, e) in held else 1.0)))
-
-    def _top_experts(self, score: Callable[[OffloadedExpertsLayer, int], float]) -> list[ExpertKey]:
-        """Each layer's `pin_fraction` best-scored experts (an expert scored 0 is never pinned), best first across
-        layers (`_set_pins` keeps the first `pin_limit`)."""
-        pinned: list[tuple[float, ExpertKey]] = []
-        for layer in self.layers:
-            k = math.ceil(self.pin_fraction * layer.num_experts) if self.pin_fraction else 0
-            scores = [score(layer, e) for e in range(layer.num_experts)]
-            top = sorted(range(layer.num_experts), key=lambda e: -scores[e])[:k]
-            pinned += [(scores[e], (layer.layer, e)) for e in top if scores[e] > 0]
-        return [key for _, key in sorted(pinned, key=lambda item: -item[0])]
+        self._set_pins(self.pin_choice.by_load(self.layers, self.pinned))
 
     def _set_pins(self, pinned: list[ExpertKey]) -> None:
         """Pin these (best first), at most `pin_limit` of them."""

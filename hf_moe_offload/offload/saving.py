@@ -107,11 +107,8 @@ def _shard_names(save_directory: str, total: int) -> list[str]:
 
 def _write_base_shard(model: nn.Module, engine, expert_names: dict, path: str) -> dict[str, str]:
     """The non-expert weights (tied ones once) into one shard; returns their part of the weight map."""
-    engine._state_dict_experts = False
-    try:
+    with engine.experts_left_out_of_state_dict():
         base = {k: v for k, v in model.state_dict().items() if k not in expert_names}
-    finally:
-        engine._state_dict_experts = True
     tied = getattr(model, "_tied_weights_keys", None) or {}
     if getattr(model.config, "tie_word_embeddings", False):
         for k in list(tied):

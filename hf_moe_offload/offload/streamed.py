@@ -153,7 +153,7 @@ class OffloadedExpertsLayer:
         self.last_counts = total
         self.engine.stats.tokens_per_expert[str(self.layer)] = total
         plan = self.plan(x_sorted, counts, ids)
-        if torch.is_grad_enabled() and self.engine.trainable:
+        if torch.is_grad_enabled():
             self.outstanding += 1
             shared = [p for p in self.shared_parameters if p.requires_grad]
             with self.engine.training_threads():
@@ -185,7 +185,7 @@ class OffloadedExpertsLayer:
         through the slab. The CPU: over the store's (E, P) weights where it keeps a layer's so (the host tier), else in
         a training call over the engine's staging block (the disk tier, `stage_experts` > 1)."""
         engine = self.engine
-        training = torch.is_grad_enabled() and engine.trainable and not engine.inference
+        training = torch.is_grad_enabled() and not engine.inference
         if engine.runtime.asynchronous:
             if engine.slab is None or not training:
                 return None
