@@ -569,9 +569,7 @@ class OffloadEngine:
         slab, store, pins = self.slab, self.store, self.device_pins
         if pins is not None and phase == "forward":
             self._admit_pins([(layer, e) for chunk in chunks for e, _, _ in chunk])
-        # Device-pinned experts (offload/device_pins.py) are neither acquired nor uploaded: compute places them.
-        on_device = (lambda key: False) if pins is None else pins.__contains__
-        keys_all = [(layer, e) for chunk in chunks for e, _, _ in chunk if not on_device((layer, e))]
+        keys_all = [(layer, e) for chunk in chunks for e, _, _ in chunk if not self._on_device((layer, e))]
         rows_wanted = self.backward_rows(layer) if keep else WEIGHTS
         if store.wants_schedule and not self.inference:
             store.set_schedule(self._schedule(layer, keys_all, phase))
@@ -580,51 +578,12 @@ class OffloadEngine:
         slab.timer.settle()
         pending: deque = deque()  # (chunk, keys, records, rows, ready, index), at most two: one per block
         issued = 0
-
-        def issue() -> None:
-            nonlocal issued
-            chunk = chunks[issued]
-            issued += 1
-            t0 = time.perf_counter()  # host-side waits: the experts' updates, disk reads
-            keys = [(layer, e) for e, _, _ in chunk]
-            records: list[ExpertRecord | None] = []
-            try:
-                for key in keys:
-                    if on_device(key):
-                        records.append(None)
-                        continue
-                    self.wait_for_update(key)
-                    records.append(store.acquire(key, rows_wanted))
-            except BaseException:
-                for key, record in zip(keys, records):
-                    if record is not None:
-                        store.release(key)
-                raise
-            self.stats.stall_seconds += time.perf_counter() - t0
-            ahead = [(layer, e) for c in chunks[issued : issued + 1] for e, _, _ in c if not on_device((layer, e))]
-            if ahead:
-                self.prefetch(ahead[: self.depth + 1], rows_wanted, False)
-            held = [(key, pins.version(key) if record is None else record.version)
-                    for key, record in zip(keys, records)]
-            # A backward may find the chunk still in a block (the forward's last chunks): no upload.
-            reused = slab.reuse(held) if keep else None
-            if reused is None:
-                sources = []
-                for (key, version), record in zip(held, records):
-                    if record is None:  # placed from the device pins by compute (below)
-                        sources.append((key, version, None, None))
-                    elif key in self.stager.pinned_keys:  # its device copy (ES-MoE §4.3 pinning)
-                        copy, copy_ready, _ = self.stager.upload(key, record)
-                        sources.append((key, version, copy, copy_ready))
-                    else:
-                        sources.append((key, version, record.compute_param(), None))
-                reused = slab.upload(sources, backward=keep)
-            pending.append((chunk, keys, records, *reused))
-
         try:
             while issued < len(chunks) or pending:
                 while issued < len(chunks) and len(pending) < 2:
-                    issue()
+                    issued += 1
+                    pending.append(self._upload_chunk(layer, chunks[issued - 1], chunks[issued : issued + 1],
+                                                      rows_wanted, keep))
                 chunk, keys, records, rows, ready, index = pending.popleft()
                 slab.wait(index, rows)
                 if pins is not None:
@@ -644,6 +603,51 @@ class OffloadEngine:
                     if record is not None:
                         self._release_after(key, ready)
             self.stats.compute_seconds += time.perf_counter() - t_start
+
+    def _on_device(self, key: ExpertKey) -> bool:
+        """A device-pinned expert (offload/device_pins.py): neither acquired nor uploaded; compute places it."""
+        return self.device_pins is not None and key in self.device_pins
+
+    def _upload_chunk(self, layer: int, chunk: list[Segment], after: list[list[Segment]], rows_wanted,
+                      backward: bool) -> tuple:
+        """Acquire a chunk's records (once their updates are done), start reading the next chunk's (`after`), and
+        enqueue its upload into the next slab block, unless a backward finds it still in a block ->
+        (chunk, keys, records, rows, ready, block index)."""
+        store, slab, pins = self.store, self.slab, self.device_pins
+        t0 = time.perf_counter()  # host-side waits: the experts' updates, disk reads
+        keys = [(layer, e) for e, _, _ in chunk]
+        records: list[ExpertRecord | None] = []
+        try:
+            for key in keys:
+                if self._on_device(key):
+                    records.append(None)
+                    continue
+                self.wait_for_update(key)
+                records.append(store.acquire(key, rows_wanted))
+        except BaseException:
+            for key, record in zip(keys, records):
+                if record is not None:
+                    store.release(key)
+            raise
+        self.stats.stall_seconds += time.perf_counter() - t0
+        ahead = [(layer, e) for c in after for e, _, _ in c if not self._on_device((layer, e))]
+        if ahead:
+            self.prefetch(ahead[: self.depth + 1], rows_wanted, False)
+        held = [(key, pins.version(key) if record is None else record.version) for key, record in zip(keys, records)]
+        # A backward may find the chunk still in a block (the forward's last chunks): no upload.
+        reused = slab.reuse(held) if backward else None
+        if reused is None:
+            sources = []
+            for (key, version), record in zip(held, records):
+                if record is None:  # placed from the device pins by compute (`_slab_chunks`)
+                    sources.append((key, version, None, None))
+                elif key in self.stager.pinned_keys:  # its device copy (ES-MoE §4.3 pinning)
+                    copy, copy_ready, _ = self.stager.upload(key, record)
+                    sources.append((key, version, copy, copy_ready))
+                else:
+                    sources.append((key, version, record.compute_param(), None))
+            reused = slab.upload(sources, backward=backward)
+        return (chunk, keys, records, *reused)
 
     def read_ahead(self, keys: list[ExpertKey], rows, mapped: bool) -> None:
         """Start reading the first `depth + 1` of `keys`, the experts a streamed loop is about to acquire. In inference
