@@ -165,19 +165,11 @@ def _usage(record: dict, where: str) -> tuple[str, str]:
     return "\n".join(with_pkg), "\n".join(without)
 
 
-def card_values(record: dict) -> dict[str, str]:
-    """The template's placeholders, formatted from a run record."""
+def _card_front_matter(record: dict) -> tuple[list[str], list[str]]:
+    """The card's tags and its extra front-matter lines (dataset, base model)."""
     m = record.get("model", {})
-    task = record.get("task", "causal-lm")
     train = record.get("training", {})
     data = record.get("data", {})
-    metrics = record.get("metrics", {})
-    off = record.get("offload") or {}
-    tele = record.get("telemetry") or {}
-    plots = record.get("plots", {})
-    where = record.get("hub_model_id") or record.get("output_dir") or "path/to/model"
-    name = record.get("hub_model_id") or os.path.basename(os.path.normpath(record.get("output_dir", "moe-gpt"))) or "moe-gpt"
-
     tags = ["mixture-of-experts", "moe", "hf-moe-offload", m.get("model_type", "moe_gpt")]
     if train.get("method") == "lora":
         tags.append("lora")
@@ -187,8 +179,14 @@ def card_values(record: dict) -> dict[str, str]:
     base = record.get("base_model")
     if base and not os.path.exists(base) and re.fullmatch(r"[\w.-]+/[\w.-]+", base):  # a Hub id, not a local path
         extra.append(f"base_model: {base}")
+    return tags, extra
 
-    top_k = m.get("num_experts_per_tok", 1)
+
+def _card_summary(record: dict) -> str:
+    """The one-paragraph summary under the card's title (and the record's note, if any)."""
+    m = record.get("model", {})
+    task = record.get("task", "causal-lm")
+    data = record.get("data", {})
     summary = (
         f"A Mixture-of-Experts {'language model' if task == 'causal-lm' else 'sequence classifier'} "
         f"({m.get('class', '')}) with {m.get('num_experts')} experts in each of {m.get('moe_layers')} MoE layers "
@@ -198,9 +196,16 @@ def card_values(record: dict) -> dict[str, str]:
     )
     if record.get("note"):
         summary += f"\n\n{record['note']}"
+    return summary
 
+
+def _card_offload(record: dict) -> str:
+    """The offload section: the tier's table (with the run's telemetry) or a line, then the processes if several."""
+    train = record.get("training", {})
+    off = record.get("offload") or {}
+    tele = record.get("telemetry") or {}
     if off.get("mode") in ("host", "disk"):
-        rows = [("tier", f"`{off['mode']}`" + (f" (chosen by `mode=\"auto\"`)" if off.get("requested_mode") == "auto" else "")),
+        rows = [("tier", f"`{off['mode']}`" + (" (chosen by `mode=\"auto\"`)" if off.get("requested_mode") == "auto" else "")),
                 (f"expert state ({off.get('expert_state_rows', 'fp32 weights, gradients, Adam moments')})",
                  f"{_fmt(off.get('expert_state_MB'))} MB in {off.get('experts_total')} expert records")]
         if off["mode"] == "disk":
@@ -229,52 +234,51 @@ def card_values(record: dict) -> dict[str, str]:
     if par.get("world_size", 1) > 1:
         offload += (f"\n\n{par['world_size']} processes ({par.get('backend', 'n/a')}); experts: "
                     f"{par.get('expert_parallel') or 'replicated (data parallel)'}.")
+    return offload
 
-    pipe = record.get("pipelining")
-    pipelining = ("Not used in this run." if not pipe
-                  else _table([(k.replace("_", " "), f"`{v}`") for k, v in pipe.items()]))
 
+_CARD_METRICS = (
+    ("train_loss_first", "train loss, first logged"), ("train_loss_last", "train loss, last logged"),
+    ("train_loss", "train loss, run average"), ("eval_loss", "eval loss"),
+    ("eval_perplexity", "eval perplexity"),
+    ("unigram_perplexity", "baseline: add-one unigram perplexity, same held-out tokens"),
+    ("initial_accuracy", "eval accuracy before training"), ("eval_accuracy", "eval accuracy"),
+    ("eval_accuracy_ci95", "eval accuracy, 95% Wilson interval"),
+    ("majority_accuracy", "baseline: majority-class accuracy"), ("versus_baseline", "verdict"),
+    ("tokens_per_second", "training tokens / s"), ("train_runtime_s", "training time (s)"),
+)
+
+
+def _card_metrics(metrics: dict) -> str:
+    """The metrics table, in `_CARD_METRICS`' order, of the metrics the run recorded."""
     rows = []
-    for key, label in (("train_loss_first", "train loss, first logged"), ("train_loss_last", "train loss, last logged"),
-                       ("train_loss", "train loss, run average"), ("eval_loss", "eval loss"),
-                       ("eval_perplexity", "eval perplexity"),
-                       ("unigram_perplexity", "baseline: add-one unigram perplexity, same held-out tokens"),
-                       ("initial_accuracy", "eval accuracy before training"), ("eval_accuracy", "eval accuracy"),
-                       ("eval_accuracy_ci95", "eval accuracy, 95% Wilson interval"),
-                       ("majority_accuracy", "baseline: majority-class accuracy"), ("versus_baseline", "verdict"),
-                       ("tokens_per_second", "training tokens / s"), ("train_runtime_s", "training time (s)")):
+    for key, label in _CARD_METRICS:
         value = metrics.get(key)
         if value is not None:
             shown = " – ".join(_fmt(v) for v in value) if isinstance(value, (list, tuple)) else _fmt(value)
             rows.append((label, shown))
-    metrics_md = _table(rows) if rows else "No metrics recorded."
-    curves = f"![Training curves]({plots['training_curves']})" if plots.get("training_curves") else ""
+    return _table(rows) if rows else "No metrics recorded."
 
+
+def _card_expert_load(record: dict, top_k: int) -> str:
+    """The per-layer expert-load table (routed tokens, max/mean over the run and the last interval, idle experts)."""
     load = record.get("expert_load") or {}
-    if load.get("layers"):
-        lines = [f"| layer | routed tokens (× top-{top_k}) | max / mean (run) | max / mean (last interval) | "
-                 "idle experts (run) |",
-                 "|---|---|---|---|---|"]
-        for layer in load["layers"]:
-            r, li = layer["run"], layer["last_interval"]
-            lines.append(f"| `{layer['name']}` | {r['tokens']:,} | {r['max_over_mean']:.2f} | "
-                         f"{li['max_over_mean']:.2f} | {r['idle_experts']} |")
-        load_md = "\n".join(lines)
-    else:
-        load_md = "No expert load was recorded."
+    if not load.get("layers"):
+        return "No expert load was recorded."
+    lines = [f"| layer | routed tokens (× top-{top_k}) | max / mean (run) | max / mean (last interval) | "
+             "idle experts (run) |",
+             "|---|---|---|---|---|"]
+    for layer in load["layers"]:
+        r, li = layer["run"], layer["last_interval"]
+        lines.append(f"| `{layer['name']}` | {r['tokens']:,} | {r['max_over_mean']:.2f} | "
+                     f"{li['max_over_mean']:.2f} | {r['idle_experts']} |")
+    return "\n".join(lines)
 
-    with_pkg, without = _usage(record, where)
-    hw = record.get("hardware", {})
-    limitations = record.get("limitations") or "See the training data and metrics above."
+
+def _card_model_values(m: dict) -> dict[str, str]:
+    """The model's placeholders: architecture, shape, MoE layers, experts, parameter counts, vocabulary/context."""
+    top_k = m.get("num_experts_per_tok", 1)
     return {
-        "pipeline_tag": "text-classification" if task == "sequence-classification" else "text-generation",
-        "license": record.get("license", "apache-2.0"),
-        "tags": "\n".join(f"- {t}" for t in tags),
-        "front_matter_extra": "".join(f"{e}\n" for e in extra),
-        "model_name": name,
-        "summary": summary,
-        "technique_line": "dropless sequential experts, expert offload with pipelined per-expert streaming "
-                          "(ES-MoE §4.1), expert-wise CPU optimizer, `transformers.Trainer`.",
         "architecture": f"`{m.get('model_type')}` ({m.get('class')}), pre-norm GPT decoder with MoE FFN layers",
         "shape": f"{m.get('num_hidden_layers')} / {m.get('hidden_size')} / {m.get('num_attention_heads')} / "
                  f"{m.get('intermediate_size')}",
@@ -285,6 +289,17 @@ def card_values(record: dict) -> dict[str, str]:
         "active_params": _fmt_count(m.get("active_params")),
         "expert_params": _fmt_count(m.get("expert_params")),
         "vocab_context": f"{m.get('vocab_size')} / {m.get('max_position_embeddings')} tokens",
+    }
+
+
+def _card_training_values(record: dict) -> dict[str, str]:
+    """The training placeholders: data, tokenizer, method, schedule, optimizer, hardware, runtime, command."""
+    train = record.get("training", {})
+    data = record.get("data", {})
+    metrics = record.get("metrics", {})
+    par = record.get("parallel") or {}
+    hw = record.get("hardware", {})
+    return {
         "data": data.get("description", "n/a") + (f"; {data['train_size']}" if data.get("train_size") else "")
                 + (f"; eval: {data['eval_size']}" if data.get("eval_size") else ""),
         "tokenizer": data.get("tokenizer", "n/a"),
@@ -301,15 +316,41 @@ def card_values(record: dict) -> dict[str, str]:
         "runtime": f"{_fmt(metrics.get('total_runtime_s'))} s in total, {_fmt(metrics.get('train_runtime_s'))} s "
                    "training",
         "command": record.get("command", "n/a"),
-        "offload": offload,
-        "pipelining": pipelining,
-        "metrics": metrics_md,
-        "curves": curves,
+    }
+
+
+def card_values(record: dict) -> dict[str, str]:
+    """The template's placeholders, formatted from a run record: 1. front matter and summary, 2. the model,
+    3. the training, 4. offload and pipelining, 5. metrics and expert load, 6. usage and limitations."""
+    m = record.get("model", {})
+    task = record.get("task", "causal-lm")
+    plots = record.get("plots", {})
+    where = record.get("hub_model_id") or record.get("output_dir") or "path/to/model"
+    name = record.get("hub_model_id") or os.path.basename(os.path.normpath(record.get("output_dir", "moe-gpt"))) or "moe-gpt"
+    tags, extra = _card_front_matter(record)
+    pipe = record.get("pipelining")
+    with_pkg, without = _usage(record, where)
+    return {
+        "pipeline_tag": "text-classification" if task == "sequence-classification" else "text-generation",
+        "license": record.get("license", "apache-2.0"),
+        "tags": "\n".join(f"- {t}" for t in tags),
+        "front_matter_extra": "".join(f"{e}\n" for e in extra),
+        "model_name": name,
+        "summary": _card_summary(record),
+        "technique_line": "dropless sequential experts, expert offload with pipelined per-expert streaming "
+                          "(ES-MoE §4.1), expert-wise CPU optimizer, `transformers.Trainer`.",
+        **_card_model_values(m),
+        **_card_training_values(record),
+        "offload": _card_offload(record),
+        "pipelining": ("Not used in this run." if not pipe
+                       else _table([(k.replace("_", " "), f"`{v}`") for k, v in pipe.items()])),
+        "metrics": _card_metrics(record.get("metrics", {})),
+        "curves": f"![Training curves]({plots['training_curves']})" if plots.get("training_curves") else "",
         "expert_load_plot": plots.get("expert_load", "expert_load.png"),
-        "expert_load": load_md,
+        "expert_load": _card_expert_load(record, m.get("num_experts_per_tok", 1)),
         "usage_with_package": with_pkg,
         "usage_without_package": without,
-        "limitations": limitations,
+        "limitations": record.get("limitations") or "See the training data and metrics above.",
     }
 
 

@@ -205,16 +205,42 @@ def convert_fairseq_checkpoint(
     fairseq_capacity: bool = False,
 ) -> str:
     """Convert a fairseq MoE LM checkpoint at `src` into a MoE-GPT folder `dst` (sharded safetensors + index +
-    config + remote code, and a tokenizer when `dict_path` is given). Returns `dst`."""
-    import hf_moe_offload  # noqa: F401  (registers auto classes for the remote-code files)
-    from transformers.dynamic_module_utils import custom_object_save
+    config + remote code, and a tokenizer when `dict_path` is given). Returns `dst`.
 
-    from ..models.moe_gpt import MoEGPTForCausalLM
+    Steps: 1. read the shared file and check the expert split (`_read_shared`); 2. write the non-expert shard
+    (`_write_shared_shard`); 3. lay out the expert shards and fill them rank file by rank file
+    (`_write_expert_shards`); 4. check the weights against the model, write the index, config, remote code and
+    tokenizer (`_write_index_and_code`); all in a temporary folder renamed to `dst` at the end."""
+    import hf_moe_offload  # noqa: F401  (registers auto classes for the remote-code files)
 
     dst = os.path.abspath(dst)
     if os.path.exists(dst):
         raise FairseqConversionError(f"{dst} exists; choose a new output directory")
     shared_path, rank_paths = find_checkpoint_files(src)
+    shared, config, E, W, L = _read_shared(shared_path, rank_paths, allow_unsafe_pickle, fairseq_capacity)
+    moe_layers = config.moe_layer_indices
+
+    tmp = dst + ".tmp-convert"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        total = 1 + len(moe_layers)
+        weight_map = _write_shared_shard(shared, config, dtype, tmp, total)
+        store_dtype = _write_expert_shards(rank_paths, config, E, W, L, dtype, allow_unsafe_pickle, tmp, total,
+                                           weight_map)
+        _write_index_and_code(config, shared_path, weight_map, dtype, store_dtype, dict_path, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("converted %s (%d rank files, %d experts x %d MoE layers) to %s", shared_path, W, E,
+                len(moe_layers), dst)
+    return dst
+
+
+def _read_shared(shared_path: str, rank_paths: list[str], allow_unsafe_pickle: bool, fairseq_capacity: bool):
+    """Step 1: the shared file's weights, the MoE-GPT config, and the expert split (E experts, W rank files, L
+    experts per rank file; spec §1), checked."""
     shared_ckpt = load_fairseq_file(shared_path, allow_unsafe_pickle)
     shared = _model_state(shared_ckpt, shared_path)
     cfg = _model_cfg(shared_ckpt, shared_path)
@@ -227,96 +253,105 @@ def convert_fairseq_checkpoint(
         raise FairseqConversionError(f"{E} experts cannot be split over {W} rank files (neither divides the other)")
     L = max(1, E // W)  # experts per rank file (spec §1); W > E: file r holds expert r % E
     config = config_from_fairseq(cfg, shared, E, fairseq_capacity=fairseq_capacity)
-    moe_layers = config.moe_layer_indices
     if "decoder.output_projection.weight" in shared and config.tie_word_embeddings:
         if not torch.equal(shared["decoder.output_projection.weight"], shared["decoder.embed_tokens.weight"]):
             raise FairseqConversionError(f"{shared_path}: output_projection differs from embed_tokens though tied")
+    return shared, config, E, W, L
 
-    tmp = dst + ".tmp-convert"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        # Non-expert shard.
-        base = {}
-        for key, value in shared.items():
-            name = map_shared_key(key)
-            if name is not None:
-                base[name] = value.to(dtype) if dtype is not None else value
-        if not config.tie_word_embeddings:
-            base["lm_head.weight"] = shared["decoder.output_projection.weight"].to(dtype or shared["decoder.output_projection.weight"].dtype)
-        from safetensors.torch import save_file
 
-        total = 1 + len(moe_layers)
-        weight_map = {}
-        shard0 = f"model-00001-of-{total:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in base.items()}, os.path.join(tmp, shard0), metadata={"format": "pt"})
-        weight_map.update({k: shard0 for k in base})
-        del base
+def _write_shared_shard(shared: dict[str, torch.Tensor], config, dtype: torch.dtype | None, tmp: str,
+                        total: int) -> dict[str, str]:
+    """Step 2: the non-expert weights as the first shard; returns the weight map so far."""
+    from safetensors.torch import save_file
 
-        # Expert shards: lay out, then fill rank file by rank file.
-        first = _model_state(load_fairseq_file(rank_paths[0], allow_unsafe_pickle), rank_paths[0])
-        probe = next((k for k in first if _EXPERT_KEY.match(k)), None)
-        if probe is None:
-            raise FairseqConversionError(f"{rank_paths[0]} holds no expert weights")
-        store_dtype = dtype or first[probe].dtype
-        I, H = config.intermediate_size, config.hidden_size
-        shapes = {"fc1_weight": (E, I, H), "fc1_bias": (E, I), "fc2_weight": (E, H, I), "fc2_bias": (E, H)}
-        files, offsets = {}, {}
-        for n, i in enumerate(moe_layers):
-            shard = f"model-{n + 2:05d}-of-{total:05d}.safetensors"
-            specs = [(f"model.layers.{i}.moe.experts.{t}", store_dtype, s) for t, s in shapes.items()]
-            head, offs, size = _layout(specs)
-            path = os.path.join(tmp, shard)
-            with open(path, "wb") as f:
-                f.write(head)
-                f.truncate(size)
-            files[i] = path
-            offsets.update(offs)
-            weight_map.update({name: shard for name, _, _ in specs})
-        written: set[tuple[int, int, str]] = set()
-        for r, path in enumerate(tqdm(rank_paths, desc="converting rank files", unit="file")):
-            state = first if r == 0 else _model_state(load_fairseq_file(path, allow_unsafe_pickle), path)
-            first = None
-            _write_rank_experts(state, r, L, E, W, moe_layers, shapes, store_dtype, files, offsets, written, path)
-            del state
-        need = {(i, g, t) for i in moe_layers for g in range(E) for t in shapes}
-        if written != need:
-            missing = sorted(need - written)[:3]
-            raise FairseqConversionError(f"experts missing after reading every rank file, e.g. {missing}")
-        for path in files.values():
-            with open(path, "rb+") as f:
-                os.fsync(f.fileno())
+    base = {}
+    for key, value in shared.items():
+        name = map_shared_key(key)
+        if name is not None:
+            base[name] = value.to(dtype) if dtype is not None else value
+    if not config.tie_word_embeddings:
+        base["lm_head.weight"] = shared["decoder.output_projection.weight"].to(dtype or shared["decoder.output_projection.weight"].dtype)
+    shard0 = f"model-00001-of-{total:05d}.safetensors"
+    save_file({k: v.contiguous() for k, v in base.items()}, os.path.join(tmp, shard0), metadata={"format": "pt"})
+    return {k: shard0 for k in base}
 
-        with torch.device("meta"):
-            shell = MoEGPTForCausalLM(config)
-        expected = {k for k in shell.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
-        if set(weight_map) != expected:
-            raise FairseqConversionError(
-                f"{shared_path}: missing weights {sorted(expected - set(weight_map))[:5]}, unexpected "
-                f"{sorted(set(weight_map) - expected)[:5]}; the files do not match cfg['model']")
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"format": "pt"}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-        if dtype is not None or store_dtype != torch.float32:
-            config.dtype = str(store_dtype).replace("torch.", "")
-        config.architectures = ["MoEGPTForCausalLM"]
-        # Remote code, as save_pretrained writes it, so the folder loads where this package is absent.
-        custom_object_save(shell, tmp, config=config)
-        config.save_pretrained(tmp)
-        if dict_path is not None:
-            from .tokenizer import fairseq_gpt2_tokenizer
 
-            fairseq_gpt2_tokenizer(dict_path, vocab_size=config.vocab_size).save_pretrained(tmp)
-        else:
-            logger.warning(
-                "no --dict given: no tokenizer was written. fairseq ids differ from GPT-2 ids; convert again with "
-                "--dict path/to/dict.txt (shipped with the checkpoint) to get a matching tokenizer")
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logger.info("converted %s (%d rank files, %d experts x %d MoE layers) to %s", shared_path, W, E,
-                len(moe_layers), dst)
-    return dst
+def _write_expert_shards(rank_paths, config, E, W, L, dtype, allow_unsafe_pickle, tmp, total,
+                         weight_map: dict[str, str]) -> torch.dtype:
+    """Step 3: one shard per MoE layer, laid out up front, then filled rank file by rank file (one rank file in
+    memory at a time), checked complete and fsynced. Adds the shards to `weight_map`; returns the stored dtype."""
+    moe_layers = config.moe_layer_indices
+    first = _model_state(load_fairseq_file(rank_paths[0], allow_unsafe_pickle), rank_paths[0])
+    probe = next((k for k in first if _EXPERT_KEY.match(k)), None)
+    if probe is None:
+        raise FairseqConversionError(f"{rank_paths[0]} holds no expert weights")
+    store_dtype = dtype or first[probe].dtype
+    I, H = config.intermediate_size, config.hidden_size
+    shapes = {"fc1_weight": (E, I, H), "fc1_bias": (E, I), "fc2_weight": (E, H, I), "fc2_bias": (E, H)}
+    files, offsets = _lay_out_expert_shards(moe_layers, shapes, store_dtype, tmp, total, weight_map)
+    written: set[tuple[int, int, str]] = set()
+    for r, path in enumerate(tqdm(rank_paths, desc="converting rank files", unit="file")):
+        state = first if r == 0 else _model_state(load_fairseq_file(path, allow_unsafe_pickle), path)
+        first = None
+        _write_rank_experts(state, r, L, E, W, moe_layers, shapes, store_dtype, files, offsets, written, path)
+        del state
+    need = {(i, g, t) for i in moe_layers for g in range(E) for t in shapes}
+    if written != need:
+        missing = sorted(need - written)[:3]
+        raise FairseqConversionError(f"experts missing after reading every rank file, e.g. {missing}")
+    for path in files.values():
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+    return store_dtype
+
+
+def _lay_out_expert_shards(moe_layers, shapes, store_dtype, tmp, total, weight_map: dict[str, str]):
+    """The expert shards' headers written and their files sized; returns (file of each MoE layer, absolute offset
+    of each tensor) and adds the shards to `weight_map`."""
+    files, offsets = {}, {}
+    for n, i in enumerate(moe_layers):
+        shard = f"model-{n + 2:05d}-of-{total:05d}.safetensors"
+        specs = [(f"model.layers.{i}.moe.experts.{t}", store_dtype, s) for t, s in shapes.items()]
+        head, offs, size = _layout(specs)
+        path = os.path.join(tmp, shard)
+        with open(path, "wb") as f:
+            f.write(head)
+            f.truncate(size)
+        files[i] = path
+        offsets.update(offs)
+        weight_map.update({name: shard for name, _, _ in specs})
+    return files, offsets
+
+
+def _write_index_and_code(config, shared_path, weight_map, dtype, store_dtype, dict_path, tmp) -> None:
+    """Step 4: the weights checked against the model's, then the index, the config, the remote code (as
+    save_pretrained writes it, so the folder loads where this package is absent) and the tokenizer."""
+    from transformers.dynamic_module_utils import custom_object_save
+
+    from ..models.moe_gpt import MoEGPTForCausalLM
+
+    with torch.device("meta"):
+        shell = MoEGPTForCausalLM(config)
+    expected = {k for k in shell.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    if set(weight_map) != expected:
+        raise FairseqConversionError(
+            f"{shared_path}: missing weights {sorted(expected - set(weight_map))[:5]}, unexpected "
+            f"{sorted(set(weight_map) - expected)[:5]}; the files do not match cfg['model']")
+    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"format": "pt"}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    if dtype is not None or store_dtype != torch.float32:
+        config.dtype = str(store_dtype).replace("torch.", "")
+    config.architectures = ["MoEGPTForCausalLM"]
+    custom_object_save(shell, tmp, config=config)
+    config.save_pretrained(tmp)
+    if dict_path is not None:
+        from .tokenizer import fairseq_gpt2_tokenizer
+
+        fairseq_gpt2_tokenizer(dict_path, vocab_size=config.vocab_size).save_pretrained(tmp)
+    else:
+        logger.warning(
+            "no --dict given: no tokenizer was written. fairseq ids differ from GPT-2 ids; convert again with "
+            "--dict path/to/dict.txt (shipped with the checkpoint) to get a matching tokenizer")
 
 
 def _write_rank_experts(state, r, L, E, W, moe_layers, shapes, store_dtype, files, offsets, written, path):

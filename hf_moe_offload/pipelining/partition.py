@@ -24,6 +24,7 @@ deterministic scheduling of the same graph guarantees.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, replace
 from collections.abc import Callable
@@ -203,6 +204,8 @@ class PartitionedExecutor:
         return n, restore_strategy(name)
 
     def __call__(self, x: torch.Tensor, plan, experts: nn.Module) -> torch.Tensor:
+        """Run the layer as n partitions: 1. choose n and the strategy, 2. split the plan, 3. let the stage begin,
+        4. dispatch, run and combine the partitions in MPMoE's order (`_PipelinedCall`)."""
         n, strategy = self.choose(x, plan, experts)
         if not getattr(self.comm, "collective", False):  # collective: the same n on every rank, parts may be empty
             n = max(1, min(n, x.shape[0]))
@@ -213,130 +216,184 @@ class PartitionedExecutor:
             begin(x, parts, experts)
         stats = SavedBytes()
         self.last_stats = stats
-        streamed = _is_streamed(experts)
-        params = _param_storages(experts)
-        out = torch.zeros_like(x)  # T_O
-        rt = runtime_for(x.device)
-        compute = rt.current_stream()
-        # A side stream for dispatch/combine on asynchronous runtimes. NOTE: a collective stage on CPU (gloo) overlaps
-        # through asynchronous collectives (`Pending`) instead: gloo calls from a simulated stream's thread could
-        # interleave with this thread's collectives differently on each rank.
-        use_side = rt.asynchronous and self.overlap and n > 1 and (x.is_cuda or not getattr(self.comm, "collective",
-                                                                                             False))
-        side = self._side_stream(rt) if use_side else None
-        if side is not None:
-            rt.access(x, write=True)  # produced on the compute stream; read by the side stream's dispatches
-            rt.access(out, write=True)
-        savers: list[PartitionSaver] = []
-
-        def prefetch(d: Dispatched) -> None:
-            if streamed:  # ES-MoE §4.1: the partition's first expert uploads start before its compute
-                ids = d.expert_ids if d.expert_ids is not None else range(len(d.counts))
-                per_expert = [0] * len(plan.counts)
-                for e, c in zip(ids, d.counts):
-                    per_expert[e] += c
-                experts.prefetch(per_expert)
-
-        def dispatch(p: int):
-            part = parts[p]
-            if side is None:
-                return self.comm.dispatch(x, part), None
-
-            def on_side() -> Dispatched:
-                rt.access(x)
-                d = _resolve(self.comm.dispatch(x, part))
-                for t in (d.x, d.weights):
-                    rt.access(t, write=True)
-                return d
-
-            # MPMoE §3.2.1: dispatch of partition p runs on the side stream, overlapping partition p-1's experts.
-            rt.wait_stream(side, compute)
-            res = rt.run_on(side, on_side)
-            return res, rt.record(side)
-
-        combining: tuple[Pending, torch.Tensor] | None = None  # the previous partition's combine, in flight
-
-        def finish_combine() -> None:
-            nonlocal combining
-            if combining is not None:
-                combined, token_index = combining
-                out.index_add_(0, token_index, combined.finish().to(out.dtype))
-                combining = None
-
-        pending = dispatch(0)
-        for p, part in enumerate(parts):
-            d, ready = pending
-            d = _resolve(d)  # an asynchronous dispatch: issued during the previous partition's experts
-            if ready is not None:
-                rt.wait_event(ready)
-                for t in (d.x, d.weights):  # made on the side stream, used here
-                    rt.record_stream(t, compute)
-                    rt.access(t)
-            prefetch(d)
-            if p + 1 < n:
-                pending = dispatch(p + 1)
-            x_local, ctx = d.x, d.ctx
-            # NOTE: the closures below live until backward; they must not hold T_DI (that would defeat the reuse).
-            d = replace(d, x=None)
-
-            def run(tdi: torch.Tensor, d=d, saver=None) -> torch.Tensor:
-                if streamed:  # the strategies assume the engine saves T_DI only: no kept expert graphs
-                    with experts.recomputing():
-                        y = experts(tdi, d.counts, d.expert_ids)
-                else:
-                    y = experts(tdi, d.counts, d.expert_ids)
-                if saver is not None:
-                    saver.phase = "tdo"
-                return weight_rows(y, d.weights)
-
-            def recompute(tdi: torch.Tensor, d=d, run=run) -> None:
-                if streamed:  # the engine recomputes T_M itself; only T_DO (and w) are re-made here
-                    with torch.no_grad():
-                        y = experts(tdi, d.counts, d.expert_ids)
-                    weight_rows(y.requires_grad_(True), d.weights)
-                else:
-                    run(tdi)
-
-            def redispatch(part=part, d=d) -> torch.Tensor:
-                return self.comm.redispatch(x, part, d)
-
-            saver = PartitionSaver(strategy, x_local, params, redispatch, recompute, self.copier, stats)
-            if savers:
-                prev = savers[-1]
-                saver.on_first_unpack = prev.prefetch  # backward runs partitions in reverse: fetch p-1 while p runs
-            savers.append(saver)
-            with saver.hooks():
-                y_local = run(x_local, saver=saver)
-            saver.close()
-            del x_local, d
-            if side is None:
-                combined = self.comm.combine(y_local, ctx)
-                finish_combine()  # the previous partition's combine overlapped this partition's experts
-                if isinstance(combined, Pending):
-                    combining = (combined, part.token_index)
-                else:
-                    out.index_add_(0, part.token_index, combined.to(out.dtype))
-            else:
-                def on_side(y_local=y_local, ctx=ctx, token_index=part.token_index) -> None:
-                    rt.access(y_local)
-                    rt.access(out, write=True)
-                    out.index_add_(0, token_index, _resolve(self.comm.combine(y_local, ctx)).to(out.dtype))
-
-                rt.access(y_local, write=True)
-                rt.wait_stream(side, compute)
-                rt.record_stream(y_local, side)
-                rt.run_on(side, on_side)
-            del y_local
-        finish_combine()
-        if side is not None:
-            rt.wait_stream(compute, side)
-            rt.access(out)
-        return out
+        return _PipelinedCall(self, x, plan, experts, parts, strategy, stats).run()
 
     def _side_stream(self, rt):
         if id(rt) not in self._streams:
             self._streams[id(rt)] = rt.new_stream()
         return self._streams[id(rt)]
+
+
+class _PartitionRun:
+    """One partition's experts and weighting, and how its `PartitionSaver` re-makes them in backward (`run`,
+    `recompute`, `redispatch`). It lives until backward, held by the saver: it must not hold T_DI (that would
+    defeat the reuse), so `d` comes without its rows."""
+
+    def __init__(self, executor: PartitionedExecutor, x: torch.Tensor, part: PartPlan, d: Dispatched,
+                 experts: nn.Module, streamed: bool):
+        self.executor = executor
+        self.x = x
+        self.part = part
+        self.d = d
+        self.experts = experts
+        self.streamed = streamed
+
+    def run(self, tdi: torch.Tensor, saver: PartitionSaver | None = None) -> torch.Tensor:
+        d, experts = self.d, self.experts
+        if self.streamed:  # the strategies assume the engine saves T_DI only: no kept expert graphs
+            with experts.recomputing():
+                y = experts(tdi, d.counts, d.expert_ids)
+        else:
+            y = experts(tdi, d.counts, d.expert_ids)
+        if saver is not None:
+            saver.phase = "tdo"
+        return weight_rows(y, d.weights)
+
+    def recompute(self, tdi: torch.Tensor) -> None:
+        d = self.d
+        if self.streamed:  # the engine recomputes T_M itself; only T_DO (and w) are re-made here
+            with torch.no_grad():
+                y = self.experts(tdi, d.counts, d.expert_ids)
+            weight_rows(y.requires_grad_(True), d.weights)
+        else:
+            self.run(tdi)
+
+    def redispatch(self) -> torch.Tensor:
+        return self.executor.comm.redispatch(self.x, self.part, self.d)
+
+
+class _PipelinedCall:
+    """One call of a `PartitionedExecutor` on one layer, in MPMoE's order: dispatch of partition p+1 is issued
+    before partition p's experts run, and partition p's combine overlaps partition p+1's experts (on a side stream,
+    or as an asynchronous collective). Steps of each partition: `_receive`, `_prefetch`, `_dispatch` (the next one),
+    `_run_experts` (under its saver), `_combine`."""
+
+    def __init__(self, executor: PartitionedExecutor, x: torch.Tensor, plan, experts: nn.Module,
+                 parts: list[PartPlan], strategy: RestoreStrategy, stats: SavedBytes):
+        self.executor = executor
+        self.comm = executor.comm
+        self.x = x
+        self.plan = plan
+        self.experts = experts
+        self.parts = parts
+        self.strategy = strategy
+        self.stats = stats
+        self.streamed = _is_streamed(experts)
+        self.params = _param_storages(experts)
+        self.out = torch.zeros_like(x)  # T_O
+        self.rt = rt = runtime_for(x.device)
+        self.compute = rt.current_stream()
+        # A side stream for dispatch/combine on asynchronous runtimes. NOTE: a collective stage on CPU (gloo) overlaps
+        # through asynchronous collectives (`Pending`) instead: gloo calls from a simulated stream's thread could
+        # interleave with this thread's collectives differently on each rank.
+        use_side = rt.asynchronous and executor.overlap and len(parts) > 1 and (
+            x.is_cuda or not getattr(self.comm, "collective", False))
+        self.side = executor._side_stream(rt) if use_side else None
+        if self.side is not None:
+            rt.access(x, write=True)  # produced on the compute stream; read by the side stream's dispatches
+            rt.access(self.out, write=True)
+        self.savers: list[PartitionSaver] = []
+        self.combining: tuple[Pending, torch.Tensor] | None = None  # the previous partition's combine, in flight
+
+    def run(self) -> torch.Tensor:
+        n = len(self.parts)
+        pending = self._dispatch(0)
+        for p, part in enumerate(self.parts):
+            d = self._receive(pending)
+            self._prefetch(d)
+            if p + 1 < n:
+                pending = self._dispatch(p + 1)
+            x_local, ctx = d.x, d.ctx
+            # NOTE: what the saver keeps lives until backward; it must not hold T_DI (that would defeat the reuse).
+            d = replace(d, x=None)
+            y_local = self._run_experts(part, d, x_local)
+            del x_local, d
+            self._combine(part, y_local, ctx)
+            del y_local
+        self._finish_combine()
+        if self.side is not None:
+            self.rt.wait_stream(self.compute, self.side)
+            self.rt.access(self.out)
+        return self.out
+
+    def _dispatch(self, p: int):
+        """Start partition p's dispatch: inline, or (MPMoE §3.2.1) on the side stream, overlapping partition p-1's
+        experts. Returns (the dispatch, maybe `Pending`; the side stream's event, or None)."""
+        part = self.parts[p]
+        if self.side is None:
+            return self.comm.dispatch(self.x, part), None
+        rt = self.rt
+        rt.wait_stream(self.side, self.compute)
+        res = rt.run_on(self.side, functools.partial(self._dispatch_on_side, part))
+        return res, rt.record(self.side)
+
+    def _dispatch_on_side(self, part: PartPlan) -> Dispatched:
+        rt = self.rt
+        rt.access(self.x)
+        d = _resolve(self.comm.dispatch(self.x, part))
+        for t in (d.x, d.weights):
+            rt.access(t, write=True)
+        return d
+
+    def _receive(self, pending) -> Dispatched:
+        """The dispatched rows of a partition, ready on the compute stream."""
+        d, ready = pending
+        d = _resolve(d)  # an asynchronous dispatch: issued during the previous partition's experts
+        if ready is not None:
+            self.rt.wait_event(ready)
+            for t in (d.x, d.weights):  # made on the side stream, used here
+                self.rt.record_stream(t, self.compute)
+                self.rt.access(t)
+        return d
+
+    def _prefetch(self, d: Dispatched) -> None:
+        if self.streamed:  # ES-MoE §4.1: the partition's first expert uploads start before its compute
+            ids = d.expert_ids if d.expert_ids is not None else range(len(d.counts))
+            per_expert = [0] * len(self.plan.counts)
+            for e, c in zip(ids, d.counts):
+                per_expert[e] += c
+            self.experts.prefetch(per_expert)
+
+    def _run_experts(self, part: PartPlan, d: Dispatched, x_local: torch.Tensor) -> torch.Tensor:
+        """The partition's experts and weighting under its saver (the restore strategy and memory reuse, §3.3)."""
+        job = _PartitionRun(self.executor, self.x, part, d, self.experts, self.streamed)
+        saver = PartitionSaver(self.strategy, x_local, self.params, job.redispatch, job.recompute,
+                               self.executor.copier, self.stats)
+        if self.savers:
+            prev = self.savers[-1]
+            saver.on_first_unpack = prev.prefetch  # backward runs partitions in reverse: fetch p-1 while p runs
+        self.savers.append(saver)
+        with saver.hooks():
+            y_local = job.run(x_local, saver=saver)
+        saver.close()
+        return y_local
+
+    def _combine(self, part: PartPlan, y_local: torch.Tensor, ctx) -> None:
+        """Send the partition's outputs home and add them into T_O (overlapping the next partition's experts)."""
+        if self.side is None:
+            combined = self.comm.combine(y_local, ctx)
+            self._finish_combine()  # the previous partition's combine overlapped this partition's experts
+            if isinstance(combined, Pending):
+                self.combining = (combined, part.token_index)
+            else:
+                self.out.index_add_(0, part.token_index, combined.to(self.out.dtype))
+        else:
+            rt = self.rt
+            rt.access(y_local, write=True)
+            rt.wait_stream(self.side, self.compute)
+            rt.record_stream(y_local, self.side)
+            rt.run_on(self.side, functools.partial(self._combine_on_side, y_local, ctx, part.token_index))
+
+    def _combine_on_side(self, y_local: torch.Tensor, ctx, token_index: torch.Tensor) -> None:
+        self.rt.access(y_local)
+        self.rt.access(self.out, write=True)
+        self.out.index_add_(0, token_index, _resolve(self.comm.combine(y_local, ctx)).to(self.out.dtype))
+
+    def _finish_combine(self) -> None:
+        if self.combining is not None:
+            combined, token_index = self.combining
+            self.out.index_add_(0, token_index, combined.finish().to(self.out.dtype))
+            self.combining = None
 
 
 __all__ = ["CommStage", "Dispatched", "LocalComm", "PartPlan", "PartitionedExecutor", "Pending", "partition_bounds",
