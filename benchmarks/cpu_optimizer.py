@@ -40,7 +40,7 @@ class _Engine:
     """Just enough of an OffloadEngine to drive ExpertOptimizer over a bare store."""
 
     def __init__(self, store, numel):
-        from hf_moe_offload.offload.layout import ExpertLayout, ExpertTensor
+        from hf_moe_offload.layouts import ExpertLayout, ExpertTensor
 
         self.store = store
         self.coordinator = None

@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from hf_moe_offload.models.moe_gpt import MoEGPTConfig, MoEGPTSparseMoeBlock  # noqa: E402
-from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import GroupedLinear  # noqa: E402
+from hf_moe_offload.models.moe_gpt.moe_ops import GroupedLinear  # noqa: E402
 
 sys.path.insert(0, HERE)
 from timing import interleaved_rounds, median_ratio  # noqa: E402

@@ -25,7 +25,8 @@ from .offload import (
     enable_expert_offload,
     get_offload_engine,
 )
-from .offload.checkpoint import load_offloaded_pretrained, save_offloaded_pretrained
+from .offload.checkpoint import load_offloaded_pretrained
+from .offload.saving import save_offloaded_pretrained
 from .lm_loss import ChunkedLossTrainer, chunked_causal_lm_loss
 from .optim import ExpertAwareOptimizer, ExpertOptimizer, ExpertOptimizerCallback, latest_complete_checkpoint
 

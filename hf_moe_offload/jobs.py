@@ -40,7 +40,8 @@ from .host_allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, retain_freed_memory
 from .hub import RECORD_FILE, describe_model, push_to_hub, write_model_card
 from .models.moe_gpt import MOE_GPT_PRESETS, MoEGPTConfig
 from .offload import OffloadConfig, enable_expert_offload, get_offload_engine
-from .offload.checkpoint import load_offloaded_pretrained, save_offloaded_pretrained
+from .offload.checkpoint import load_offloaded_pretrained
+from .offload.saving import save_offloaded_pretrained
 from .optim import ExpertOptimizerCallback
 from .run_stats import ExpertLoadCallback, OffloadTotalsCallback, plot_expert_load, plot_training_curves
 

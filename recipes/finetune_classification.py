@@ -59,7 +59,7 @@ from hf_moe_offload.data import OFFLINE_POLARITY, OFFLINE_TWEETS, TWEET_LABELS, 
 from hf_moe_offload.distributed import end_process_groups
 from hf_moe_offload.errors import run_reporting_errors
 from hf_moe_offload.hub import describe_model
-from hf_moe_offload.offload.checkpoint import save_offloaded_pretrained
+from hf_moe_offload.offload.saving import save_offloaded_pretrained
 from hf_moe_offload.run_stats import use_progress_bar
 from hf_moe_offload.train import print_figures
 

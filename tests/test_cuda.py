@@ -64,7 +64,8 @@ def test_cuda_bf16_compute_copies_stay_current(tmp_path):
 def test_cuda_grouped_gemm_experts_equal_the_loop():
     """Issue 14, item 4 on a GPU: resident experts under bf16 autocast take the grouped GEMM (one per matmul) and
     equal the per-expert loop within bf16 rounding of the largest value (2e-2 relative; stated)."""
-    from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import GroupedLinear, MoEGPTExperts
+    from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import MoEGPTExperts
+    from hf_moe_offload.models.moe_gpt.moe_ops import GroupedLinear
 
     if not GroupedLinear.cuda_supports(torch.bfloat16, torch.cuda.get_device_capability()):
         pytest.skip("grouped GEMM needs compute capability 8.0+")

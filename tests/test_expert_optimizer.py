@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
-from hf_moe_offload.offload.checkpoint import SafetensorsReader
+from hf_moe_offload.offload.safetensors_io import SafetensorsReader
 from hf_moe_offload.runtime import runtime_for
 
 from numerics import BOTH_KERNELS, assert_within_adam_drift, kernels
@@ -439,7 +439,7 @@ def test_custom_accelerate_loop_with_gradient_accumulation(tmp_path):
 def test_layer_called_several_times_per_micro_step_steps_each_expert_once(tmp_path):
     """MPMoE partitions call a layer's experts several times per micro-step: an eager expert step must wait for the
     backward of the layer's last call, else it would update with a partial gradient."""
-    from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import run_moe
+    from hf_moe_offload.models.moe_gpt.moe_ops import run_moe
     from hf_moe_offload.moe_path import moe_path
 
     def two_partitions(x, plan, experts):

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import GroupedLinear, MoEGPTExperts
+from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import MoEGPTExperts
+from hf_moe_offload.models.moe_gpt.moe_ops import GroupedLinear
 from hf_moe_offload.moe_path import sorted_experts
 
 from moe_families import tiny_model
@@ -144,7 +145,7 @@ def test_gathering_dispatch_and_combine_equal_index_add(dropped):
     output and gradients (x, routing weights, experts) in fp64 within 1e-12: only the order of a token's k terms
     differs. Run on the CPU here; on a GPU by tests/test_cuda.py through the model. `dropped`: some assignments go
     to no expert (id E), as a capacity limit or another rank's experts leave them."""
-    from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import DispatchPlan, run_moe
+    from hf_moe_offload.models.moe_gpt.moe_ops import DispatchPlan, run_moe
 
     gen = torch.Generator().manual_seed(3)
     S, H, E, k = 13, 8, 5, 2
@@ -176,7 +177,7 @@ def test_gathering_dispatch_and_combine_equal_index_add(dropped):
 def test_expert_bias_gradient_is_each_experts_row_sum():
     """`_ExpertBias` (CUDA's bias add in the grouped GEMM): forward `y + b[rows]`, gradients by autograd's gradcheck
     (fp64), the bias gradient computed as one GEMM with the 0/1 membership matrix."""
-    from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import _ExpertBias
+    from hf_moe_offload.models.moe_gpt.moe_ops import _ExpertBias
 
     rows = torch.tensor([0, 0, 0, 2, 2, 3])
     members = F.one_hot(rows, 4).T.to(torch.float64)
@@ -191,7 +192,7 @@ def test_segment_bias_equals_index_select_bit_for_bit(dtype):
     """`_SegmentBias` (the CPU's bias add in the grouped GEMM: in place, one expert's rows at a time, expert 1 with no
     rows) gives `y + b[rows]` and the same gradients as `index_select` exactly (fresh random inputs; tolerance 0), and
     passes gradcheck in fp64."""
-    from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import _SegmentBias
+    from hf_moe_offload.models.moe_gpt.moe_ops import _SegmentBias
 
     counts = [3, 0, 2, 4]
     rows = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))

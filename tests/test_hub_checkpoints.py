@@ -20,7 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_moe_offload import OffloadConfig
-from hf_moe_offload.offload.checkpoint import CheckpointError, load_offloaded_pretrained
+from hf_moe_offload.errors import CheckpointError
+from hf_moe_offload.offload.checkpoint import load_offloaded_pretrained
 
 from moe_families import VOCAB, tiny_config, tiny_model
 

@@ -24,11 +24,9 @@ from hf_moe_offload.offload import (
     estimate_memory,
     get_offload_engine,
 )
-from hf_moe_offload.offload.checkpoint import (
-    CheckpointError,
-    load_offloaded_pretrained,
-    save_offloaded_pretrained,
-)
+from hf_moe_offload.errors import CheckpointError
+from hf_moe_offload.offload.checkpoint import load_offloaded_pretrained
+from hf_moe_offload.offload.saving import save_offloaded_pretrained
 
 ATOL = 1e-6  # fp32; the streamed path runs the same kernels per expert, so differences are at rounding level
 # The host tier keeps expert graphs (keep_activations) only where it computes in place: not on the simulated device.

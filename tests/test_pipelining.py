@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from hf_moe_offload import MoEGPTConfig, MoEGPTForCausalLM, OffloadConfig, enable_expert_offload
-from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import DispatchPlan, MoEGPTExperts
+from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import MoEGPTExperts
+from hf_moe_offload.models.moe_gpt.moe_ops import DispatchPlan
 from hf_moe_offload.pipelining import (
     GranularitySearch,
     LocalComm,

@@ -25,15 +25,15 @@ import torch
 import hf_moe_offload  # noqa: F401  (registers the Auto classes)
 from hf_moe_offload import MoEGPTConfig, MoEGPTForCausalLM, OffloadConfig, enable_expert_offload
 from hf_moe_offload.offload import CorruptExpertFileError, DiskExpertStore, ExpertStoreError, OffloadStats
+from hf_moe_offload.errors import CheckpointError
 from hf_moe_offload.offload.checkpoint import (
     EXPERT_STATE_FILE,
-    CheckpointError,
-    SafetensorsReader,
     load_expert_state,
     load_offloaded_pretrained,
     save_expert_state,
-    save_offloaded_pretrained,
 )
+from hf_moe_offload.offload.safetensors_io import SafetensorsReader
+from hf_moe_offload.offload.saving import save_offloaded_pretrained
 from hf_moe_offload.optim.checkpoints import (
     checkpoint_problems,
     clean_interrupted_saves,

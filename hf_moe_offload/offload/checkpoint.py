@@ -1,6 +1,6 @@
 """Streaming, atomic checkpoints of offloaded experts (never all experts in memory at once).
 
-- `write_safetensors_streaming`: writes a safetensors file tensor by tensor, chunk by chunk, to a temporary name,
+- `write_safetensors_streaming` (offload/safetensors_io.py): writes a safetensors file tensor by tensor, chunk by chunk, to a temporary name,
   fsyncs and renames it, so a crash or a full disk never leaves a half-written checkpoint under the final name.
 - `save_offloaded_pretrained` (offload/saving.py) / `load_offloaded_pretrained`: a transformers-compatible sharded checkpoint
   (`model-*.safetensors` + `model.safetensors.index.json` + config + remote code) written and read expert by expert,
@@ -25,16 +25,14 @@ from ..errors import CheckpointError
 from .api import enable_expert_offload
 from .config import OffloadConfig
 from .hub_layout import plan_checkpoint
-from .safetensors_io import (  # noqa: F401 (the format's names are also reached through this module)
-    CRC_METADATA_KEY,
+from .safetensors_io import (
     INDEX_FILE,
     SafetensorsReader,
-    fsync_directory,
     missing_shards,
     read_weight_map,
     write_safetensors_streaming,
 )
-from .saving import _expert_param_names, save_offloaded_pretrained
+from .saving import _expert_param_names
 from .store import EXP_AVG, EXP_AVG_SQ, PARAM, tensor_bytes
 
 logger = logging.getLogger(__name__)
@@ -264,14 +262,9 @@ def _load_non_expert_weights(model: nn.Module, path: str, plan, files: _Checkpoi
 
 
 __all__ = [
-    "write_safetensors_streaming",
     "save_expert_state",
+    "read_expert_state_header",
     "load_expert_state",
-    "save_offloaded_pretrained",
     "load_offloaded_pretrained",
-    "CheckpointError",
-    "SafetensorsReader",
-    "read_weight_map",
-    "missing_shards",
     "EXPERT_STATE_FILE",
 ]

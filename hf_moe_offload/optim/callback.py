@@ -38,7 +38,8 @@ from accelerate import PartialState
 from transformers import TrainerCallback
 
 from ..offload.api import get_offload_engine
-from ..offload.checkpoint import CheckpointError, load_expert_state, read_expert_state_header, save_expert_state
+from ..errors import CheckpointError
+from ..offload.checkpoint import load_expert_state, read_expert_state_header, save_expert_state
 from ..offload.telemetry import add_to_logs, remove_from_logs
 from .checkpoints import (
     NOT_FOUND,

@@ -24,13 +24,9 @@ import re
 import shutil
 import sys
 
-from ..offload.checkpoint import (
-    EXPERT_STATE_FILE,
-    CheckpointError,
-    missing_shards,
-    read_expert_state_header,
-    read_weight_map,
-)
+from ..errors import CheckpointError
+from ..offload.checkpoint import EXPERT_STATE_FILE, read_expert_state_header
+from ..offload.safetensors_io import missing_shards, read_weight_map
 
 logger = logging.getLogger(__name__)
 

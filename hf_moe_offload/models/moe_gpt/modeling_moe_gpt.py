@@ -40,18 +40,7 @@ from transformers.modeling_outputs import ModelOutput, MoeCausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
 from .configuration_moe_gpt import MoEGPTConfig
-from .moe_ops import (  # noqa: F401 (the generic ops stay reachable through this file too)
-    DispatchPlan,
-    GroupedLinear,
-    _ExpertBias,
-    _SegmentBias,
-    chunked_lm_loss,
-    dropout_active,
-    full_expert_counts,
-    grouped_expert_counts,
-    run_moe,
-    run_sorted_experts,
-)
+from .moe_ops import DispatchPlan, GroupedLinear, chunked_lm_loss, run_moe, run_sorted_experts
 
 
 def sinusoidal_position_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
@@ -609,8 +598,6 @@ __all__ = [
     "MoEGPTSparseMoeBlock",
     "MoEGPTExperts",
     "MoEGPTRouter",
-    "DispatchPlan",
-    "run_moe",
     "load_balancing_loss",
     "sinusoidal_position_embedding",
 ]
