@@ -37,7 +37,7 @@ from .data import gpt2_tokenizer
 from .routing import freeze_routers, keep_load_balancing_loss
 from .errors import UserError, add_debug_flag
 from .host_allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, retain_freed_memory
-from .hub import RECORD_FILE, describe_model, push_to_hub, write_model_card
+from .hub import RECORD_FILE, push_to_hub, write_model_card
 from .models.moe_gpt import MOE_GPT_PRESETS, MoEGPTConfig
 from .offload import OffloadConfig, enable_expert_offload, get_offload_engine
 from .offload.checkpoint import load_offloaded_pretrained
