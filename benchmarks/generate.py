@@ -1,10 +1,14 @@
-"""Offloaded generation on CPU: decode tokens/s and time to first token of our disk tier (inference mode: the decode
-cache; pre-gating in a row of its own, since it is off by default on the CPU) against accelerate's `device_map` disk
-offload of the same experts and against the resident model, all in one invocation; pre-gating hit rate, cache hit
-rate and bytes read per token.
+"""Offloaded generation: decode tokens/s and time to first token of our tiers (inference mode: the decode cache;
+pre-gating in a row of its own, since it is off by default on the CPU) against accelerate's `device_map` offload of
+the same experts and against the resident model, all in one invocation; pre-gating hit rate, cache hit rates and bytes
+read and uploaded per token.
 
-    python benchmarks/generate.py            # Qwen3-MoE, 4 layers, 16 experts/layer, d=256; cache 8 of 64 experts
+    python benchmarks/generate.py            # CPU: Qwen3-MoE, 4 layers, 16 experts/layer, d=256; cache 8 of 64 experts
     python benchmarks/generate.py --quick    # fewer tokens and rounds
+    python benchmarks/generate.py --device cuda --layers 16 --experts 64 --hidden 1024 --inter 512 --top-k 8 \
+        --dtype bf16 --batch 1,8 --cache 256   # a GPU (issue 37): ours host / disk (a quarter of the experts in the
+                                               # host cache) with a device cache of 0, 1/4, 1/2 of the experts,
+                                               # accelerate's CPU and disk offload, the resident model
     python benchmarks/generate.py --model-path outputs/moe-gpt-small --cache 4   # the main job's trained model
     python benchmarks/generate.py --analyze [--model-path ...]   # guess and cache policy on one routing trace
 
@@ -57,20 +61,21 @@ class Clock(BaseStreamer):
         pass
 
 
-def make_checkpoint(path: str, layers: int, experts: int, hidden: int, inter: int) -> Qwen3MoeConfig:
+def make_checkpoint(path: str, layers: int, experts: int, hidden: int, inter: int, top_k: int = 2,
+                    dtype: torch.dtype = torch.float32) -> Qwen3MoeConfig:
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
         vocab_size=2048, hidden_size=hidden, intermediate_size=2 * inter, moe_intermediate_size=inter,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, head_dim=hidden // 4,
-        num_experts=experts, num_experts_per_tok=2, max_position_embeddings=512, decoder_sparse_step=1,
+        num_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=512, decoder_sparse_step=1,
         mlp_only_layers=[], tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(path)
     return config
 
 
-def accelerate_device_map(config) -> dict[str, str]:
-    """Every module with weights of its own on the CPU, the experts modules on disk."""
+def accelerate_device_map(config, experts_on: str = "disk", rest_on: str = "cpu") -> dict[str, str]:
+    """Every module with weights of its own on `rest_on`, the experts modules on `experts_on` ("disk", "cpu")."""
     from accelerate import init_empty_weights
 
     with init_empty_weights():
@@ -79,7 +84,7 @@ def accelerate_device_map(config) -> dict[str, str]:
     out = {}
     for name, module in model.named_modules():
         if any(True for _ in module.parameters(recurse=False)):
-            out[name] = "disk" if name in experts else "cpu"
+            out[name] = experts_on if name in experts else rest_on
     return out
 
 
@@ -99,13 +104,30 @@ def make_prompt(model_path: str | None, vocab: int, n: int) -> torch.Tensor:
     return torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(1))
 
 
-def load(variant: str, ckpt: str, work: str, config, cache: int):
+CPU_VARIANTS = ["resident", "accelerate disk", "ours disk, mapped (default)", "ours disk, cache",
+                "ours disk, cache + pre-gating"]
+# On a device: ours with the device expert cache (offload/device_cache.py) holding 0, 1/4, 1/2 of the experts.
+DEVICE_VARIANTS = ["resident", "accelerate cpu", "accelerate disk"] + [
+    f"ours {tier}, device cache {share}" for tier in ("host", "disk") for share in ("0", "1/4", "1/2")]
+
+
+def load(variant: str, ckpt: str, work: str, config, cache: int, device: torch.device = torch.device("cpu"),
+         dtype: torch.dtype | None = None, expert_bytes: int = 0, total_experts: int = 0):
     if variant == "resident":
-        return AutoModelForCausalLM.from_pretrained(ckpt)
-    if variant == "accelerate disk":
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device)
+    if variant.startswith("accelerate"):
         folder = tempfile.mkdtemp(dir=work)
-        return AutoModelForCausalLM.from_pretrained(ckpt, device_map=accelerate_device_map(config),
-                                                    offload_folder=folder)
+        rest = (device.index or 0) if device.type == "cuda" else "cpu"
+        return AutoModelForCausalLM.from_pretrained(
+            ckpt, dtype=dtype, offload_folder=folder,
+            device_map=accelerate_device_map(config, experts_on=variant.split()[1], rest_on=rest))
+    if ", device cache " in variant:
+        tier, share = variant.removeprefix("ours ").split(", device cache ")
+        fraction = {"0": 0.0, "1/4": 0.25, "1/2": 0.5}[share]
+        return load_offloaded_pretrained(ckpt, OffloadConfig(
+            mode=tier, offload_dir=tempfile.mkdtemp(dir=work) if tier == "disk" else None,
+            host_cache_experts=cache if tier == "disk" else None, train_experts=False, device=device,
+            device_cache_bytes=int(fraction * total_experts) * expert_bytes), dtype=dtype).to(device)
     # Inference only: the store holds the weights (no gradient, no Adam moments), so the cache's bytes are
     # `cache` experts' weights, what accelerate would need to hold `cache` experts.
     # "mapped" (the default on the CPU): uncached experts computed from their memory-mapped files; "cache": every
@@ -114,26 +136,30 @@ def load(variant: str, ckpt: str, work: str, config, cache: int):
                      "ours disk, cache + pre-gating": (True, False)}[variant]
     return load_offloaded_pretrained(ckpt, OffloadConfig(mode="disk", offload_dir=tempfile.mkdtemp(dir=work),
                                                          host_cache_experts=cache, pregate=pregate,
-                                                         mmap_weights=mmap, train_experts=False))
+                                                         mmap_weights=mmap, train_experts=False), dtype=dtype)
 
 
 def run_once(model, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """One greedy generation; decode tokens/s counts every sequence of the batch."""
     engine = get_offload_engine(model)
     if engine is not None:
         engine.stats.reset()
     clock = Clock()
+    prompt = prompt.to(model.device)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              streamer=clock, pad_token_id=0, use_cache=True)
     new = clock.times[1:]
-    row = {"ttft_s": new[0] - t0, "decode_tok_s": (len(new) - 1) / (new[-1] - new[0]),
-           "tokens": out[0, prompt.shape[1]:].tolist()}
+    row = {"ttft_s": new[0] - t0, "decode_tok_s": (len(new) - 1) * prompt.shape[0] / (new[-1] - new[0]),
+           "tokens": out[:, prompt.shape[1]:].tolist()}
     if engine is not None:
         logs = engine.stats.as_log_dict(prefix="")
         row.update(read_MB_per_token=logs["disk_read_MB"] / len(new),
                    mapped_MB_per_token=logs.get("disk_mapped_MB", 0.0) / len(new),
+                   uploaded_MB_per_token=logs["h2d_MB"] / len(new),
                    cache_hit_rate=engine.stats.cache_hit_rate,
+                   device_cache_hit_rate=engine.stats.device_cache_hit_rate,
                    pregate_hit_rate=logs.get("pregate_hit_rate"))
     return row
 
@@ -254,7 +280,12 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--inter", type=int, default=512)
     ap.add_argument("--cache", type=int, default=8, help="our disk tier's host cache, in experts")
+    ap.add_argument("--top-k", type=int, default=2, help="experts per token (the random model)")
     ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batch", default="1", help="sequences per generate call; a comma-separated list runs each")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: the non-expert weights and the compute")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--rounds", type=int, default=7, help="rounds of every variant (not with --quick)")
     ap.add_argument("--analyze", action="store_true", help="instead of timing: the pre-gating guess and the decode "
@@ -263,62 +294,86 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.analyze:
         return analyze(args)
-    new_tokens, rounds = (24, 2) if args.quick else (64, args.rounds)
-    variants = ["resident", "accelerate disk", "ours disk, mapped (default)", "ours disk, cache",
-                "ours disk, cache + pre-gating"]
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    new_tokens, rounds = (min(24, args.new_tokens), 2) if args.quick else (args.new_tokens, args.rounds)
+    variants = DEVICE_VARIANTS if device.type == "cuda" else CPU_VARIANTS
+    base = "accelerate cpu" if device.type == "cuda" else "accelerate disk"
+    batches = [int(b) for b in args.batch.split(",")]
+    results = []
     with tempfile.TemporaryDirectory() as work:
         if args.model_path:
             ckpt = args.model_path
             config = AutoConfig.from_pretrained(ckpt)
         else:
             ckpt = os.path.join(work, "ckpt")
-            config = make_checkpoint(ckpt, args.layers, args.experts, args.hidden, args.inter)
-        models = {v: load(v, ckpt, work, config, args.cache).eval() for v in variants}
-        prompt = make_prompt(args.model_path, config.vocab_size, args.prompt_tokens)
-        total_experts = sum(layout.num_experts for _, _, layout in experts_layers(models["resident"]))
-        for v in variants:  # warm-up: thread pools, first reads, allocator
-            run_once(models[v], prompt, 4)
-        runs: dict[str, list[dict]] = {v: [] for v in variants}
-        for _ in range(rounds):
-            for v in variants:
-                runs[v].append(run_once(models[v], prompt, new_tokens))
-    rows = []
-    reference = runs["resident"][0]["tokens"]
-
-    def paired(v: str, base: str, key: str) -> float:  # the median over rounds of v's figure / base's, same round
-        return statistics.median(r[key] / b[key] for r, b in zip(runs[v], runs[base]))
-
-    for v in variants:
-        rs = runs[v]
-        row = {"variant": v, "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
-               "x_resident": paired(v, "resident", "decode_tok_s"),
-               "x_accelerate": paired(v, "accelerate disk", "decode_tok_s"),
-               "ttft_s": statistics.median(r["ttft_s"] for r in rs), "ttft_x_resident": paired(v, "resident", "ttft_s"),
-               "same_tokens_as_resident": all(r["tokens"] == reference for r in rs)}
-        for k in ("read_MB_per_token", "mapped_MB_per_token", "cache_hit_rate", "pregate_hit_rate"):
-            values = [r[k] for r in rs if r.get(k) is not None]
-            row[k] = statistics.median(values) if values else None
-        rows.append(row)
+            config = make_checkpoint(ckpt, args.layers, args.experts, args.hidden, args.inter, args.top_k, dtype)
+        resident = load("resident", ckpt, work, config, args.cache, torch.device("cpu"), dtype)
+        layers = experts_layers(resident)
+        total_experts = sum(layout.num_experts for _, _, layout in layers)
+        expert_bytes = -(-layers[0][2].numel * dtype.itemsize // 16) * 16
+        del resident
+        models = {v: load(v, ckpt, work, config, args.cache, device, dtype, expert_bytes, total_experts).eval()
+                  for v in variants}
+        for batch in batches:
+            prompt = torch.cat([make_prompt(args.model_path, config.vocab_size, args.prompt_tokens)] +
+                               [torch.randint(1, config.vocab_size, (1, args.prompt_tokens),
+                                              generator=torch.Generator().manual_seed(i)) for i in range(2, batch + 1)])
+            for v in variants:  # warm-up: thread pools, first reads, allocator, the device cache's first fill
+                run_once(models[v], prompt, 4)
+            runs: dict[str, list[dict]] = {v: [] for v in variants}
+            for _ in range(rounds):
+                for v in variants:
+                    runs[v].append(run_once(models[v], prompt, new_tokens))
+            results.append((batch, summarize(runs, variants, base)))
     what = (args.model_path if args.model_path else f"random Qwen3-MoE {args.layers} layers x {args.experts} experts "
-            f"(top-2), d={args.hidden}, expert ffn {args.inter}")
-    print(f"\nGreedy decoding, {what}; our cache {args.cache} of {total_experts} experts; prompt "
+            f"(top-{args.top_k}), d={args.hidden}, expert ffn {args.inter}, {args.dtype}")
+    print(f"\nGreedy decoding on {device}, {what}; our host cache {args.cache} of {total_experts} experts; prompt "
           f"{args.prompt_tokens}, {new_tokens} new tokens, median of {rounds} rounds; {platform.processor() or 'cpu'}")
-    print(f"{'variant':>29} {'tok/s':>7} {'x resident':>10} {'x accel':>7} {'TTFT s':>7} {'x res':>5} "
-          f"{'MB read/tok':>11} {'MB mapped/tok':>13} {'cache hit':>9} {'pregate hit':>11} {'same':>5}")
 
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
-    for r in rows:
-        print(f"{r['variant']:>29} {r['decode_tok_s']:>7.1f} {r['x_resident']:>10.2f} {r['x_accelerate']:>7.2f} "
-              f"{r['ttft_s']:>7.3f} {r['ttft_x_resident']:>5.2f} {fmt(r['read_MB_per_token'], '.2f'):>11} "
-              f"{fmt(r['mapped_MB_per_token'], '.2f'):>13} "
-              f"{fmt(r['cache_hit_rate'], '.2f'):>9} {fmt(r['pregate_hit_rate'], '.2f'):>11} "
-              f"{str(r['same_tokens_as_resident']):>5}")
+    for batch, rows in results:
+        print(f"batch {batch}")
+        print(f"{'variant':>29} {'tok/s':>7} {'x resident':>10} {'x ' + base:>16} {'TTFT s':>7} {'x res':>5} "
+              f"{'MB read/tok':>11} {'MB mapped/tok':>13} {'MB up/tok':>9} {'cache hit':>9} {'dev cache':>9} "
+              f"{'pregate hit':>11} {'same':>5}")
+        for r in rows:
+            print(f"{r['variant']:>29} {r['decode_tok_s']:>7.1f} {r['x_resident']:>10.2f} {r['x_base']:>16.2f} "
+                  f"{r['ttft_s']:>7.3f} {r['ttft_x_resident']:>5.2f} {fmt(r['read_MB_per_token'], '.2f'):>11} "
+                  f"{fmt(r['mapped_MB_per_token'], '.2f'):>13} {fmt(r['uploaded_MB_per_token'], '.2f'):>9} "
+                  f"{fmt(r['cache_hit_rate'], '.2f'):>9} {fmt(r['device_cache_hit_rate'], '.2f'):>9} "
+                  f"{fmt(r['pregate_hit_rate'], '.2f'):>11} {str(r['same_tokens_as_resident']):>5}")
     name = "generate.json" if not args.model_path else f"generate-{os.path.basename(os.path.normpath(args.model_path))}.json"
+    if device.type == "cuda":
+        name = name.replace(".json", "-cuda.json")
     with open(os.path.join(HERE, name), "w") as f:
         json.dump({"args": vars(args), "total_experts": total_experts, "new_tokens": new_tokens, "rounds": rounds,
-                   "machine": platform.platform(), "rows": rows}, f, indent=1)
+                   "machine": platform.platform(), "device": str(device),
+                   "batches": {str(batch): rows for batch, rows in results}}, f, indent=1)
+
+
+def summarize(runs: dict[str, list[dict]], variants: list[str], base: str) -> list[dict]:
+    """Per variant: medians over rounds, and ratios as medians of the per-round ratios (same round)."""
+    reference = runs["resident"][0]["tokens"]
+
+    def paired(v: str, against: str, key: str) -> float:
+        return statistics.median(r[key] / b[key] for r, b in zip(runs[v], runs[against]))
+
+    rows = []
+    for v in variants:
+        rs = runs[v]
+        row = {"variant": v, "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
+               "x_resident": paired(v, "resident", "decode_tok_s"), "x_base": paired(v, base, "decode_tok_s"),
+               "ttft_s": statistics.median(r["ttft_s"] for r in rs), "ttft_x_resident": paired(v, "resident", "ttft_s"),
+               "same_tokens_as_resident": all(r["tokens"] == reference for r in rs)}
+        for k in ("read_MB_per_token", "mapped_MB_per_token", "uploaded_MB_per_token", "cache_hit_rate",
+                  "device_cache_hit_rate", "pregate_hit_rate"):
+            values = [r[k] for r in rs if r.get(k) is not None]
+            row[k] = statistics.median(values) if values else None
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """`hf-moe-offload generate`: text generation from a model whose experts stay on disk (or in host memory).
 
 The model is loaded with its experts streamed straight into the offload store (`load_offloaded_pretrained`, weights
-only: no gradient or Adam state), so host memory holds the non-expert weights and the store's cache. Decoding runs
-the engine's inference mode (hf_moe_offload/offload/inference.py): the disk tier's cache keeps the experts decoding
-uses most (decayed frequency, a budget per layer), and on a GPU (or with `--pregate on`) pre-gating starts reading
-the next layer's likely experts while this layer computes. One prompt streams its tokens as they come; several
-prompts are generated as one left-padded batch.
+only: no gradient or Adam state), so host memory holds the non-expert weights and the store's cache. It runs on the
+GPU when there is one (`--device`): the non-expert weights move there and the experts are uploaded as decoding needs
+them, the ones it uses most kept in a device cache (`--device-cache-gb`; offload/device_cache.py). Decoding runs the
+engine's inference mode (hf_moe_offload/offload/inference.py): the disk tier's cache keeps the experts decoding uses
+most (decayed frequency, a budget per layer), and on a GPU (or with `--pregate on`) pre-gating starts reading the next
+layer's likely experts while this layer computes. One prompt streams its tokens as they come; several prompts are
+generated as one left-padded batch.
 
     hf-moe-offload train && hf-moe-offload generate                  # the main job's model, its default output
     hf-moe-offload generate --model-path DIR --prompt "The history of" --offload disk --host-cache-experts 8
@@ -54,17 +56,26 @@ class _Timer(BaseStreamer):
             self.inner.end()
 
 
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def load_for_inference(model_path: str, offload: str, offload_dir: str | None, host_cache_experts: int | None,
-                       pregate: bool | None = None, dtype: torch.dtype | None = None, mmap: bool | None = None):
-    """The model at `model_path` with its experts in the `offload` tier ("disk", "host") or resident ("none")."""
+                       pregate: bool | None = None, dtype: torch.dtype | None = None, mmap: bool | None = None,
+                       device: str | torch.device | None = None, device_cache_bytes: int | None = None):
+    """The model at `model_path` with its experts in the `offload` tier ("disk", "host") or resident ("none"), its
+    non-expert weights on `device` (default: a GPU when there is one); `device_cache_bytes`: the offloaded experts'
+    device cache (`OffloadConfig.device_cache_bytes`)."""
+    device = torch.device(device) if device is not None else default_device()
     if offload == "none":
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     disk = offload == "disk"
     config = OffloadConfig(mode=offload, offload_dir=offload_dir if disk else None,
                            host_cache_experts=host_cache_experts if disk else None,
-                           train_experts=False, pregate=pregate, mmap_weights=mmap if disk else None)
+                           train_experts=False, pregate=pregate, mmap_weights=mmap if disk else None,
+                           device_cache_bytes=device_cache_bytes)
     # Weights only, in the model's dtype: a bf16 model's store holds bf16 experts and nothing else.
-    return load_offloaded_pretrained(model_path, config, dtype=dtype).eval()
+    return load_offloaded_pretrained(model_path, config, dtype=dtype, device=device).eval()
 
 
 _SWITCH = {"auto": None, "on": True, "off": False}
@@ -87,10 +98,13 @@ def run(args: argparse.Namespace) -> dict:
     if args.offload == "disk" and offload_dir is None:
         offload_dir = scratch = tempfile.mkdtemp(prefix="hf-moe-offload-generate-")
     try:
+        device = torch.device(args.device) if args.device else default_device()
+        cache_bytes = None if args.device_cache_gb is None else int(args.device_cache_gb * 2**30)
         model = load_for_inference(args.model_path, args.offload, offload_dir, args.host_cache_experts,
-                                   pregate=_SWITCH[args.pregate], dtype=dtype, mmap=_SWITCH[args.mmap])
+                                   pregate=_SWITCH[args.pregate], dtype=dtype, mmap=_SWITCH[args.mmap],
+                                   device=device, device_cache_bytes=cache_bytes)
         torch.manual_seed(args.seed)
-        batch = tokenizer(prompts, return_tensors="pt", padding=True)
+        batch = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
         streamer = TextStreamer(tokenizer, skip_prompt=False) if len(prompts) == 1 and not args.quiet else None
         timer = _Timer(streamer)
         engine = get_offload_engine(model)
@@ -102,18 +116,21 @@ def run(args: argparse.Namespace) -> dict:
                                  temperature=args.temperature if args.do_sample else None,
                                  top_p=args.top_p if args.do_sample else None,
                                  pad_token_id=tokenizer.pad_token_id, streamer=timer, use_cache=True)
-        texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:].cpu(), skip_special_tokens=True)
         if streamer is None and not args.quiet:
             for prompt, text in zip(prompts, texts):
                 print(f"{prompt}{text}\n")
         new = timer.times[1:]
-        figures = {"prompts": len(prompts), "new_tokens": len(new), "time_to_first_token_s": new[0] - t0 if new else None,
+        figures = {"device": str(device), "prompts": len(prompts), "new_tokens": len(new),
+                   "time_to_first_token_s": new[0] - t0 if new else None,
                    "decode_tokens_per_s": (len(new) - 1) * len(prompts) / (new[-1] - new[0]) if len(new) > 1 else None,
                    "texts": texts}
         if engine is not None and engine.store is not None:
             logs = engine.stats.as_log_dict(prefix="")
             figures.update(offload=args.offload, cache_hit_rate=engine.stats.cache_hit_rate,
                            pregate_hit_rate=logs.get("pregate_hit_rate"),
+                           device_cache_hit_rate=engine.stats.device_cache_hit_rate,
+                           uploaded_MB_per_token=logs["h2d_MB"] / max(1, len(new)),
                            disk_read_MB_per_token=logs["disk_read_MB"] / max(1, len(new)),
                            disk_mapped_MB_per_token=logs.get("disk_mapped_MB", 0.0) / max(1, len(new)))
             engine.store.close()
@@ -128,12 +145,15 @@ def _print_figures(f: dict) -> None:
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
-    line = (f"[generate] {f['new_tokens']} new tokens x {f['prompts']} prompt(s); time to first token "
+    line = (f"[generate] {f['new_tokens']} new tokens x {f['prompts']} prompt(s) on {f['device']}; time to first token "
             f"{fmt(f['time_to_first_token_s'], '.3f')} s; decoding {fmt(f['decode_tokens_per_s'], '.1f')} tokens/s")
     if "offload" in f:
         line += (f"; {f['offload']} tier: cache hit rate {fmt(f['cache_hit_rate'], '.2f')}, pre-gating hit rate "
                  f"{fmt(f['pregate_hit_rate'], '.2f')}, {fmt(f['disk_read_MB_per_token'], '.2f')} MB read into the "
                  f"cache and {fmt(f['disk_mapped_MB_per_token'], '.2f')} MB used from mapped files per token")
+        if f["device_cache_hit_rate"] is not None or f["uploaded_MB_per_token"]:
+            line += (f"; device cache hit rate {fmt(f['device_cache_hit_rate'], '.2f')}, "
+                     f"{f['uploaded_MB_per_token']:.2f} MB uploaded per token")
     print(line)
 
 
@@ -154,6 +174,11 @@ def add_cli(sub) -> None:
                    help="disk tier: read the next layer's guessed experts early (auto: on a GPU, not on the CPU)")
     p.add_argument("--mmap", choices=("auto", "on", "off"), default="auto",
                    help="disk tier: compute uncached experts from their memory-mapped files (auto: on the CPU)")
+    p.add_argument("--device", default=None, help="where the model computes (default: cuda when a GPU is there, else "
+                   "cpu); the offloaded experts are uploaded to it as decoding needs them")
+    p.add_argument("--device-cache-gb", type=float, default=None,
+                   help="GPU memory for a cache of the experts decoding uses most (default: half the memory free "
+                        "once the model is there; 0: none)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -163,4 +188,4 @@ def add_cli(sub) -> None:
     p.set_defaults(func=run)
 
 
-__all__ = ["add_cli", "load_for_inference", "run"]
+__all__ = ["add_cli", "default_device", "load_for_inference", "run"]

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import os
@@ -141,14 +143,18 @@ def _checkpoint_files(path: str) -> dict[str, str]:
 
 
 def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_class=None,
-                              dtype: torch.dtype | None = None, **config_kwargs) -> nn.Module:
+                              dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                              **config_kwargs) -> nn.Module:
     """Build a model from `path` with its experts streamed straight into the offload store.
 
     Non-expert weights are loaded normally; each expert's slices are read from the safetensors files one expert at
     a time, so host memory holds at most the non-expert weights, the store's cache and one expert. `dtype`: the
     model's dtype (default fp32); with `OffloadConfig(train_experts=False)` a bf16/fp16 model's store keeps the
-    experts in that dtype only.
+    experts in that dtype only. `device`: where the model computes (its non-expert weights move there; the experts
+    are uploaded as they are needed); default `OffloadConfig.device`, else the CPU.
     """
+    if device is not None:
+        offload_config = dataclasses.replace(offload_config, device=device)
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -176,7 +182,7 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
     if unused:
         logger.info("%s: checkpoint tensors not used by %s: %s", path, type(model).__name__, unused)
     model.eval()
-    return model
+    return model.to(offload_config.device) if offload_config.device is not None else model
 
 
 class _CheckpointFiles:

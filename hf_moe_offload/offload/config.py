@@ -79,6 +79,10 @@ class OffloadConfig:
         "help": "inference on a GPU: run a missed expert with few tokens on the host instead of uploading it, when a "
                 "cost model measured at start says it is faster (Fiddler). None (default): on CUDA; True also on the "
                 "simulated device"})
+    device_cache_bytes: int | None = field(default=None, metadata={
+        "help": "inference on a GPU: device memory for a cache of the experts decoding uses most (offload/"
+                "device_cache.py), allocated when decoding starts and freed when training resumes. None (default): "
+                "half the device memory free then (the other half left to the KV cache and activations); 0: none"})
     mmap_weights: bool | None = field(default=None, metadata={
         "help": "disk tier on the CPU: a forward (inference, or training: only its backward needs the expert's "
                 "record) computes an expert that is not in the cache straight from its memory-mapped file instead of "
@@ -101,6 +105,8 @@ class OffloadConfig:
             raise ValueError(f"OffloadConfig.pin_fraction must be in [0, 1], got {self.pin_fraction}")
         if self.host_cache_bytes is not None and self.host_cache_experts is not None:
             raise ValueError("set only one of OffloadConfig.host_cache_bytes and OffloadConfig.host_cache_experts")
+        if self.device_cache_bytes is not None and self.device_cache_bytes < 0:
+            raise ValueError(f"OffloadConfig.device_cache_bytes must be >= 0 or None, got {self.device_cache_bytes}")
         for name in ("host_cache_bytes", "host_cache_experts", "device_budget_bytes", "host_budget_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:

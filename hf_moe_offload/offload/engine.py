@@ -31,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..runtime import DeviceRuntime, Event, runtime_for
 from .config import OffloadConfig
+from .device_cache import DeviceExpertCache
 from .device_pins import DevicePins
 from .inference import DecodeCache, PlacementCostModel, PreGate
 from .pinning import PinChoice
@@ -98,6 +99,7 @@ class OffloadEngine:
         # Fiddler's compute-on-host choice (asynchronous runtimes): measured at bind when OffloadConfig.compute_on_host
         # allows, or given.
         self.cost_model: PlacementCostModel | None = None
+        self.device_cache: DeviceExpertCache | None = None  # decoding on a device (offload/device_cache.py)
         self.pregate = pregate  # OffloadConfig.pregate: dropped at bind on a runtime that is not asynchronous
         # --- streaming and gradients ---
         self._grad_rings: dict[torch.dtype, GradRing] = {}  # chunks' gradients on their way to the host, by dtype
@@ -181,7 +183,7 @@ class OffloadEngine:
                 f"dtype (here: {self.store.tier} tier on {device}); leave it unset"
             )
         self.map_files = can_map if self.config.mmap_weights is None else self.config.mmap_weights
-        logger.info("expert offload: computing on %s (runtime %s)", device, self.runtime.name)
+        logger.debug("expert offload: computing on %s (runtime %s)", device, self.runtime.name)
 
     def _bind_compute_dtype(self, device: torch.device) -> None:
         """Issue 35: on a device, under autocast at the first forward, stream copies in the autocast dtype unless
@@ -367,12 +369,40 @@ class OffloadEngine:
             set_policy = getattr(self.store, "set_decode_cache", None)
             if set_policy is not None:
                 set_policy(self.decode_cache if inference else None)
+            self._open_device_cache() if inference else self._close_device_cache()
         if inference and layer == 0:
             self.decode_cache.next_token()
             if (self.runtime is not None and self.runtime.asynchronous and self.pin_fraction
-                    and self.decode_cache.tick % self.decode_pin_interval == 1):
+                    and self.device_cache is None and self.decode_cache.tick % self.decode_pin_interval == 1):
                 self.pin_hot_experts()
         return inference
+
+    def _open_device_cache(self) -> None:
+        """Decoding starts on an asynchronous device (one process): the device expert cache (offload/device_cache.py),
+        `OffloadConfig.device_cache_bytes` of device memory, by default half of what is free now; capacity at most
+        every expert."""
+        if self.runtime is None or not self.runtime.asynchronous or self.coordinator is not None:
+            return
+        budget = self.config.device_cache_bytes
+        if budget is None:
+            free = self.runtime.free_memory()
+            budget = 0 if free is None else free // 2
+        dtype = self.store.compute_dtype
+        per_expert = -(-self.store.numel * dtype.itemsize // 16) * 16
+        capacity = min(len(self.store), budget // per_expert)
+        if capacity < 1:
+            return
+        self.device_cache = DeviceExpertCache(self.runtime, self.store.numel, dtype, capacity, self.stager.stream,
+                                              self.decode_cache.score, self.stats)
+        self.stager.set_pinned(set())  # the cache keeps decoding's device copies
+        logger.debug("expert offload: device expert cache of %d experts (%.1f MiB)", capacity,
+                     self.device_cache.nbytes / 2**20)
+
+    def _close_device_cache(self) -> None:
+        """Training resumes: the cache's memory goes back (once compute is done with it)."""
+        if self.device_cache is not None:
+            self.runtime.record().synchronize()
+            self.device_cache = None
 
     def pin_hot_experts(self) -> None:
         """Decoding on an asynchronous device: keep a device copy of each layer's `pin_fraction` hottest experts by
@@ -383,7 +413,8 @@ class OffloadEngine:
     def compute_on_host(self, key: ExpertKey, tokens: int, x: torch.Tensor) -> bool:
         """The cost model's choice for one expert of an inference call: host compute, unless a current device copy
         (a pinned expert) makes its upload free."""
-        if key in self.stager.pinned_keys or self.device_pins is not None and key in self.device_pins:
+        if (key in self.stager.pinned_keys or self.device_pins is not None and key in self.device_pins
+                or self.device_cache is not None and key in self.device_cache):
             return False
         layout = self.layers[key[0]].layout
         weight_bytes = self.store.numel * self.store.compute_dtype.itemsize
@@ -404,6 +435,7 @@ class OffloadEngine:
             store.bind_runtime(self.runtime)
         if self.stager is not None:
             self.stager.drop_copies()
+        self._close_device_cache()
         if self.slab is not None:
             self.slab.forget()
 
@@ -443,7 +475,10 @@ class OffloadEngine:
         mapping = self.map_files and not keep
         if self.store.wants_schedule and not self.inference:  # decoding: the decode cache's scores instead
             self.store.set_schedule(self._schedule(layer, keys, phase))
-        self.read_ahead(keys, rows, mapping)
+        cache = self.device_cache if phase == "inference" else None
+        # Reads ahead into the host cache, but not of what the device cache holds (decoding).
+        to_read = keys if cache is None else [key for key in keys if key not in cache]
+        self.read_ahead(to_read, rows, mapping)
         if phase == "forward" and mapping:
             self.store.write_behind()  # the I/O threads have nothing else to do until the backward
         inflight: deque = deque()
@@ -462,22 +497,26 @@ class OffloadEngine:
             t0 = time.perf_counter()  # host-side waits: the expert's update, a disk read
             self.wait_for_update(key)
             mapped = self.store.map_weights(key) if mapping else None
+            hit = cache.hit(key, self.store.versions[key]) if cache is not None else None
             if pins is not None and key in pins:  # its state is on the device: nothing acquired or uploaded
                 inflight.append((key, None, pins.weights(key), None, None, False))
+            elif hit is not None:  # decoding: in the device cache, current: nothing acquired or uploaded
+                inflight.append((key, None, *hit, False))
             elif mapped is not None:  # computed from its mapped file: nothing acquired, nothing to release
                 inflight.append((key, None, mapped, None, None, True))
             else:
                 record = self.store.acquire(key, rows)
-                inflight.append((key, record, *stager.upload(key, record), False))
+                inflight.append((key, record, *stager.upload(key, record, cache), False))
             self.stats.stall_seconds += time.perf_counter() - t0
             if nxt + self.depth < len(keys):
-                self.prefetch(keys[nxt : nxt + self.depth + 1], rows, mapping)
+                ahead = keys[nxt : nxt + self.depth + 1]
+                self.prefetch(ahead if cache is None else [k for k in ahead if k not in cache], rows, mapping)
 
         try:
             while nxt < len(keys) or inflight:
                 while nxt < len(keys) and len(inflight) <= self.depth:
                     issue()
-                key, record, weights, ready, slot, mapped = inflight.popleft()
+                key, record, weights, ready, done, mapped = inflight.popleft()
                 stager.wait(ready, weights)  # device-side wait: timed with events
                 handed_over = False
                 try:
@@ -487,7 +526,7 @@ class OffloadEngine:
                     else:
                         yield weights
                 finally:
-                    stager.done(slot)
+                    stager.done(done)
                     if mapped and not self.inference:  # decoding reuses its hot experts' pages
                         self.store.unmap_weights(weights)
                     if not handed_over and record is not None:
@@ -940,7 +979,7 @@ class OffloadEngine:
             if self.coordinator is None and not self.inference:
                 on_device = pinned[: self.device_pins.capacity]
             self.device_pins.set(on_device)  # new ones come up at their next training forward (`_admit_pins`)
-        if self.stager is not None:
+        if self.stager is not None and self.device_cache is None:
             self.stager.set_pinned(set(pinned) - set(on_device))
         self.pinned = pinned
 

@@ -25,6 +25,10 @@ class OffloadStats:
     pregate_routed: int = 0
     pregate_hits: int = 0
     host_computed_experts: int = 0
+    # Decoding on a device (offload/device_cache.py): uses served by the device cache, uses it missed, its evictions.
+    device_cache_hits: int = 0
+    device_cache_misses: int = 0
+    device_cache_evictions: int = 0
     tokens_per_expert: dict[str, list[int]] = field(default_factory=dict)  # "layer" -> counts (last forward)
 
     def __post_init__(self) -> None:
@@ -75,6 +79,12 @@ class OffloadStats:
         uses = self.cache_hits + self.cache_misses + self.disk_mapped_experts
         return self.cache_hits / uses if uses else None
 
+    @property
+    def device_cache_hit_rate(self) -> float | None:
+        """The fraction of decoding's expert uses on a device that the device cache served; None: no lookup."""
+        uses = self.device_cache_hits + self.device_cache_misses
+        return self.device_cache_hits / uses if uses else None
+
     def as_log_dict(self, prefix: str = "offload/") -> dict[str, float]:
         """Scalars for `Trainer.log` (tokens per expert summarised as max/mean load imbalance)."""
         out = {
@@ -90,6 +100,8 @@ class OffloadStats:
             out[f"{prefix}disk_mapped_MB"] = self.disk_mapped_bytes / 2**20
         if self.pregate_routed:
             out[f"{prefix}pregate_hit_rate"] = self.pregate_hits / self.pregate_routed
+        if self.device_cache_hit_rate is not None:
+            out[f"{prefix}device_cache_hit_rate"] = self.device_cache_hit_rate
         imbalance = [max(c) / (sum(c) / len(c)) for c in self.tokens_per_expert.values() if sum(c)]
         if imbalance:
             out[f"{prefix}expert_load_max_over_mean"] = sum(imbalance) / len(imbalance)

@@ -9,12 +9,14 @@ layer's experts (k > 1 on a device) is `offload/slab.py`.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 
 import torch
 
 from ..runtime import HOST, DeviceRuntime, Event
+from .device_cache import DeviceExpertCache
 from .slab import StallTimer
 from .store import ExpertKey, ExpertRecord
 from .telemetry import OffloadStats
@@ -45,8 +47,10 @@ class DeviceStager:
             self.slot_free: list[Event | None] = [None] * (depth + 1)  # after the last use of each slot
             self.next_slot = 0
 
-    def upload(self, key: ExpertKey, record: ExpertRecord) -> tuple[torch.Tensor, Event | None, int | None]:
-        """Returns (weights, ready_event_or_None, slot_or_None)."""
+    def upload(self, key: ExpertKey, record: ExpertRecord,
+               cache: DeviceExpertCache | None = None) -> tuple[torch.Tensor, Event | None, Callable | None]:
+        """-> (weights, their upload's event or None, `done` to call after compute's last use, or None). With `cache`
+        (decoding, offload/device_cache.py) an admitted expert goes into a cache slot instead of the ring."""
         rt = self.rt
         src = record.compute_param()
         if not rt.asynchronous:
@@ -55,34 +59,44 @@ class DeviceStager:
         if cached is not None and cached[1] == record.version:
             # Its upload's event too: a first use that was interrupted may never have waited for it.
             return cached[0], cached[2], None
+        if cache is not None:
+            kept = cache.upload(key, record.version, src)
+            if kept is not None:
+                return kept
         if key in self.pinned_keys:
             # A copy of its own, allocated on the copy stream that writes it; compute reads it (record_stream), so
             # its memory is not handed out again before compute is done with it.
             dst = rt.empty(src.shape, src.dtype, stream=self.stream)
             rt.record_stream(dst, rt.current_stream())
-            slot = None
+            done = None
         else:
             slot = self.next_slot
             self.next_slot = (slot + 1) % len(self.slots)
             dst = self.slots[slot]
             rt.wait_event(self.slot_free[slot], self.stream)  # compute is done with the slot's previous expert
+            done = functools.partial(self._slot_done, slot)
         rt.copy_(dst, src, self.stream)
         ready = rt.record(self.stream)
         self.stats.h2d_bytes += src.numel() * src.element_size()
-        if slot is None:
+        if done is None:
             self.pinned[key] = (dst, record.version, ready)
-        return dst, ready, slot
+        return dst, ready, done
 
     def wait(self, ready: Event | None, weights: torch.Tensor) -> None:
-        """Compute waits for the upload of `weights` (timed with events: the compute stream's idle time)."""
-        if ready is None:
-            return
-        self.timer.wait(ready)
-        self.rt.access(weights)
+        """Compute waits for the upload of `weights` (timed with events: the compute stream's idle time); its read is
+        declared on an asynchronous runtime whatever it waited for (the simulated device checks it)."""
+        if ready is not None:
+            self.timer.wait(ready)
+        if self.rt.asynchronous:
+            self.rt.access(weights)
 
-    def done(self, slot: int | None) -> None:
-        if slot is not None:
-            self.slot_free[slot] = self.rt.record()
+    def done(self, done: Callable | None) -> None:
+        """Compute's last use of an upload's weights is enqueued (`upload`'s `done`)."""
+        if done is not None:
+            done()
+
+    def _slot_done(self, slot: int) -> None:
+        self.slot_free[slot] = self.rt.record()
 
     def set_pinned(self, keys: set[ExpertKey]) -> None:
         self.pinned_keys = set(keys)

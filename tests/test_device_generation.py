@@ -1,0 +1,150 @@
+"""Generation on a device (issue 37): `load_for_inference(..., device=)` / `hf-moe-offload generate --device` compute
+on the device, the offloaded experts uploaded as decoding needs them and the ones it uses most kept in the device
+expert cache (offload/device_cache.py). CI has no GPU: the device is the simulated one (hf_moe_offload/runtime/
+simulated.py), whose copies land late and whose vector clocks raise on a missing wait.
+
+Greedy decoding in fp32 must give the resident model's tokens exactly: the offloaded experts compute each expert's
+rows with the same GEMMs as transformers' eager experts (the tests' families run `experts_implementation="eager"`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_moe_offload.generate import load_for_inference
+from hf_moe_offload.moe_path import experts_layers
+from hf_moe_offload.offload import get_offload_engine
+from hf_moe_offload.offload.device_cache import DeviceExpertCache
+from hf_moe_offload.runtime import HappensBeforeError, use_runtime
+from hf_moe_offload.runtime.simulated import SimulatedRuntime
+
+from moe_families import tiny_model
+from test_offload import small_model
+
+FAMILIES = ["moe_gpt", "qwen3_moe", "mixtral", "gpt_oss"]
+NEW_TOKENS = 8
+
+
+def _saved(family: str, path) -> dict:
+    """A tiny causal LM of `family` saved at `path`, its resident greedy tokens and its expert sizes."""
+    model = small_model(7, num_experts=8) if family == "moe_gpt" else tiny_model(family, seed=7)
+    model.config.use_cache = True
+    model.save_pretrained(path)
+    model.eval()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        tokens = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    layers = experts_layers(model)
+    numel = layers[0][2].numel
+    return {"path": str(path), "prompt": prompt, "tokens": tokens, "expert_bytes": -(-numel * 4 // 16) * 16,
+            "experts": sum(layout.num_experts for _, _, layout in layers)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {family: _saved(family, root / family) for family in FAMILIES}
+
+
+def _generate(lm: dict, tier: str, tmp_path, cache_bytes, **runtime) -> tuple[torch.Tensor, object]:
+    with use_runtime(SimulatedRuntime(seed=3, max_delay=runtime.pop("max_delay", 0.001), **runtime)):
+        model = load_for_inference(lm["path"], tier, str(tmp_path / tier), host_cache_experts=3 if tier == "disk"
+                                   else None, device="cpu", device_cache_bytes=cache_bytes)
+        engine = get_offload_engine(model)
+        with torch.no_grad():
+            out = model.generate(lm["prompt"], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        engine.store.close()
+    return out, engine
+
+
+@pytest.mark.parametrize("cache", ["off", "quarter"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoding_on_the_device_gives_the_resident_greedy_tokens(saved, family, tier, cache, tmp_path):
+    """fp32, batch of 2: the same tokens as the resident model, with the device cache off and holding a quarter of
+    the experts (it then serves hits, evicts, and never holds more than its budget)."""
+    lm = saved[family]
+    budget = 0 if cache == "off" else lm["experts"] // 4 * lm["expert_bytes"]
+    out, engine = _generate(lm, tier, tmp_path, budget)
+    assert engine.runtime.asynchronous and engine.stats.h2d_bytes > 0
+    assert torch.equal(out, lm["tokens"])
+    if cache == "off":
+        assert engine.device_cache is None and engine.stats.device_cache_hits == 0
+        return
+    cached = engine.device_cache
+    assert cached.capacity == lm["experts"] // 4 and cached.nbytes <= budget
+    assert len(cached.slot_of) <= cached.capacity
+    assert engine.stats.device_cache_hits > 0 and engine.stats.device_cache_evictions > 0
+
+
+def test_the_default_device_cache_takes_half_the_free_device_memory(saved, tmp_path):
+    """No budget given: half the device memory free when decoding starts, at most every expert."""
+    lm = saved["qwen3_moe"]
+    free = 6 * lm["expert_bytes"] + 5
+    out, engine = _generate(lm, "host", tmp_path, None, free_memory=free)
+    assert torch.equal(out, lm["tokens"])
+    assert engine.device_cache.capacity == 3 and engine.device_cache.nbytes <= free // 2
+    out, engine = _generate(lm, "host", tmp_path, None, free_memory=10**12)
+    assert engine.device_cache.capacity == lm["experts"]  # everything fits: after the first uses, no uploads
+    assert engine.stats.device_cache_evictions == 0
+
+
+def test_training_after_decoding_gives_the_cache_back(saved, tmp_path):
+    """The cache lives while the engine decodes: a training call frees it (its memory is the training's)."""
+    lm = saved["moe_gpt"]
+    with use_runtime(SimulatedRuntime(seed=5, max_delay=0.0)):
+        model = load_for_inference(lm["path"], "host", str(tmp_path / "h"), None, device="cpu",
+                                   device_cache_bytes=4 * lm["expert_bytes"])
+        engine = get_offload_engine(model)
+        with torch.no_grad():
+            model(lm["prompt"])
+        assert engine.device_cache is not None
+        model.train()
+        model(lm["prompt"], labels=lm["prompt"]).loss.backward()
+        assert engine.device_cache is None
+        engine.store.close()
+
+
+def _no_slot_reuse_wait(self, slot):  # `_done` without its event: the next upload into the slot waits too early
+    self.in_flight[slot] -= 1
+
+
+def _no_upload_wait(self, key, version, src):  # a fresh upload handed to compute without its event
+    kept = _original_upload(self, key, version, src)
+    return None if kept is None else (kept[0], None, kept[2])
+
+
+_original_upload = DeviceExpertCache.upload
+
+
+@pytest.mark.parametrize("deleted", [("_done", _no_slot_reuse_wait), ("upload", _no_upload_wait)],
+                         ids=["slot-reuse", "upload"])
+def test_deleting_a_wait_of_the_device_cache_fails(saved, deleted, tmp_path, monkeypatch):
+    """Each wait of the cache's pipeline is needed: without the slot-reuse wait an upload overwrites weights compute
+    has not read yet; without the upload's wait compute reads a slot the copy has not filled. (A hit's wait for the
+    slot's upload is one compute already did at the expert's first use.) The simulated device
+    raises (or the late copy shows as NaN and the tokens change)."""
+    lm = saved["moe_gpt"]
+    monkeypatch.setattr(DeviceExpertCache, *deleted)
+    with pytest.raises((HappensBeforeError, AssertionError)):
+        out, _ = _generate(lm, "host", tmp_path, 3 * lm["expert_bytes"], max_delay=0.003)
+        assert torch.equal(out, lm["tokens"])
+
+
+def test_generate_command_on_the_device(tmp_path, capsys):
+    """`hf-moe-offload generate --device` prints the device and the device cache's figures, and keeps the engine's
+    log lines out of the streamed text."""
+    from hf_moe_offload.cli import main
+    from hf_moe_offload.data import gpt2_tokenizer
+
+    tok = gpt2_tokenizer()
+    small_model(7, vocab_size=len(tok), num_experts=6).save_pretrained(tmp_path / "lm")
+    tok.save_pretrained(tmp_path / "lm")
+    with use_runtime(SimulatedRuntime(seed=0, max_delay=0.0)):
+        assert main(["generate", "--model-path", str(tmp_path / "lm"), "--prompt", "Once", "--max-new-tokens", "4",
+                     "--offload", "host", "--device", "cpu", "--device-cache-gb", "0.001"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("Once") and "on cpu" in captured.out
+    assert "device cache hit rate" in captured.out
+    assert "expert offload" not in captured.out + captured.err
