@@ -48,13 +48,16 @@ cat "$OUT/gpu.txt"
 # 0. The host Adam's one-pass kernel (optim/fused_adam.py), built once here rather than inside a timed step.
 step fused_adam_build 90 python3 -c "from hf_moe_offload.optim.fused_adam import kernel; print(kernel())"
 # 1. The CUDA tests (the CPU suites' comparisons on the GPU) and the slab's, under the stream sanitizer.
-step cuda_tests 150 env TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -x -p no:cacheprovider -n 8 tests/test_cuda.py
+step cuda_tests 120 env TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -x -p no:cacheprovider -n 8 tests/test_cuda.py
 # 2. Issue 35: offloaded training of the Qwen3-MoE shape against DeepSpeed ZeRO-Offload (2k and 16k tokens per step),
 #    and under a 16 GB cap (the resident model OOMs, the host tier trains).
-step qwen3_train 300 python3 benchmarks/gpu_offload.py --family qwen3_moe --tokens 2048,16384
-step qwen3_cap16 100 python3 benchmarks/gpu_offload.py --family qwen3_moe --gpu-memory-gb 16 --variants resident,host,host-pin
-# 3. The MoE-GPT table of earlier sessions (the slab against its per-expert figures).
-step moegpt_offload 120 python3 benchmarks/gpu_offload.py --tiers host,host-bf16
+step qwen3_train 240 python3 benchmarks/gpu_offload.py --family qwen3_moe --tokens 2048,16384
+# 3. Issue 37: decoding the same shape (bf16, batch 1 and 8): resident, accelerate's CPU and disk offload, ours host
+#    and disk (a quarter of the experts in the host cache) with the device cache at 0, 1/4, 1/2 of the experts.
+step qwen3_generate 150 python3 benchmarks/generate.py --device cuda --layers 16 --experts 64 --hidden 1024 \
+  --inter 512 --top-k 8 --dtype bf16 --batch 1,8 --cache 256 --rounds 2 --new-tokens 32 --prompt-tokens 16
+step qwen3_cap16 60 python3 benchmarks/gpu_offload.py --family qwen3_moe --gpu-memory-gb 16 --variants resident,host,host-pin
+# (The MoE-GPT table of earlier sessions, `benchmarks/gpu_offload.py --tiers host,host-bf16`, runs when time is left.)
 
-cp benchmarks/gpu_train_qwen3*.json benchmarks/gpu_offload*.json "$OUT"/ 2>/dev/null
+cp benchmarks/gpu_train_qwen3*.json benchmarks/gpu_offload*.json benchmarks/generate*-cuda.json "$OUT"/ 2>/dev/null
 printf '%s\n' "${status[@]}" | tee "$OUT/summary.txt"

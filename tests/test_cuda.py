@@ -181,3 +181,29 @@ def test_cuda_slab_trains_like_resident_under_bf16(tier, compute_dtype, tmp_path
     assert engine.slab is not None and any(calls)
     assert set(engine._grad_rings) == {compute_dtype or torch.bfloat16}
     assert_within_adam_drift(model.cpu(), reference.cpu(), 1e-2, 3, outliers=0.1)
+
+
+@pytest.mark.parametrize("cache", ["off", "quarter"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cuda_generation_gives_the_resident_greedy_tokens(tier, cache, tmp_path):
+    """Issue 37 on a GPU: `load_for_inference(..., device="cuda")` decodes with the experts uploaded as needed (the
+    device cache holding a quarter of them, or none) and gives the resident model's greedy tokens on the same GPU
+    (fp32, Qwen3-MoE)."""
+    from hf_moe_offload.generate import load_for_inference
+    from hf_moe_offload.offload import get_offload_engine
+    from test_device_generation import NEW_TOKENS, _saved
+
+    lm = _saved("qwen3_moe", tmp_path / "lm")
+    resident = load_for_inference(lm["path"], "none", None, None, device="cuda")
+    prompt = lm["prompt"].cuda()
+    with torch.no_grad():
+        want = resident.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    budget = 0 if cache == "off" else lm["experts"] // 4 * lm["expert_bytes"]
+    model = load_for_inference(lm["path"], tier, str(tmp_path / tier), 3 if tier == "disk" else None, device="cuda",
+                               device_cache_bytes=budget)
+    with torch.no_grad():
+        got = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+    engine = get_offload_engine(model)
+    assert engine.runtime.name == "cuda" and engine.stats.h2d_bytes > 0
+    assert (engine.device_cache is None) == (cache == "off")

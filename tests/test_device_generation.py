@@ -148,3 +148,29 @@ def test_generate_command_on_the_device(tmp_path, capsys):
     assert captured.out.startswith("Once") and "on cpu" in captured.out
     assert "device cache hit rate" in captured.out
     assert "expert offload" not in captured.out + captured.err
+
+
+def test_trainer_evaluation_on_the_device_uses_the_device_cache(tmp_path):
+    """The recipes' and the main job's evaluation (`Trainer.evaluate`, under no_grad) decode-mode on the device too:
+    the device cache serves it, and the loss is the resident model's."""
+    import copy
+
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from hf_moe_offload import OffloadConfig, enable_expert_offload
+
+    reference = small_model(seed=5)
+    model = copy.deepcopy(reference)
+    ids = torch.randint(0, 101, (6, 12), generator=torch.Generator().manual_seed(21))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    losses = []
+    with use_runtime(SimulatedRuntime(seed=2, max_delay=0.0)):
+        engine = enable_expert_offload(model, OffloadConfig(mode="host", device_cache_bytes=2**20))
+        for m in (reference, model):
+            args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_eval_batch_size=3, use_cpu=True,
+                                     report_to=[])
+            losses.append(Trainer(model=m, args=args, eval_dataset=data,
+                                  data_collator=default_data_collator).evaluate()["eval_loss"])
+    assert engine.device_cache is not None and engine.stats.device_cache_hits > 0
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)
