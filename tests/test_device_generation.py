@@ -47,10 +47,10 @@ def saved(tmp_path_factory):
     return {family: _saved(family, root / family) for family in FAMILIES}
 
 
-def _generate(lm: dict, tier: str, tmp_path, cache_bytes, **runtime) -> tuple[torch.Tensor, object]:
+def _generate(lm: dict, tier: str, tmp_path, cache_bytes, pregate=None, **runtime) -> tuple[torch.Tensor, object]:
     with use_runtime(SimulatedRuntime(seed=3, max_delay=runtime.pop("max_delay", 0.001), **runtime)):
         model = load_for_inference(lm["path"], tier, str(tmp_path / tier), host_cache_experts=3 if tier == "disk"
-                                   else None, device="cpu", device_cache_bytes=cache_bytes)
+                                   else None, device="cpu", device_cache_bytes=cache_bytes, pregate=pregate)
         engine = get_offload_engine(model)
         with torch.no_grad():
             out = model.generate(lm["prompt"], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
@@ -88,6 +88,18 @@ def test_the_default_device_cache_takes_half_the_free_device_memory(saved, tmp_p
     out, engine = _generate(lm, "host", tmp_path, None, free_memory=10**12)
     assert engine.device_cache.capacity == lm["experts"]  # everything fits: after the first uses, no uploads
     assert engine.stats.device_cache_evictions == 0
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_pregating_uploads_the_next_layers_guess_into_the_device_cache(saved, tier, tmp_path):
+    """While a layer computes, pre-gating's guess of the next layer's experts is uploaded into the device cache
+    (those in host memory and admitted); the tokens stay the resident model's (the guess never decides the output)."""
+    lm = saved["qwen3_moe"]
+    out, engine = _generate(lm, tier, tmp_path, lm["experts"] // 2 * lm["expert_bytes"], pregate=True)
+    assert torch.equal(out, lm["tokens"])
+    assert engine.pregate is not None and engine.stats.pregate_uploads > 0
+    out, engine = _generate(lm, tier, tmp_path, lm["experts"] // 2 * lm["expert_bytes"], pregate=False)
+    assert engine.pregate is None and engine.stats.pregate_uploads == 0
 
 
 def test_training_after_decoding_gives_the_cache_back(saved, tmp_path):

@@ -160,7 +160,7 @@ def _build_store(mode: str, config: OffloadConfig, layouts: list, model_dtype: t
 def _build_engine(model: nn.Module, layers: list[MoELayer], store: ExpertStore, config: OffloadConfig, mode: str,
                   stats: OffloadStats) -> OffloadEngine:
     pregate = None
-    if config.pregate is not False and mode == "disk":  # the host tier has nothing to read early (README)
+    if config.pregate is not False:  # dropped at bind where it has nothing to do early (`OffloadEngine.bind`)
         pregate = PreGate([_router(model, route) for route in layers], stats)
     return OffloadEngine(store, [(layer.module, layer.layout) for layer in layers], config, stats, mode, pregate)
 

@@ -68,8 +68,9 @@ class OffloadConfig:
                 "tier's cache scores experts by decayed use frequency with a per-layer budget; pre-gating reads the "
                 "next layer's likely experts early); True/False force it"})
     pregate: bool | None = field(default=None, metadata={
-        "help": "inference, disk tier: guess layer l+1's experts while layer l runs (its router on layer l's input, "
-                "plus co-activation counts) and start reading them; the outputs never depend on the guess. None "
+        "help": "inference: guess layer l+1's experts while layer l runs (its router on layer l's input, plus "
+                "co-activation counts) and start reading them (disk tier) and, on a GPU, uploading them into the device "
+                "cache; the outputs never depend on the guess. None "
                 "(default): on where the experts compute on an asynchronous device (a GPU: early reads overlap the "
                 "compute), off on the CPU, where the reads compete with the compute for the same cores (measured "
                 "slower there, benchmarks/RESULTS.md); True/False force it"})

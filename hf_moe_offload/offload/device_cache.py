@@ -45,12 +45,16 @@ class DeviceExpertCache:
     def __contains__(self, key: ExpertKey) -> bool:
         return key in self.slot_of
 
+    def holds(self, key: ExpertKey, version: int) -> bool:
+        slot = self.slot_of.get(key)
+        return slot is not None and self.version[slot] == version
+
     def hit(self, key: ExpertKey, version: int) -> tuple[torch.Tensor, Event | None, Callable] | None:
         """`key`'s weights if a slot holds its `version` -> (weights, their upload's event, done); None: a miss."""
-        slot = self.slot_of.get(key)
-        if slot is None or self.version[slot] != version:
+        if not self.holds(key, version):
             self.stats.device_cache_misses += 1
             return None
+        slot = self.slot_of[key]
         self.stats.device_cache_hits += 1
         self.in_flight[slot] += 1
         return self.slots[slot], self.ready[slot], lambda: self._done(slot)

@@ -428,6 +428,16 @@ class DiskExpertStore(ExpertStore):
                 else:
                     self._lock.wait()  # another thread owns it (loading or writing back)
 
+    def try_acquire(self, key, rows=None):
+        want = self._rows(rows)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.state is not CACHED or want - entry.valid:
+                return None
+            entry.refs += 1
+            self._entries.move_to_end(key)
+            return entry.record
+
     def require(self, key, rows=None):
         want = self._rows(rows)
         with self._lock:

@@ -164,8 +164,10 @@ class OffloadEngine:
         self.store.bind_runtime(self.runtime)
         self.stager = DeviceStager(self.runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1),
                                    self.stats)
-        if self.config.pregate is None and not self.runtime.asynchronous:
-            self.pregate = None  # OffloadConfig.pregate: early reads would compete with the compute for the CPU
+        if not self.runtime.asynchronous and (self.config.pregate is None or self.store.tier == "host"):
+            # OffloadConfig.pregate: on the CPU early reads compete with the compute for the cores, and the host tier
+            # has nothing to read early; on a device it also uploads into the device cache (`upload_ahead`).
+            self.pregate = None
         # Compute-on-host pays off where weights cross a link (a GPU); `True` also turns it on for the simulated
         # device (tests). On the inline CPU runtime the host is the device.
         wanted = (self.runtime.name == "cuda" if self.config.compute_on_host is None
@@ -397,6 +399,29 @@ class OffloadEngine:
         self.stager.set_pinned(set())  # the cache keeps decoding's device copies
         logger.debug("expert offload: device expert cache of %d experts (%.1f MiB)", capacity,
                      self.device_cache.nbytes / 2**20)
+
+    def upload_ahead(self, keys: list[ExpertKey]) -> None:
+        """Pre-gating on a device: start uploading the next layer's guessed experts into the device cache while this
+        layer computes, those whose weights are in host memory now (the disk tier's reads ahead are the host cache's
+        `prefetch`) and that the cache admits (offload/device_cache.py)."""
+        cache = self.device_cache
+        if cache is None:
+            return
+        for key in keys:
+            version = self.store.versions[key]
+            if key in self._pending or cache.holds(key, version):
+                continue
+            record = self.store.try_acquire(key, WEIGHTS)
+            if record is None:
+                continue
+            kept = cache.upload(key, version, record.compute_param())
+            if kept is None:
+                self.store.release(key)
+                continue
+            _, ready, done = kept
+            done()  # no compute use: the slot's next upload waits for this point only
+            self._release_after(key, ready)
+            self.stats.pregate_uploads += 1
 
     def _close_device_cache(self) -> None:
         """Training resumes: the cache's memory goes back (once compute is done with it)."""

@@ -294,6 +294,10 @@ class ExpertStore:
         Other rows of a disk-tier record may hold anything: read only what you asked for."""
         raise NotImplementedError
 
+    def try_acquire(self, key: ExpertKey, rows: Iterable[int] | None = None) -> ExpertRecord | None:
+        """`acquire` where it needs no I/O (the host tier: always); None where it would wait for a read."""
+        return self.acquire(key, rows)
+
     def require(self, key: ExpertKey, rows: Iterable[int] | None = None) -> None:
         """The caller holds `key`: make `rows` (None: all) current in its record too (e.g. the moments, for a step
         of an expert the backward acquired with its weights and gradient)."""

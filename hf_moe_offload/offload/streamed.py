@@ -128,6 +128,7 @@ class OffloadedExpertsLayer:
             keys = [k for k in ((nxt, e) for e in ids) if k in engine.store]
             if keys and engine.pregate.acting:
                 engine.prefetch(keys[: engine.decode_cache.budget], WEIGHTS, engine.map_files)
+                engine.upload_ahead(keys)
 
     def prefetch(self, counts: list[int]) -> None:
         """Called with the dispatch plan before the token permutation, so the first reads overlap it."""

@@ -29,6 +29,7 @@ class OffloadStats:
     device_cache_hits: int = 0
     device_cache_misses: int = 0
     device_cache_evictions: int = 0
+    pregate_uploads: int = 0  # ... experts uploaded into it ahead, on pre-gating's guess
     tokens_per_expert: dict[str, list[int]] = field(default_factory=dict)  # "layer" -> counts (last forward)
 
     def __post_init__(self) -> None:
