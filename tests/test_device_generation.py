@@ -88,6 +88,8 @@ def test_the_default_device_cache_takes_half_the_free_device_memory(saved, tmp_p
     out, engine = _generate(lm, "host", tmp_path, None, free_memory=10**12)
     assert engine.device_cache.capacity == lm["experts"]  # everything fits: after the first uses, no uploads
     assert engine.stats.device_cache_evictions == 0
+    # Uploads into the cache are enqueued for a layer's routed experts at once, not `prefetch_depth` ahead.
+    assert engine.peak_in_flight > engine.depth + 1
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])

@@ -100,6 +100,7 @@ class OffloadEngine:
         # allows, or given.
         self.cost_model: PlacementCostModel | None = None
         self.device_cache: DeviceExpertCache | None = None  # decoding on a device (offload/device_cache.py)
+        self.peak_in_flight = 0  # the most experts one `stream` had in flight at once (tests, benchmarks)
         self.pregate = pregate  # OffloadConfig.pregate: dropped at bind on a runtime that is not asynchronous
         # --- streaming and gradients ---
         self._grad_rings: dict[torch.dtype, GradRing] = {}  # chunks' gradients on their way to the host, by dtype
@@ -537,10 +538,20 @@ class OffloadEngine:
                 ahead = keys[nxt : nxt + self.depth + 1]
                 self.prefetch(ahead if cache is None else [k for k in ahead if k not in cache], rows, mapping)
 
+        def room() -> bool:
+            """Whether to issue the next expert: while at most `depth` are in flight; decoding with the device cache
+            enqueues a layer's uploads all at once (batched per layer), bounded only by the ring slots and the disk
+            tier's records still held (what the cache serves or keeps holds neither)."""
+            if cache is None:
+                return len(inflight) <= self.depth
+            held = sum(1 for item in inflight if item[1] is not None) if self.store.tier != "host" else 0
+            return stager.ring_in_flight <= self.depth and held <= self.depth
+
         try:
             while nxt < len(keys) or inflight:
-                while nxt < len(keys) and len(inflight) <= self.depth:
+                while nxt < len(keys) and room():
                     issue()
+                self.peak_in_flight = max(self.peak_in_flight, len(inflight))
                 key, record, weights, ready, done, mapped = inflight.popleft()
                 stager.wait(ready, weights)  # device-side wait: timed with events
                 handed_over = False

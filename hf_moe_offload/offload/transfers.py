@@ -46,6 +46,7 @@ class DeviceStager:
                           for _ in range(depth + 1)]
             self.slot_free: list[Event | None] = [None] * (depth + 1)  # after the last use of each slot
             self.next_slot = 0
+            self.ring_in_flight = 0  # ring slots handed out whose use is not done yet
 
     def upload(self, key: ExpertKey, record: ExpertRecord,
                cache: DeviceExpertCache | None = None) -> tuple[torch.Tensor, Event | None, Callable | None]:
@@ -75,6 +76,7 @@ class DeviceStager:
             dst = self.slots[slot]
             rt.wait_event(self.slot_free[slot], self.stream)  # compute is done with the slot's previous expert
             done = functools.partial(self._slot_done, slot)
+            self.ring_in_flight += 1
         rt.copy_(dst, src, self.stream)
         ready = rt.record(self.stream)
         self.stats.h2d_bytes += src.numel() * src.element_size()
@@ -97,6 +99,7 @@ class DeviceStager:
 
     def _slot_done(self, slot: int) -> None:
         self.slot_free[slot] = self.rt.record()
+        self.ring_in_flight -= 1
 
     def set_pinned(self, keys: set[ExpertKey]) -> None:
         self.pinned_keys = set(keys)
