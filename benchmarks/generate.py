@@ -11,6 +11,8 @@ read and uploaded per token.
                                                # accelerate's CPU and disk offload, the resident model
     python benchmarks/generate.py --model-path outputs/moe-gpt-small --cache 4   # the main job's trained model
     python benchmarks/generate.py --analyze [--model-path ...]   # guess and cache policy on one routing trace
+    HF_MOE_OFFLOAD_RUNTIME=simulated python benchmarks/generate.py --device-variants --batch 1,8 --quick --cache 16
+        # the device variants' bytes and hit rates on the simulated device (CI's stand-in for a GPU)
 
 The model is random (seeded) and saved once as safetensors; every variant loads that checkpoint the way a user would
 (`from_pretrained`, `from_pretrained(device_map=..., offload_folder=...)`, `load_offloaded_pretrained`), then
@@ -286,6 +288,9 @@ def main() -> None:
     ap.add_argument("--batch", default="1", help="sequences per generate call; a comma-separated list runs each")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: the non-expert weights and the compute")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--device-variants", action="store_true", help="the --device cuda variants on the CPU: with "
+                    "HF_MOE_OFFLOAD_RUNTIME=simulated, on the simulated device (its timings mean nothing; its bytes "
+                    "uploaded and cache hit rates do); writes generate-simulated.json")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--rounds", type=int, default=7, help="rounds of every variant (not with --quick)")
     ap.add_argument("--analyze", action="store_true", help="instead of timing: the pre-gating guess and the decode "
@@ -297,8 +302,9 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     new_tokens, rounds = (min(24, args.new_tokens), 2) if args.quick else (args.new_tokens, args.rounds)
-    variants = DEVICE_VARIANTS if device.type == "cuda" else CPU_VARIANTS
-    base = "accelerate cpu" if device.type == "cuda" else "accelerate disk"
+    on_device = device.type == "cuda" or args.device_variants
+    variants = DEVICE_VARIANTS if on_device else CPU_VARIANTS
+    base = "accelerate cpu" if on_device else "accelerate disk"
     batches = [int(b) for b in args.batch.split(",")]
     results = []
     with tempfile.TemporaryDirectory() as work:
@@ -348,6 +354,8 @@ def main() -> None:
     name = "generate.json" if not args.model_path else f"generate-{os.path.basename(os.path.normpath(args.model_path))}.json"
     if device.type == "cuda":
         name = name.replace(".json", "-cuda.json")
+    elif args.device_variants:
+        name = name.replace(".json", "-simulated.json")
     with open(os.path.join(HERE, name), "w") as f:
         json.dump({"args": vars(args), "total_experts": total_experts, "new_tokens": new_tokens, "rounds": rounds,
                    "machine": platform.platform(), "device": str(device),

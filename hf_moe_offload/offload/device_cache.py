@@ -7,7 +7,8 @@ decayed use counts, offload/inference.py): mixtral-offloading's per-layer expert
 cache. An expert whose slot holds its current version (the store's update count) is used without an upload.
 
 A miss is admitted into a free slot, or into the slot of the lowest-scored expert not in flight in this layer's call
-when the newcomer scores at least as high (else it streams through the stager's ring and is not kept). The slots are
+when the newcomer scores higher (else it streams through the stager's ring and is not kept; pre-gating's guesses of the
+next layer are admitted by the same rule). The slots are
 allocated when decoding starts and freed when training resumes (`OffloadEngine.enter_call`),
 sized by `OffloadConfig.device_cache_bytes` (default: half the device memory free then, beside the weights already
 there, leaving the other half to the KV cache and activations). Ordering: an upload into a slot waits for compute's
@@ -86,8 +87,8 @@ class DeviceExpertCache:
             if not idle:
                 return None
             slot = min(idle, key=lambda s: self.score(self.holder[s]))
-            if self.score(self.holder[slot]) > self.score(key):
-                return None
+            if self.score(self.holder[slot]) >= self.score(key):
+                return None  # ties keep the cached one: admitting them churned a full cache (batch 8: more bytes)
             del self.slot_of[self.holder[slot]]
             self.stats.device_cache_evictions += 1
         self.holder[slot] = key
