@@ -188,3 +188,31 @@ def test_trainer_evaluation_on_the_device_uses_the_device_cache(tmp_path):
                                   data_collator=default_data_collator).evaluate()["eval_loss"])
     assert engine.device_cache is not None and engine.stats.device_cache_hits > 0
     assert losses[1] == pytest.approx(losses[0], abs=1e-6)
+
+
+def test_an_interrupted_decoding_call_gives_its_slots_back(saved, tmp_path, monkeypatch):
+    """A call whose expert compute raises hands back what its stream had in flight: ring slots and device-cache slots
+    (their uses never came), so the next calls decode the resident tokens with the full pipeline."""
+    from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
+
+    lm = saved["qwen3_moe"]
+    original = OffloadedExpertsLayer._compute
+    failures = iter([True])
+
+    def compute(self, *args):
+        if next(failures, False):
+            raise RuntimeError("expert compute failed")
+        return original(self, *args)
+
+    monkeypatch.setattr(OffloadedExpertsLayer, "_compute", compute)
+    with use_runtime(SimulatedRuntime(seed=4, max_delay=0.001)):
+        model = load_for_inference(lm["path"], "host", str(tmp_path / "h"), None, device="cpu",
+                                   device_cache_bytes=2 * lm["expert_bytes"])
+        engine = get_offload_engine(model)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="expert compute failed"):
+            model(lm["prompt"])
+        assert engine.stager.ring_in_flight == 0 and not any(engine.device_cache.in_flight)
+        with torch.no_grad():
+            out = model.generate(lm["prompt"], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        engine.store.close()
+    assert torch.equal(out, lm["tokens"])

@@ -407,3 +407,40 @@ def test_device_pins_fit_beside_the_slab_in_the_device_budget():
     assert pins(None) == 4  # unbounded: every pin (2 of 8 experts in each of 2 layers)
     assert pins(3.5) == 3
     assert pins(0) is None
+
+
+def test_evaluation_between_steps_leaves_device_pins_out_of_the_device_cache():
+    """Evaluation between training steps on a device (the Trainer's order: step, evaluate, next step): the experts
+    pinned with their state on the device are neither looked up in nor uploaded into the device cache (pre-gating's
+    guesses skip them too: their host rows are stale while pinned); evaluation gives the same loss as with the device
+    cache off, every cache slot comes back, and training resumes with the cache closed."""
+    losses = []
+    for cache_bytes in (0, 2**22):
+        with use_runtime(SimulatedRuntime(seed=6, max_delay=0.001)):
+            model = _qwen3(8, seed=2)
+            engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=0.25, pregate=True,
+                                                                device_cache_bytes=cache_bytes))
+            opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                       ExpertOptimizer(engine, lr=1e-2))
+            g = torch.Generator().manual_seed(7)
+            for _ in range(3):
+                x = torch.randint(0, VOCAB, (4, 16), generator=g)
+                model(x, labels=x).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            pins = set(engine.device_pins.keys())  # up since the last training forward, stepped on the device
+            assert pins
+            model.eval()
+            with torch.no_grad():
+                losses.append(model(x, labels=x).loss.item())
+            if cache_bytes:
+                cache = engine.device_cache
+                assert cache is not None and cache.slot_of and not pins & set(cache.slot_of)
+                assert not any(cache.in_flight)
+            model.train()
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert engine.device_cache is None
+            engine.synchronize()
+    assert losses[0] == losses[1]

@@ -100,6 +100,7 @@ class OffloadEngine:
         # allows, or given.
         self.cost_model: PlacementCostModel | None = None
         self.device_cache: DeviceExpertCache | None = None  # decoding on a device (offload/device_cache.py)
+        self._device_cache_tried = False  # opened (or found no room) since inference began
         self.peak_in_flight = 0  # the most experts one `stream` had in flight at once (tests, benchmarks)
         self.pregate = pregate  # OffloadConfig.pregate: dropped at bind on a runtime that is not asynchronous
         # --- streaming and gradients ---
@@ -149,7 +150,7 @@ class OffloadEngine:
             )
         self.device = device
         self.runtime = runtime_for(device)
-        # Kept forward graphs (`_forward_kept`) cost what a resident model saves (T_M per expert); on the CPU that
+        # Kept forward graphs (`keep_activations`) cost what a resident model saves (T_M per expert); on the CPU that
         # memory is the host's either way. On a device ES-MoE keeps only the expert inputs there.
         safe = not self.runtime.asynchronous
         if self.config.keep_activations and not safe:
@@ -364,15 +365,22 @@ class OffloadEngine:
             return self.config.inference
         return not torch.is_grad_enabled() or not module.training
 
-    def enter_call(self, layer: int, inference: bool) -> bool:
+    def enter_call(self, layer: int, inference: bool, evaluating: bool = True) -> bool:
         """A layer's call begins in this mode: the store switches its eviction policy when the mode changes, and
-        the decode cache counts a token at layer 0. Returns `inference`."""
+        the decode cache counts a token at layer 0. The device cache opens at the first inference call of a model
+        in eval mode (`evaluating`; or `OffloadConfig.inference=True`), not for a training model's no-grad forward
+        (a reentrant activation checkpoint's), and closes when training resumes. Returns `inference`."""
         if inference != self.inference:
             self.inference = inference
             set_policy = getattr(self.store, "set_decode_cache", None)
             if set_policy is not None:
                 set_policy(self.decode_cache if inference else None)
-            self._open_device_cache() if inference else self._close_device_cache()
+            if not inference:
+                self._close_device_cache()
+                self._device_cache_tried = False
+        if inference and not self._device_cache_tried and (evaluating or self.config.inference):
+            self._device_cache_tried = True
+            self._open_device_cache()
         if inference and layer == 0:
             self.decode_cache.next_token()
             if (self.runtime is not None and self.runtime.asynchronous and self.pin_fraction
@@ -410,7 +418,7 @@ class OffloadEngine:
             return
         for key in keys:
             version = self.store.versions[key]
-            if key in self._pending or cache.holds(key, version):
+            if key in self._pending or self._on_device(key) or cache.holds(key, version):
                 continue
             record = self.store.try_acquire(key, WEIGHTS)
             if record is None:
@@ -427,8 +435,12 @@ class OffloadEngine:
     def _close_device_cache(self) -> None:
         """Training resumes: the cache's memory goes back (once compute is done with it)."""
         if self.device_cache is not None:
+            # Compute's reads of the slots and the copies into them (pre-gating's may never have been waited for,
+            # and their records are written again once training resumes) are done before anything reuses either.
             self.runtime.record().synchronize()
+            self.runtime.record(self.stager.stream).synchronize()
             self.device_cache = None
+            self.runtime.release_cached_memory()
 
     def pin_hot_experts(self) -> None:
         """Decoding on an asynchronous device: keep a device copy of each layer's `pin_fraction` hottest experts by
@@ -523,11 +535,11 @@ class OffloadEngine:
             t0 = time.perf_counter()  # host-side waits: the expert's update, a disk read
             self.wait_for_update(key)
             mapped = self.store.map_weights(key) if mapping else None
-            hit = cache.hit(key, self.store.versions[key]) if cache is not None else None
+            hit = None
             if pins is not None and key in pins:  # its state is on the device: nothing acquired or uploaded
                 inflight.append((key, None, pins.weights(key), None, None, False))
-            elif hit is not None:  # decoding: in the device cache, current: nothing acquired or uploaded
-                inflight.append((key, None, *hit, False))
+            elif cache is not None and (hit := cache.hit(key, self.store.versions[key])) is not None:
+                inflight.append((key, None, *hit, False))  # decoding: current in the device cache, nothing moves
             elif mapped is not None:  # computed from its mapped file: nothing acquired, nothing to release
                 inflight.append((key, None, mapped, None, None, True))
             else:
@@ -542,7 +554,7 @@ class OffloadEngine:
             """Whether to issue the next expert: while at most `depth` are in flight; decoding with the device cache
             enqueues a layer's uploads all at once (batched per layer), bounded only by the ring slots and the disk
             tier's records still held (what the cache serves or keeps holds neither)."""
-            if cache is None:
+            if cache is None or not inflight:
                 return len(inflight) <= self.depth
             held = sum(1 for item in inflight if item[1] is not None) if self.store.tier != "host" else 0
             return stager.ring_in_flight <= self.depth and held <= self.depth
@@ -568,7 +580,8 @@ class OffloadEngine:
                     if not handed_over and record is not None:
                         self._release_after(key, ready)
         finally:
-            for key, record, _weights, ready, _slot, _mapped in inflight:  # interrupted: hand back what was acquired
+            for key, record, _weights, ready, done, _mapped in inflight:  # interrupted: hand back what was acquired
+                stager.done(done)  # (never used by compute: the slot is free again)
                 if record is not None:
                     self._release_after(key, ready)
             self.stats.compute_seconds += time.perf_counter() - t_start
@@ -705,23 +718,29 @@ class OffloadEngine:
                     store.release(key)
             raise
         self.stats.stall_seconds += time.perf_counter() - t0
-        ahead = [(layer, e) for c in after for e, _, _ in c if not self._on_device((layer, e))]
-        if ahead:
-            self.prefetch(ahead[: self.depth + 1], rows_wanted, False)
-        held = [(key, pins.version(key) if record is None else record.version) for key, record in zip(keys, records)]
-        # A backward may find the chunk still in a block (the forward's last chunks): no upload.
-        reused = slab.reuse(held) if backward else None
-        if reused is None:
-            sources = []
-            for (key, version), record in zip(held, records):
-                if record is None:  # placed from the device pins by compute (`_slab_chunks`)
-                    sources.append((key, version, None, None))
-                elif key in self.stager.pinned_keys:  # its device copy (ES-MoE §4.3 pinning)
-                    copy, copy_ready, _ = self.stager.upload(key, record)
-                    sources.append((key, version, copy, copy_ready))
-                else:
-                    sources.append((key, version, record.compute_param(), None))
-            reused = slab.upload(sources, backward=backward)
+        try:
+            ahead = [(layer, e) for c in after for e, _, _ in c if not self._on_device((layer, e))]
+            if ahead:
+                self.prefetch(ahead[: self.depth + 1], rows_wanted, False)
+            held = [(key, pins.version(key) if record is None else record.version)
+                    for key, record in zip(keys, records)]
+            # A backward may find the chunk still in a block (the forward's last chunks): no upload.
+            reused = slab.reuse(held) if backward else None
+            if reused is None:
+                sources = []
+                for (key, version), record in zip(held, records):
+                    if record is None:  # placed from the device pins by compute (`_slab_chunks`)
+                        sources.append((key, version, None, None))
+                    elif key in self.stager.pinned_keys:  # its device copy (ES-MoE §4.3 pinning)
+                        copy, copy_ready, _ = self.stager.upload(key, record)
+                        sources.append((key, version, copy, copy_ready))
+                    else:
+                        sources.append((key, version, record.compute_param(), None))
+                reused = slab.upload(sources, backward=backward)
+        except BaseException:
+            for key, record in zip(keys, records):
+                self.release_record(key, record)
+            raise
         return (chunk, keys, records, *reused)
 
     def read_ahead(self, keys: list[ExpertKey], rows, mapped: bool) -> None:

@@ -114,7 +114,7 @@ class OffloadedExpertsLayer:
         pre-gating guess and starts the reads of the next layer's guessed experts (offload/inference.py)."""
         engine = self.engine
         engine.bind(hidden_states.device)  # before the plan's first reads, which depend on the runtime
-        if not engine.enter_call(self.layer, engine.inference_for(self.module)):
+        if not engine.enter_call(self.layer, engine.inference_for(self.module), evaluating=not self.module.training):
             return
         for e, n in enumerate(counts):
             if n:

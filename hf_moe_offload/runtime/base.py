@@ -99,6 +99,10 @@ class DeviceRuntime(abc.ABC):
         (the host is the device, or a simulation without a set size)."""
         return None
 
+    def release_cached_memory(self) -> None:
+        """Give device memory the allocator caches but nothing uses back (after dropping a large buffer allocated for
+        a side stream, whose cached blocks other streams cannot reuse). The caller has synchronized its streams."""
+
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         """`tensor` (allocated for another stream) is used on `stream`: do not reuse its memory before that use."""
 

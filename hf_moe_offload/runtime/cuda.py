@@ -27,6 +27,9 @@ class CudaRuntime(DeviceRuntime):
     def current_stream(self):
         return torch.cuda.current_stream(self.device)
 
+    def release_cached_memory(self) -> None:
+        torch.cuda.empty_cache()
+
     def free_memory(self) -> int:
         """Free device memory, within this process's cap where one is set
         (`torch.cuda.set_per_process_memory_fraction`: the caching allocator refuses past it, whatever is free)."""
