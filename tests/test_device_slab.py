@@ -444,3 +444,28 @@ def test_evaluation_between_steps_leaves_device_pins_out_of_the_device_cache():
             assert engine.device_cache is None
             engine.synchronize()
     assert losses[0] == losses[1]
+
+
+def test_evaluating_between_backward_and_step_on_a_device():
+    """An evaluation between a backward and its optimizer step (uploads that no gradient download orders) is
+    followed by a step whose host writes wait for them (`OffloadEngine.wait_for_uploads`): without that wait the
+    simulated device raises at the first host write to a record an evaluation upload read."""
+    with use_runtime(SimulatedRuntime(seed=6, max_delay=0.001)):
+        model = _qwen3(8, seed=2)
+        engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=0.25))
+        opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), ExpertOptimizer(engine, lr=1e-2))
+        g = torch.Generator().manual_seed(7)
+        losses = []
+        for step in range(3):
+            x = torch.randint(0, VOCAB, (4, 16), generator=g)
+            model(x, labels=x).loss.backward()
+            if step == 2:
+                model.eval()
+                with torch.no_grad():
+                    model(x, labels=x)
+                model.train()
+            opt.step()
+            opt.zero_grad()
+        losses.append(model(x, labels=x).loss.item())
+        engine.synchronize()
+    assert all(torch.isfinite(torch.tensor(losses)))

@@ -969,6 +969,17 @@ class OffloadEngine:
         self.release_device_pins()
         self.wait_in_flight()
 
+    def wait_for_uploads(self) -> None:
+        """The host waits for every upload enqueued so far (the stager's and the slab's copy streams): before an
+        optimizer step writes host records that an evaluation's uploads may still read (a training upload is ordered
+        before the step by the gradient download that follows it; an evaluation's by nothing)."""
+        if self.runtime is None or not self.runtime.asynchronous:
+            return
+        if self.stager is not None:
+            self.runtime.record(self.stager.stream).synchronize()
+        if self.slab is not None:
+            self.runtime.record(self.slab.stream).synchronize()
+
     def wait_in_flight(self) -> None:
         """Wait for every expert update, gradient download and record release in flight (device pins stay)."""
         while self._host_jobs:

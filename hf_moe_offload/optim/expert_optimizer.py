@@ -519,6 +519,7 @@ class ExpertOptimizer:
         if not self.boundary_fn():
             return None  # not the window's last micro-step (e.g. inside accelerate's accumulate): keep accumulating
         self._step_called[self._window] = time.perf_counter()
+        self.engine.wait_for_uploads()  # an evaluation since the backward may have uploads reading host records
         with self._lock:
             # Backward is over: the experts still waiting for a worker go in the order the next forward uses them
             # (layer 0 first; it arrived last), so that it starts a layer once that layer's experts are stepped
