@@ -77,6 +77,9 @@ class _Engine:
     def update_pins(self):
         pass
 
+    def wait_for_uploads(self):
+        pass  # no device: nothing reads the host records
+
     def end_window(self):
         pass
 
