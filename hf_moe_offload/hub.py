@@ -276,7 +276,8 @@ def _card_expert_load(record: dict, top_k: int) -> str:
 
 
 def _card_model_values(m: dict) -> dict[str, str]:
-    """The model's placeholders: architecture, shape, MoE layers, experts, parameter counts, vocabulary/context."""
+    """Card fields for the model (`{{architecture}}` and the rest in model_cards/): architecture, shape, MoE layers,
+    experts, parameter counts, vocabulary/context."""
     top_k = m.get("num_experts_per_tok", 1)
     return {
         "architecture": f"`{m.get('model_type')}` ({m.get('class')}), pre-norm GPT decoder with MoE FFN layers",
@@ -293,7 +294,7 @@ def _card_model_values(m: dict) -> dict[str, str]:
 
 
 def _card_training_values(record: dict) -> dict[str, str]:
-    """The training placeholders: data, tokenizer, method, schedule, optimizer, hardware, runtime, command."""
+    """Card fields for the training run: data, tokenizer, method, schedule, optimizer, hardware, runtime, command."""
     train = record.get("training", {})
     data = record.get("data", {})
     metrics = record.get("metrics", {})
@@ -320,7 +321,7 @@ def _card_training_values(record: dict) -> dict[str, str]:
 
 
 def card_values(record: dict) -> dict[str, str]:
-    """The template's placeholders, formatted from a run record: 1. front matter and summary, 2. the model,
+    """Every `{{field}}` of the card template, formatted from a run record: 1. front matter and summary, 2. the model,
     3. the training, 4. offload and pipelining, 5. metrics and expert load, 6. usage and limitations."""
     m = record.get("model", {})
     task = record.get("task", "causal-lm")

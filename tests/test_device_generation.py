@@ -104,19 +104,27 @@ def test_pregating_uploads_the_next_layers_guess_into_the_device_cache(saved, ti
     assert engine.pregate is None and engine.stats.pregate_uploads == 0
 
 
-def test_training_after_decoding_gives_the_cache_back(saved, tmp_path):
-    """The cache lives while the engine decodes: a training call frees it (its memory is the training's)."""
-    lm = saved["moe_gpt"]
-    with use_runtime(SimulatedRuntime(seed=5, max_delay=0.0)):
-        model = load_for_inference(lm["path"], "host", str(tmp_path / "h"), None, device="cpu",
-                                   device_cache_bytes=4 * lm["expert_bytes"])
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("family,room", [("moe_gpt", 4), ("qwen3_moe", None)], ids=["evicting", "all-fit"])
+def test_training_after_decoding_gives_the_cache_back(saved, family, room, autocast, tmp_path):
+    """The cache lives while the engine decodes: a training call frees it (its memory is the training's), after
+    compute's reads of its slots are done: the simulated device's `free` raises otherwise (the allocator could hand
+    the memory to the copy stream at once). A cache that evicts and one every expert fits in (its copy stream then
+    never waits for compute), pre-gating on; fp32 and bf16 autocast."""
+    lm = saved[family]
+    with use_runtime(SimulatedRuntime(seed=5, max_delay=0.001)), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model = load_for_inference(lm["path"], "host", str(tmp_path / "h"), None, device="cpu", pregate=True,
+                                   device_cache_bytes=(room or lm["experts"]) * lm["expert_bytes"])
         engine = get_offload_engine(model)
         with torch.no_grad():
             model(lm["prompt"])
         assert engine.device_cache is not None
         model.train()
-        model(lm["prompt"], labels=lm["prompt"]).loss.backward()
-        assert engine.device_cache is None
+        loss = model(lm["prompt"], labels=lm["prompt"]).loss
+        loss.backward()
+        assert engine.device_cache is None and torch.isfinite(loss)
+        engine.synchronize()
         engine.store.close()
 
 
@@ -216,3 +224,32 @@ def test_an_interrupted_decoding_call_gives_its_slots_back(saved, tmp_path, monk
             out = model.generate(lm["prompt"], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
         engine.store.close()
     assert torch.equal(out, lm["tokens"])
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("family", ["moe_gpt", "qwen3_moe"])
+def test_decoding_under_autocast_with_the_device_cache(saved, family, tier, tmp_path):
+    """Under CPU bf16 autocast (what a GPU user decodes with), the device cache holding a quarter of the experts: the
+    experts go up as bf16 copies (the store's compute dtype: the weights autocast would cast) and every step's logits
+    are the resident model's under the same autocast. Both sides run the same bf16 GEMMs on the same rows, so they
+    agree to bf16 rounding of the logits (2^-7 of their largest magnitude, a few ulps); the greedy tokens equal."""
+    from transformers import AutoModelForCausalLM
+
+    lm = saved[family]
+    resident = AutoModelForCausalLM.from_pretrained(lm["path"], experts_implementation="eager").eval()
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = resident.generate(lm["prompt"], **kwargs)
+        with use_runtime(SimulatedRuntime(seed=3, max_delay=0.001)):
+            model = load_for_inference(lm["path"], tier, str(tmp_path / tier), host_cache_experts=3 if tier == "disk"
+                                       else None, device="cpu",
+                                       device_cache_bytes=lm["experts"] // 4 * lm["expert_bytes"])
+            engine = get_offload_engine(model)
+            out = model.generate(lm["prompt"], **kwargs)
+            engine.store.close()
+    assert engine.store.compute_dtype == torch.bfloat16
+    assert engine.stats.device_cache_hits > 0 and engine.stats.h2d_bytes > 0
+    assert torch.equal(out.sequences, expected.sequences)
+    for got, want in zip(out.scores, expected.scores):
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2**-7 * want.float().abs().max().item())

@@ -63,6 +63,21 @@ def test_reusing_a_buffer_before_its_reader_is_done_raises():
     rt.copy_(slot, src, side)
 
 
+def test_freeing_a_persistent_buffer_needs_its_other_streams_uses_done():
+    """A persistent buffer's owner declares its end (`free`): compute's read of it must be ordered before the host
+    by then (the allocator may hand the memory to the copy stream's next allocation at once)."""
+    rt = SimulatedRuntime(seed=3)
+    side = rt.new_stream()
+    slot = rt.empty((4,), torch.float32, stream=side, persistent=True)
+    rt.copy_(slot, rt.pinned_empty((4,), torch.float32), side)
+    rt.wait_event(rt.record(side))
+    rt.access(slot)  # compute reads the slot
+    with pytest.raises(HappensBeforeError, match="freed while its use on compute"):
+        rt.free(slot)
+    rt.record().synchronize()  # the fix: the host waits for compute
+    rt.free(slot)
+
+
 def test_block_used_on_another_stream_needs_record_stream():
     rt = SimulatedRuntime(seed=2)
     side = rt.new_stream()

@@ -107,6 +107,7 @@ def load_expert_state(engine, folder: str) -> dict:
         rows = f.get(f"expert.{key[0]}.{key[1]}")
         record = store.acquire(key)
         try:
+            store.note_host_write(record)
             record.param.copy_(rows[0])
             record.exp_avg.copy_(rows[1])
             record.exp_avg_sq.copy_(rows[2])

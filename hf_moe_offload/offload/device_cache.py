@@ -95,6 +95,15 @@ class DeviceExpertCache:
         self.slot_of[key] = slot
         return slot
 
+    def close(self) -> None:
+        """Give the slots back once compute's reads of them are done: the allocator hands their memory to the copy
+        stream's next allocation at once (which comes after the copies into them: one stream). The host records
+        those copies read are the optimizer's to wait for (`OffloadEngine.wait_for_uploads`)."""
+        self.rt.record().synchronize()
+        for slot in self.slots:
+            self.rt.free(slot)
+        self.slots, self.slot_of = [], {}
+
     def _done(self, slot: int) -> None:
         self.free_after[slot] = self.rt.record()
         self.in_flight[slot] -= 1

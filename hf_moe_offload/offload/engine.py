@@ -435,10 +435,7 @@ class OffloadEngine:
     def _close_device_cache(self) -> None:
         """Training resumes: the cache's memory goes back (once compute is done with it)."""
         if self.device_cache is not None:
-            # Compute's reads of the slots and the copies into them (pre-gating's may never have been waited for,
-            # and their records are written again once training resumes) are done before anything reuses either.
-            self.runtime.record().synchronize()
-            self.runtime.record(self.stager.stream).synchronize()
+            self.device_cache.close()
             self.device_cache = None
             self.runtime.release_cached_memory()
 

@@ -99,6 +99,12 @@ class DeviceRuntime(abc.ABC):
         (the host is the device, or a simulation without a set size)."""
         return None
 
+    def free(self, tensor: torch.Tensor) -> None:
+        """The owner of a `persistent` buffer is done with it (it drops its references next): the caching allocator may
+        hand its memory to the allocating stream's next allocation, so every use of it on other streams must be
+        ordered before the host by now (the caller synchronized them). Checked by the simulation; nothing to do on
+        a real device."""
+
     def release_cached_memory(self) -> None:
         """Give device memory the allocator caches but nothing uses back (after dropping a large buffer allocated for
         a side stream, whose cached blocks other streams cannot reuse). The caller has synchronized its streams."""

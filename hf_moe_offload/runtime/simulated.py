@@ -12,7 +12,8 @@
   `HappensBeforeError` names the buffer, both streams and the fix. The check runs at enqueue time, so it does not
   depend on the delays: a missing edge fails every run, not one in a thousand.
 - Device buffers from `empty(stream=s)` count as written by `s`; read on another stream `t`, they need
-  `record_stream(buffer, t)` first (the caching-allocator rule) unless allocated `persistent=True`.
+  `record_stream(buffer, t)` first (the caching-allocator rule) unless allocated `persistent=True`, whose owner
+  declares their end with `free(buffer)`: by then every use on a stream other than `s` must be ordered before the host.
 - Host threads share one clock (they synchronize among themselves with Python locks and futures, which the store's
   own tests cover); what is checked is device-stream against device-stream and device-stream against host.
 
@@ -223,6 +224,18 @@ class SimulatedRuntime(DeviceRuntime):
             info.last_write = (s.name, pos)
             self._buffers[t.untyped_storage().data_ptr()] = [info]
         return t
+
+    def free(self, tensor):
+        with self._lock:
+            self.checks += 1
+            info = self._info(tensor)
+            uses = list(info.reads.items()) + ([info.last_write] if info.last_write else [])
+            for who, pos in uses:
+                if who not in (info.alloc, "host") and self._host.get(who, 0) < pos:
+                    raise HappensBeforeError(
+                        f"{info.name} is freed while its use on {who} may still run: the allocator could hand its "
+                        f"memory to stream {info.alloc} at once; synchronize with {who} (an event recorded after that "
+                        "use) first")
 
     def record_stream(self, tensor, stream):
         with self._lock:
