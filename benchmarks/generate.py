@@ -48,6 +48,7 @@ from hf_moe_offload.offload.api import _router, get_offload_engine  # noqa: E402
 from hf_moe_offload.offload.inference import DecodeCache, PreGate  # noqa: E402
 from hf_moe_offload.offload.telemetry import OffloadStats  # noqa: E402
 from hf_moe_offload.offload.checkpoint import load_offloaded_pretrained  # noqa: E402
+from hf_moe_offload.runtime import aligned_nbytes  # noqa: E402
 
 
 class Clock(BaseStreamer):
@@ -106,6 +107,7 @@ def make_prompt(model_path: str | None, vocab: int, n: int) -> torch.Tensor:
     return torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(1))
 
 
+# The first variant of each list is the resident baseline.
 CPU_VARIANTS = ["resident", "accelerate disk", "ours disk, mapped (default)", "ours disk, cache",
                 "ours disk, cache + pre-gating"]
 # On a device: ours with the device expert cache (offload/device_cache.py) holding 0, 1/4, 1/2 of the experts.
@@ -129,7 +131,7 @@ def load(variant: str, ckpt: str, work: str, config, cache: int, device: torch.d
         return load_offloaded_pretrained(ckpt, OffloadConfig(
             mode=tier, offload_dir=tempfile.mkdtemp(dir=work) if tier == "disk" else None,
             host_cache_experts=cache if tier == "disk" else None, train_experts=False, device=device,
-            device_cache_bytes=int(fraction * total_experts) * expert_bytes), dtype=dtype).to(device)
+            device_cache_bytes=int(fraction * total_experts) * expert_bytes), dtype=dtype)
     # Inference only: the store holds the weights (no gradient, no Adam moments), so the cache's bytes are
     # `cache` experts' weights, what accelerate would need to hold `cache` experts.
     # "mapped" (the default on the CPU): uncached experts computed from their memory-mapped files; "cache": every
@@ -139,6 +141,12 @@ def load(variant: str, ckpt: str, work: str, config, cache: int, device: torch.d
     return load_offloaded_pretrained(ckpt, OffloadConfig(mode="disk", offload_dir=tempfile.mkdtemp(dir=work),
                                                          host_cache_experts=cache, pregate=pregate,
                                                          mmap_weights=mmap, train_experts=False), dtype=dtype)
+
+
+def expert_sizes(model, dtype: torch.dtype) -> tuple[int, int]:
+    """(experts in all layers, one expert's bytes in a device-cache slot): what the device-cache variants size by."""
+    layers = experts_layers(model)
+    return sum(layout.num_experts for _, _, layout in layers), aligned_nbytes(layers[0][2].numel, dtype)
 
 
 def run_once(model, prompt: torch.Tensor, new_tokens: int) -> dict:
@@ -314,13 +322,10 @@ def main() -> None:
         else:
             ckpt = os.path.join(work, "ckpt")
             config = make_checkpoint(ckpt, args.layers, args.experts, args.hidden, args.inter, args.top_k, dtype)
-        resident = load("resident", ckpt, work, config, args.cache, torch.device("cpu"), dtype)
-        layers = experts_layers(resident)
-        total_experts = sum(layout.num_experts for _, _, layout in layers)
-        expert_bytes = -(-layers[0][2].numel * dtype.itemsize // 16) * 16
-        del resident
-        models = {v: load(v, ckpt, work, config, args.cache, device, dtype, expert_bytes, total_experts).eval()
-                  for v in variants}
+        models = {"resident": load("resident", ckpt, work, config, args.cache, device, dtype).eval()}
+        total_experts, expert_bytes = expert_sizes(models["resident"], dtype)
+        models.update({v: load(v, ckpt, work, config, args.cache, device, dtype, expert_bytes, total_experts).eval()
+                       for v in variants[1:]})
         for batch in batches:
             prompt = torch.cat([make_prompt(args.model_path, config.vocab_size, args.prompt_tokens)] +
                                [torch.randint(1, config.vocab_size, (1, args.prompt_tokens),

@@ -31,7 +31,7 @@ from . import jobs
 from .errors import UserError
 from .offload.api import get_offload_engine
 from .offload.checkpoint import load_offloaded_pretrained
-from .offload.config import OffloadConfig
+from .offload.config import OffloadConfig, resolve_device
 from .train import DEFAULT_OUTPUT_DIR
 
 logger = logging.getLogger(__name__)
@@ -56,17 +56,13 @@ class _Timer(BaseStreamer):
             self.inner.end()
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 def load_for_inference(model_path: str, offload: str, offload_dir: str | None, host_cache_experts: int | None,
                        pregate: bool | None = None, dtype: torch.dtype | None = None, mmap: bool | None = None,
                        device: str | torch.device | None = None, device_cache_bytes: int | None = None):
     """The model at `model_path` with its experts in the `offload` tier ("disk", "host") or resident ("none"), its
     non-expert weights on `device` (default: a GPU when there is one); `device_cache_bytes`: the offloaded experts'
     device cache (`OffloadConfig.device_cache_bytes`)."""
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     if offload == "none":
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     disk = offload == "disk"
@@ -98,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.offload == "disk" and offload_dir is None:
         offload_dir = scratch = tempfile.mkdtemp(prefix="hf-moe-offload-generate-")
     try:
-        device = torch.device(args.device) if args.device else default_device()
+        device = resolve_device(args.device)
         cache_bytes = None if args.device_cache_gb is None else int(args.device_cache_gb * 2**30)
         model = load_for_inference(args.model_path, args.offload, offload_dir, args.host_cache_experts,
                                    pregate=_SWITCH[args.pregate], dtype=dtype, mmap=_SWITCH[args.mmap],
@@ -188,4 +184,4 @@ def add_cli(sub) -> None:
     p.set_defaults(func=run)
 
 
-__all__ = ["add_cli", "default_device", "load_for_inference", "run"]
+__all__ = ["add_cli", "load_for_inference", "run"]

@@ -119,7 +119,8 @@ def test_generate_device_harness_on_the_simulated_device(tmp_path):
     gen = bench("generate")
     ckpt = str(tmp_path / "ckpt")
     config = gen.make_checkpoint(ckpt, layers=2, experts=8, hidden=32, inter=32, top_k=2)
-    experts, expert_bytes = 16, -(-3 * 32 * 32 * 4 // 16) * 16
+    experts, expert_bytes = gen.expert_sizes(gen.load("resident", ckpt, str(tmp_path), config, 4), torch.float32)
+    assert experts == 16
     prompt = torch.randint(1, config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
     with use_runtime(SimulatedRuntime(seed=0, max_delay=0.0)):
         runs = {}

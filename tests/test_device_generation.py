@@ -16,7 +16,7 @@ from hf_moe_offload.generate import load_for_inference
 from hf_moe_offload.moe_path import experts_layers
 from hf_moe_offload.offload import get_offload_engine
 from hf_moe_offload.offload.device_cache import DeviceExpertCache
-from hf_moe_offload.runtime import HappensBeforeError, use_runtime
+from hf_moe_offload.runtime import HappensBeforeError, aligned_nbytes, use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
 
 from moe_families import tiny_model
@@ -37,7 +37,7 @@ def _saved(family: str, path) -> dict:
         tokens = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     layers = experts_layers(model)
     numel = layers[0][2].numel
-    return {"path": str(path), "prompt": prompt, "tokens": tokens, "expert_bytes": -(-numel * 4 // 16) * 16,
+    return {"path": str(path), "prompt": prompt, "tokens": tokens, "expert_bytes": aligned_nbytes(numel, torch.float32),
             "experts": sum(layout.num_experts for _, _, layout in layers)}
 
 
@@ -47,10 +47,12 @@ def saved(tmp_path_factory):
     return {family: _saved(family, root / family) for family in FAMILIES}
 
 
-def _generate(lm: dict, tier: str, tmp_path, cache_bytes, pregate=None, **runtime) -> tuple[torch.Tensor, object]:
+def _generate(lm: dict, tier: str, tmp_path, cache_bytes, pregate=None, host_cache=3,
+              **runtime) -> tuple[torch.Tensor, object]:
     with use_runtime(SimulatedRuntime(seed=3, max_delay=runtime.pop("max_delay", 0.001), **runtime)):
-        model = load_for_inference(lm["path"], tier, str(tmp_path / tier), host_cache_experts=3 if tier == "disk"
-                                   else None, device="cpu", device_cache_bytes=cache_bytes, pregate=pregate)
+        model = load_for_inference(lm["path"], tier, str(tmp_path / tier),
+                                   host_cache_experts=host_cache if tier == "disk" else None, device="cpu",
+                                   device_cache_bytes=cache_bytes, pregate=pregate)
         engine = get_offload_engine(model)
         with torch.no_grad():
             out = model.generate(lm["prompt"], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
@@ -95,12 +97,16 @@ def test_the_default_device_cache_takes_half_the_free_device_memory(saved, tmp_p
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_pregating_uploads_the_next_layers_guess_into_the_device_cache(saved, tier, tmp_path):
     """While a layer computes, pre-gating's guess of the next layer's experts is uploaded into the device cache
-    (those in host memory and admitted); the tokens stay the resident model's (the guess never decides the output)."""
+    after the layer's own uploads (those in host memory and admitted: a cache with room for every expert, since a
+    guessed expert not used yet never outscores a cached one); the tokens stay the resident model's (the guess never
+    decides the output). The disk tier's host cache holds every expert too: a guess is uploaded only from host
+    memory, where layer l's own experts would otherwise keep the guessed ones out."""
     lm = saved["qwen3_moe"]
-    out, engine = _generate(lm, tier, tmp_path, lm["experts"] // 2 * lm["expert_bytes"], pregate=True)
+    out, engine = _generate(lm, tier, tmp_path, lm["experts"] * lm["expert_bytes"], pregate=True,
+                            host_cache=lm["experts"])
     assert torch.equal(out, lm["tokens"])
     assert engine.pregate is not None and engine.stats.pregate_uploads > 0
-    out, engine = _generate(lm, tier, tmp_path, lm["experts"] // 2 * lm["expert_bytes"], pregate=False)
+    out, engine = _generate(lm, tier, tmp_path, lm["experts"] * lm["expert_bytes"], pregate=False)
     assert engine.pregate is None and engine.stats.pregate_uploads == 0
 
 

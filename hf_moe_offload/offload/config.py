@@ -120,6 +120,11 @@ class OffloadConfig:
             self.offload_dir = os.fspath(self.offload_dir)
 
     def resolved_device(self) -> torch.device:
-        if self.device is not None:
-            return torch.device(self.device)
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return resolve_device(self.device)
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """`device`, or by default the current GPU where there is one, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

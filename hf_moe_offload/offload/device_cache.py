@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..runtime import DeviceRuntime, Event
+from ..runtime import DeviceRuntime, Event, aligned_nbytes
 from .store import ExpertKey
 from .telemetry import OffloadStats
 
@@ -32,7 +32,7 @@ class DeviceExpertCache:
                  score: Callable[[ExpertKey], float], stats: OffloadStats):
         self.rt, self.stream, self.score, self.stats = runtime, stream, score, stats
         self.capacity = capacity
-        self.nbytes = capacity * -(-numel * dtype.itemsize // 16) * 16
+        self.nbytes = capacity * aligned_nbytes(numel, dtype)
         # Written on the copy stream, read on the compute stream between `ready` and `free_after` (persistent: the
         # events order every reuse). One allocation per slot: each slot's uses are ordered on their own.
         self.slots = [runtime.empty((numel,), dtype, stream=stream, persistent=True) for _ in range(capacity)]
@@ -42,6 +42,7 @@ class DeviceExpertCache:
         self.ready: list[Event | None] = [None] * capacity  # after the slot's last upload
         self.free_after: list[Event | None] = [None] * capacity  # after compute's last use of the slot
         self.in_flight = [0] * capacity
+        self._free = list(range(capacity - 1, -1, -1))  # slots never filled, lowest first (popped from the end)
 
     def __contains__(self, key: ExpertKey) -> bool:
         return key in self.slot_of
@@ -79,15 +80,12 @@ class DeviceExpertCache:
         slot = self.slot_of.get(key)
         if slot is not None:  # a stale version: refilled in place once its uses are done
             return slot if self.in_flight[slot] == 0 else None
-        free = [s for s in range(self.capacity) if self.holder[s] is None]
-        if free:
-            slot = free[0]
-        else:
-            idle = [s for s in range(self.capacity) if self.in_flight[s] == 0]
-            if not idle:
-                return None
-            slot = min(idle, key=lambda s: self.score(self.holder[s]))
-            if self.score(self.holder[slot]) >= self.score(key):
+        if self._free:
+            slot = self._free.pop()
+        else:  # full: the lowest-scored idle slot (a scan, on a miss of a full cache only)
+            lowest, slot = min(((self.score(self.holder[s]), s) for s in range(self.capacity)
+                                if self.in_flight[s] == 0), default=(None, None))
+            if slot is None or lowest >= self.score(key):
                 return None  # ties keep the cached one: admitting them churned a full cache (batch 8: more bytes)
             del self.slot_of[self.holder[slot]]
             self.stats.device_cache_evictions += 1
@@ -102,7 +100,7 @@ class DeviceExpertCache:
         self.rt.record().synchronize()
         for slot in self.slots:
             self.rt.free(slot)
-        self.slots, self.slot_of = [], {}
+        self.slots, self.slot_of, self._free = [], {}, []
 
     def _done(self, slot: int) -> None:
         self.free_after[slot] = self.rt.record()

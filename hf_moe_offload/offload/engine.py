@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..runtime import DeviceRuntime, Event, runtime_for
+from ..runtime import DeviceRuntime, Event, aligned_nbytes, runtime_for
 from .config import OffloadConfig
 from .device_cache import DeviceExpertCache
 from .device_pins import DevicePins
@@ -103,6 +103,7 @@ class OffloadEngine:
         self._device_cache_tried = False  # opened (or found no room) since inference began
         self.peak_in_flight = 0  # the most experts one `stream` had in flight at once (tests, benchmarks)
         self.pregate = pregate  # OffloadConfig.pregate: dropped at bind on a runtime that is not asynchronous
+        self._guessed: list[ExpertKey] = []  # pre-gating's guess of the next layer, to upload after this layer's own
         # --- streaming and gradients ---
         self._grad_rings: dict[torch.dtype, GradRing] = {}  # chunks' gradients on their way to the host, by dtype
         # Host-side work of asynchronous runtimes, in order on one thread: releasing records once their upload has
@@ -399,8 +400,7 @@ class OffloadEngine:
             free = self.runtime.free_memory()
             budget = 0 if free is None else free // 2
         dtype = self.store.compute_dtype
-        per_expert = -(-self.store.numel * dtype.itemsize // 16) * 16
-        capacity = min(len(self.store), budget // per_expert)
+        capacity = min(len(self.store), budget // aligned_nbytes(self.store.numel, dtype))
         if capacity < 1:
             return
         self.device_cache = DeviceExpertCache(self.runtime, self.store.numel, dtype, capacity, self.stager.stream,
@@ -410,12 +410,15 @@ class OffloadEngine:
                      self.device_cache.nbytes / 2**20)
 
     def upload_ahead(self, keys: list[ExpertKey]) -> None:
-        """Pre-gating on a device: start uploading the next layer's guessed experts into the device cache while this
-        layer computes, those whose weights are in host memory now (the disk tier's reads ahead are the host cache's
-        `prefetch`) and that the cache admits (offload/device_cache.py)."""
+        """Pre-gating on a device: upload the next layer's guessed experts into the device cache while this layer
+        computes, once this layer's own uploads are enqueued (`stream`: one copy stream, first in first out): those
+        whose weights are in host memory by then (the disk tier's reads ahead are the host cache's `prefetch`) and
+        that the cache admits (offload/device_cache.py)."""
+        self._guessed = keys if self.device_cache is not None else []
+
+    def _upload_guessed(self) -> None:
+        keys, self._guessed = self._guessed, []
         cache = self.device_cache
-        if cache is None:
-            return
         for key in keys:
             version = self.store.versions[key]
             if key in self._pending or self._on_device(key) or cache.holds(key, version):
@@ -448,7 +451,7 @@ class OffloadEngine:
     def compute_on_host(self, key: ExpertKey, tokens: int, x: torch.Tensor) -> bool:
         """The cost model's choice for one expert of an inference call: host compute, unless a current device copy
         (a pinned expert) makes its upload free."""
-        if (key in self.stager.pinned_keys or self.device_pins is not None and key in self.device_pins
+        if (key in self.stager.pinned_keys or self._on_device(key)
                 or self.device_cache is not None and key in self.device_cache):
             return False
         layout = self.layers[key[0]].layout
@@ -511,12 +514,11 @@ class OffloadEngine:
         if self.store.wants_schedule and not self.inference:  # decoding: the decode cache's scores instead
             self.store.set_schedule(self._schedule(layer, keys, phase))
         cache = self.device_cache if phase == "inference" else None
-        # Reads ahead into the host cache, but not of what the device cache holds (decoding).
-        to_read = keys if cache is None else [key for key in keys if key not in cache]
-        self.read_ahead(to_read, rows, mapping)
+        self.read_ahead(keys, rows, mapping)
         if phase == "forward" and mapping:
             self.store.write_behind()  # the I/O threads have nothing else to do until the backward
         inflight: deque = deque()
+        held = [0]  # entries of `inflight` holding a store record
         nxt = 0
         t_start = time.perf_counter()
         stager = self.stager
@@ -532,7 +534,6 @@ class OffloadEngine:
             t0 = time.perf_counter()  # host-side waits: the expert's update, a disk read
             self.wait_for_update(key)
             mapped = self.store.map_weights(key) if mapping else None
-            hit = None
             if pins is not None and key in pins:  # its state is on the device: nothing acquired or uploaded
                 inflight.append((key, None, pins.weights(key), None, None, False))
             elif cache is not None and (hit := cache.hit(key, self.store.versions[key])) is not None:
@@ -542,10 +543,12 @@ class OffloadEngine:
             else:
                 record = self.store.acquire(key, rows)
                 inflight.append((key, record, *stager.upload(key, record, cache), False))
+                held[0] += 1
             self.stats.stall_seconds += time.perf_counter() - t0
             if nxt + self.depth < len(keys):
-                ahead = keys[nxt : nxt + self.depth + 1]
-                self.prefetch(ahead if cache is None else [k for k in ahead if k not in cache], rows, mapping)
+                self.prefetch(keys[nxt : nxt + self.depth + 1], rows, mapping)
+            elif nxt == len(keys) and self._guessed and cache is not None:
+                self._upload_guessed()  # pre-gating's uploads queue behind this layer's own
 
         def room() -> bool:
             """Whether to issue the next expert: while at most `depth` are in flight; decoding with the device cache
@@ -553,8 +556,7 @@ class OffloadEngine:
             tier's records still held (what the cache serves or keeps holds neither)."""
             if cache is None or not inflight:
                 return len(inflight) <= self.depth
-            held = sum(1 for item in inflight if item[1] is not None) if self.store.tier != "host" else 0
-            return stager.ring_in_flight <= self.depth and held <= self.depth
+            return stager.ring_in_flight <= self.depth and (self.store.tier == "host" or held[0] <= self.depth)
 
         try:
             while nxt < len(keys) or inflight:
@@ -562,6 +564,7 @@ class OffloadEngine:
                     issue()
                 self.peak_in_flight = max(self.peak_in_flight, len(inflight))
                 key, record, weights, ready, done, mapped = inflight.popleft()
+                held[0] -= record is not None
                 stager.wait(ready, weights)  # device-side wait: timed with events
                 handed_over = False
                 try:
@@ -571,14 +574,16 @@ class OffloadEngine:
                     else:
                         yield weights
                 finally:
-                    stager.done(done)
+                    if done is not None:
+                        done()  # compute's last use of the upload is enqueued
                     if mapped and not self.inference:  # decoding reuses its hot experts' pages
                         self.store.unmap_weights(weights)
                     if not handed_over and record is not None:
                         self._release_after(key, ready)
         finally:
             for key, record, _weights, ready, done, _mapped in inflight:  # interrupted: hand back what was acquired
-                stager.done(done)  # (never used by compute: the slot is free again)
+                if done is not None:
+                    done()  # never used by compute: the slot is free again
                 if record is not None:
                     self._release_after(key, ready)
             self.stats.compute_seconds += time.perf_counter() - t_start
@@ -709,13 +714,7 @@ class OffloadEngine:
                     continue
                 self.wait_for_update(key)
                 records.append(store.acquire(key, rows_wanted))
-        except BaseException:
-            for key, record in zip(keys, records):
-                if record is not None:
-                    store.release(key)
-            raise
-        self.stats.stall_seconds += time.perf_counter() - t0
-        try:
+            self.stats.stall_seconds += time.perf_counter() - t0
             ahead = [(layer, e) for c in after for e, _, _ in c if not self._on_device((layer, e))]
             if ahead:
                 self.prefetch(ahead[: self.depth + 1], rows_wanted, False)
@@ -734,7 +733,7 @@ class OffloadEngine:
                     else:
                         sources.append((key, version, record.compute_param(), None))
                 reused = slab.upload(sources, backward=backward)
-        except BaseException:
+        except BaseException:  # what was acquired goes back (after the compute enqueued so far, as a stream's would)
             for key, record in zip(keys, records):
                 self.release_record(key, record)
             raise
@@ -744,11 +743,19 @@ class OffloadEngine:
         """Start reading the first `depth + 1` of `keys`, the experts a streamed loop is about to acquire. In inference
         the first one is left to the thread that computes it: handing it to an I/O thread and waiting costs two thread
         switches and overlaps next to nothing while decoding (few tokens)."""
-        self.prefetch(keys[1 if self.inference else 0 : self.depth + 1], rows, mapped)
+        self._read(self._not_in_device_cache(keys)[1 if self.inference else 0 : self.depth + 1], rows, mapped)
 
     def prefetch(self, keys: list[ExpertKey], rows, mapped: bool) -> None:
         """Start reading `keys` into the store's cache; for a forward computing from `mapped` files, the kernel's
         read-ahead of their weights instead (a copy into the cache would not be used)."""
+        self._read(self._not_in_device_cache(keys), rows, mapped)
+
+    def _not_in_device_cache(self, keys: list[ExpertKey]) -> list[ExpertKey]:
+        """Decoding: what the device cache holds needs no host copy (a read would evict one that does)."""
+        cache = self.device_cache
+        return keys if cache is None else [key for key in keys if key not in cache]
+
+    def _read(self, keys: list[ExpertKey], rows, mapped: bool) -> None:
         if mapped:
             self.store.advise(keys)
         else:
@@ -1012,7 +1019,7 @@ class OffloadEngine:
         self.wait_in_flight()
         if not self.store.has_grad[key]:
             return None
-        if self.device_pins is not None and key in self.device_pins:
+        if self._on_device(key):
             grad = self.device_pins.record(key).current_grad().to("cpu", copy=True)
             self.runtime.record().synchronize()
             return grad

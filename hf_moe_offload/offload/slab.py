@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import DeviceRuntime, Event
+from ..runtime import DeviceRuntime, Event, aligned_nbytes
 from .store import ExpertKey
 from .telemetry import OffloadStats
 
@@ -68,7 +68,7 @@ class DeviceSlab:
         self.stream = runtime.new_stream()
         self.timer = StallTimer(runtime, stats)
         # Rows 16-byte aligned (the grouped GEMM's rule); contiguous, so that one copy fills a run of rows.
-        self.stride = -(-numel * dtype.itemsize // 16) * 16 // dtype.itemsize
+        self.stride = aligned_nbytes(numel, dtype) // dtype.itemsize
         self.blocks = [runtime.empty((experts * self.stride,), dtype, stream=self.stream, persistent=True)
                        .as_strided((experts, numel), (self.stride, 1)) for _ in range(2)]
         self.free: list[Event | None] = [None, None]  # after compute's last use of each block

@@ -92,11 +92,6 @@ class DeviceStager:
         if self.rt.asynchronous:
             self.rt.access(weights)
 
-    def done(self, done: Callable | None) -> None:
-        """Compute's last use of an upload's weights is enqueued (`upload`'s `done`)."""
-        if done is not None:
-            done()
-
     def _slot_done(self, slot: int) -> None:
         self.slot_free[slot] = self.rt.record()
         self.ring_in_flight -= 1

@@ -36,7 +36,7 @@ import threading
 
 import torch
 
-from .base import HOST, DeviceRuntime, Event, HappensBeforeError, InlineRuntime
+from .base import HOST, DeviceRuntime, Event, HappensBeforeError, InlineRuntime, aligned_nbytes
 
 _override: list[DeviceRuntime] = []
 _lock = threading.Lock()
@@ -101,4 +101,5 @@ def use_runtime(runtime: DeviceRuntime):
         _override.remove(runtime)
 
 
-__all__ = ["DeviceRuntime", "Event", "HOST", "HappensBeforeError", "InlineRuntime", "runtime_for", "use_runtime"]
+__all__ = ["DeviceRuntime", "Event", "HOST", "HappensBeforeError", "InlineRuntime", "aligned_nbytes", "runtime_for",
+           "use_runtime"]

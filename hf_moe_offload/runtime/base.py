@@ -168,4 +168,10 @@ class InlineRuntime(DeviceRuntime):
         return max(0.0, end.t - start.t)
 
 
-__all__ = ["DeviceRuntime", "Event", "HOST", "HappensBeforeError", "InlineRuntime"]
+def aligned_nbytes(numel: int, dtype: torch.dtype) -> int:
+    """Bytes of one expert's row in a device buffer: `numel` elements rounded up to 16 bytes (the grouped GEMM's
+    alignment; also each device-cache slot's size)."""
+    return -(-numel * dtype.itemsize // 16) * 16
+
+
+__all__ = ["DeviceRuntime", "Event", "HOST", "HappensBeforeError", "InlineRuntime", "aligned_nbytes"]
