@@ -259,3 +259,32 @@ def test_decoding_under_autocast_with_the_device_cache(saved, family, tier, tmp_
     assert torch.equal(out.sequences, expected.sequences)
     for got, want in zip(out.scores, expected.scores):
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2**-7 * want.float().abs().max().item())
+
+
+def test_the_device_cache_and_the_stagers_pinned_copies_take_turns(tmp_path):
+    """While the device cache is open it holds decoding's device copies and the stager keeps none, even after a
+    `synchronize()` (a save during evaluation); when training resumes the stager's pinned copies (ES-MoE §4.3's
+    pins whose state is not on the device) come back at once, not at the next window's pin choice."""
+    model = small_model(seed=3)
+    # No device memory to spare for device pins: every pin is the stager's copy.
+    with use_runtime(SimulatedRuntime(seed=1, max_delay=0.0, free_memory=1)):
+        from hf_moe_offload import OffloadConfig, enable_expert_offload
+
+        engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=0.5, device_cache_bytes=2**20))
+        x = torch.randint(0, 101, (4, 12), generator=torch.Generator().manual_seed(4))
+        model(x, labels=x).loss.backward()
+        engine.zero_grad()
+        engine.update_pins()
+        stager_pins = set(engine.stager.pinned_keys)
+        assert engine.pinned and stager_pins  # copies kept for pins whose state is not on the device
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        assert engine.device_cache is not None and engine.stager.pinned_keys == set()
+        engine.synchronize()
+        assert engine.stager.pinned_keys == set()
+        model.train()
+        model(x, labels=x).loss.backward()
+        assert engine.device_cache is None and engine.stager.pinned_keys == stager_pins
+        engine.zero_grad()
+        engine.synchronize()

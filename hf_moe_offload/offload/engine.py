@@ -331,8 +331,7 @@ class OffloadEngine:
         if self.device_pins is not None and len(self.device_pins):
             self.wait_in_flight()
             self.device_pins.release_all()
-            if self.stager is not None:
-                self.stager.set_pinned(set(self.pinned))
+            self._sync_stager_pins()
 
     @property
     def pin_limit(self) -> int | None:
@@ -405,7 +404,7 @@ class OffloadEngine:
             return
         self.device_cache = DeviceExpertCache(self.runtime, self.store.numel, dtype, capacity, self.stager.stream,
                                               self.decode_cache.score, self.stats)
-        self.stager.set_pinned(set())  # the cache keeps decoding's device copies
+        self._sync_stager_pins()
         logger.debug("expert offload: device expert cache of %d experts (%.1f MiB)", capacity,
                      self.device_cache.nbytes / 2**20)
 
@@ -440,6 +439,8 @@ class OffloadEngine:
         if self.device_cache is not None:
             self.device_cache.close()
             self.device_cache = None
+            pins = self.device_pins
+            self._sync_stager_pins(set() if pins is None else set(pins.keys()) | pins.pending)
             self.runtime.release_cached_memory()
 
     def pin_hot_experts(self) -> None:
@@ -1049,9 +1050,14 @@ class OffloadEngine:
             if self.coordinator is None and not self.inference:
                 on_device = pinned[: self.device_pins.capacity]
             self.device_pins.set(on_device)  # new ones come up at their next training forward (`_admit_pins`)
-        if self.stager is not None and self.device_cache is None:
-            self.stager.set_pinned(set(pinned) - set(on_device))
         self.pinned = pinned
+        self._sync_stager_pins(set(on_device))
+
+    def _sync_stager_pins(self, on_device: set[ExpertKey] = frozenset()) -> None:
+        """The stager keeps device copies of the pinned experts whose state is not on the device (`on_device`: the
+        device pins'), none while the device cache is open: it holds decoding's device copies, within its budget."""
+        if self.stager is not None:
+            self.stager.set_pinned(set() if self.device_cache is not None else set(self.pinned) - on_device)
 
 
 class ResidentEngine:
