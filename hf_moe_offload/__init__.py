@@ -28,6 +28,7 @@ from .offload import (
 from .offload.checkpoint import load_offloaded_pretrained
 from .offload.saving import save_offloaded_pretrained
 from .lm_loss import ChunkedLossTrainer, chunked_causal_lm_loss
+from .trainer import OffloadTrainer
 from .optim import ExpertAwareOptimizer, ExpertOptimizer, ExpertOptimizerCallback, latest_complete_checkpoint
 
 __version__ = "0.1.0"
@@ -60,6 +61,7 @@ __all__ = [
     "ExpertAwareOptimizer",
     "ExpertOptimizerCallback",
     "latest_complete_checkpoint",
+    "OffloadTrainer",
     "ChunkedLossTrainer",
     "chunked_causal_lm_loss",
 ]

@@ -29,10 +29,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import Trainer
 
 from .errors import UserError
 from .models.moe_gpt.moe_ops import chunked_lm_loss
+from .trainer import OffloadTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -154,11 +154,12 @@ def _aux_coefficient(core: nn.Module) -> float:
                     "router_aux_loss_coef; train with loss_chunk_tokens=0 (the stock loss)")
 
 
-class ChunkedLossTrainer(Trainer):
-    """`transformers.Trainer` whose training loss for causal LMs is taken `loss_chunk_tokens` tokens at a time
-    (`chunked_causal_lm_loss`): the same loss, gradients and logged figures, without the (tokens, vocabulary)
-    logits. Evaluation, models that are not causal LMs, label smoothing and `compute_loss_func` keep the Trainer's
-    own path, as do families whose head is more than a linear map (`why_not_chunked`, logged once).
+class ChunkedLossTrainer(OffloadTrainer):
+    """`OffloadTrainer` (a `transformers.Trainer` that saves offloaded experts one at a time) whose training loss
+    for causal LMs is taken `loss_chunk_tokens` tokens at a time (`chunked_causal_lm_loss`): the same loss,
+    gradients and logged figures, without the (tokens, vocabulary) logits. Evaluation, models that are not causal
+    LMs, label smoothing and `compute_loss_func` keep the Trainer's own path, as do families whose head is more than
+    a linear map (`why_not_chunked`, logged once).
 
         trainer = ChunkedLossTrainer(model=model, args=args, train_dataset=ds, loss_chunk_tokens=1024)
     """

@@ -51,7 +51,7 @@ import time
 
 import numpy as np
 import torch
-from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, Trainer
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from hf_moe_offload import jobs
 from hf_moe_offload.baselines import accuracy_interval, majority_baseline, versus_baseline
@@ -62,6 +62,7 @@ from hf_moe_offload.hub import describe_model
 from hf_moe_offload.offload.saving import save_offloaded_pretrained
 from hf_moe_offload.run_stats import use_progress_bar
 from hf_moe_offload.train import print_figures
+from hf_moe_offload.trainer import OffloadTrainer
 
 logger = logging.getLogger("finetune_classification")
 
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         return accuracy.compute(predictions=np.asarray(pred.predictions).reshape(-1),
                                 references=np.asarray(pred.label_ids).reshape(-1))
 
-    trainer = Trainer(
+    trainer = OffloadTrainer(
         model=model, args=targs, train_dataset=data["train"], eval_dataset=data["validation"],
         data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer, callbacks=callbacks,
         preprocess_logits_for_metrics=predictions, compute_metrics=compute_metrics,

@@ -13,6 +13,7 @@ import functools
 import logging
 import math
 import os
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -23,7 +24,6 @@ from .config import OffloadConfig
 from .engine import OffloadEngine, ResidentEngine
 from .inference import PreGate, Router, find_router
 from .planner import MemoryEstimate, choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
-from .saving import streaming_save_pretrained
 from .disk_store import DiskExpertStore
 from .store import STATE_ROWS, ExpertStore, ExpertStoreError, HostExpertStore
 from .telemetry import OffloadStats
@@ -81,9 +81,6 @@ def enable_expert_offload(
         _put_layer_in_store(streamed, route, store, _initialize)
     store.flush()
     path.engine = engine
-    if hasattr(model, "save_pretrained"):
-        # Trainer checkpoints and push_to_hub call save_pretrained: make it stream experts from the store.
-        model.save_pretrained = functools.partial(streaming_save_pretrained, model)
     return engine
 
 
@@ -217,9 +214,25 @@ def _expert_tensor(layer, name: str) -> torch.Tensor:
     return out
 
 
+# Above this many bytes of experts, the first `state_dict()` that assembles them says how to save without doing so.
+ASSEMBLY_WARNING_BYTES = 1 << 30
+_warned_engines: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _warn_of_assembly(engine) -> None:
+    nbytes = sum(math.prod(shape) * dtype.itemsize for layer in engine.layers for shape, dtype in layer.meta.values())
+    if nbytes >= ASSEMBLY_WARNING_BYTES and engine not in _warned_engines:
+        _warned_engines.add(engine)
+        logger.warning(
+            "state_dict() of a model with offloaded experts assembles all %.1f GB of them in host memory. To save "
+            "the model, use save_offloaded_pretrained(model, folder) or hf_moe_offload.OffloadTrainer, which write "
+            "them from the store one expert at a time", nbytes / 1e9)
+
+
 def _state_dict_hook(module, state_dict, prefix, local_metadata, layer):
     if not layer.engine.experts_in_state_dict:  # a streaming save writes the experts itself
         return state_dict
+    _warn_of_assembly(layer.engine)
     layer.engine.synchronize()
     for name in layer.layout.names():
         state_dict[prefix + name] = _expert_tensor(layer, name)
@@ -270,7 +283,6 @@ def disable_expert_offload(model: nn.Module) -> None:
                 module.register_parameter(n, nn.Parameter(t))
             route.set_streamed(None)
         engine.store.close()
-    model.__dict__.pop("save_pretrained", None)
     path.engine = None
     path.remove_if_idle()
 

@@ -1,9 +1,10 @@
 """Saving an offloaded model as a transformers checkpoint, one expert at a time (bounded host memory).
 
 `save_offloaded_pretrained` writes a transformers-compatible sharded checkpoint (`model-*.safetensors` +
-`model.safetensors.index.json` + config + remote code) whose experts are read from the store expert by expert;
-`streaming_save_pretrained` is the `save_pretrained` an offloaded model gets (offload/api.py), so Trainer
-checkpoints and `push_to_hub` take the same path.
+`model.safetensors.index.json` + config + remote code) whose experts are read from the store expert by expert. It is
+the documented entry for saving an offloaded model: `OffloadTrainer` (hf_moe_offload/trainer.py) saves checkpoints
+through it, and the jobs save their final model with it. `model.save_pretrained` stays transformers' own: it takes
+`state_dict()`, which assembles the experts in host memory (correct, but the whole expert width at once).
 """
 
 from __future__ import annotations
@@ -177,16 +178,4 @@ def _switch_to_new_save(model: nn.Module, tmp_dir: str, save_directory: str, wei
             _silent_remove(os.path.join(save_directory, name))
 
 
-def streaming_save_pretrained(model: nn.Module, save_directory, state_dict=None, is_main_process: bool = True,
-                              **kwargs):
-    """`model.save_pretrained` of an offloaded model: streams the experts from the store (`save_offloaded_pretrained`)
-    unless an explicit `state_dict` is given (then transformers' own path)."""
-    if state_dict is not None:  # an explicit state dict: the ordinary path
-        return type(model).save_pretrained(model, save_directory, state_dict=state_dict,
-                                           is_main_process=is_main_process, **kwargs)
-    if not is_main_process:
-        return None
-    save_offloaded_pretrained(model, str(save_directory))
-
-
-__all__ = ["save_offloaded_pretrained", "streaming_save_pretrained"]
+__all__ = ["save_offloaded_pretrained"]

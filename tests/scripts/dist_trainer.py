@@ -20,7 +20,7 @@ import os
 
 import torch
 from datasets import Dataset
-from transformers import Trainer, TrainingArguments, default_data_collator
+from transformers import TrainingArguments, default_data_collator
 
 import hf_moe_offload  # noqa: F401
 from hf_moe_offload import (
@@ -28,6 +28,7 @@ from hf_moe_offload import (
     MoEGPTConfig,
     MoEGPTForCausalLM,
     OffloadConfig,
+    OffloadTrainer,
     enable_expert_offload,
     save_offloaded_pretrained,
 )
@@ -80,7 +81,7 @@ g = torch.Generator().manual_seed(1)
 base = torch.randint(0, 64, (8, 8), generator=g)  # a learnable pattern: the loss visibly drops in a few steps
 ids = torch.cat([base, base], dim=1)[torch.randint(0, 8, (64,), generator=g)]
 ds = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
-trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=default_data_collator, callbacks=callbacks)
+trainer = OffloadTrainer(model=model, args=targs, train_dataset=ds, data_collator=default_data_collator, callbacks=callbacks)
 trainer.train()
 adam_steps = sorted(set(engine.store.steps.values())) if engine is not None else [trainer.state.global_step]
 imbalance = coordinator.load_imbalance() if coordinator is not None else 1.0

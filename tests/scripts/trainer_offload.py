@@ -1,4 +1,4 @@
-"""Trainer + ExpertOptimizerCallback on an offloaded tiny MoE-GPT (used by tests, also under accelerate launch).
+"""OffloadTrainer (saves stream the experts) + ExpertOptimizerCallback on an offloaded tiny MoE-GPT (used by tests, also under accelerate launch).
 
 python tests/scripts/trainer_offload.py OUT_DIR --tier disk --max-steps 4 --save-steps 2 [--resume CKPT]
 """
@@ -9,7 +9,7 @@ import os
 
 import torch
 from datasets import Dataset
-from transformers import Trainer, TrainingArguments, default_data_collator
+from transformers import TrainingArguments, default_data_collator
 
 import hf_moe_offload  # noqa: F401
 from hf_moe_offload import (
@@ -17,6 +17,7 @@ from hf_moe_offload import (
     MoEGPTConfig,
     MoEGPTForCausalLM,
     OffloadConfig,
+    OffloadTrainer,
     enable_expert_offload,
     save_offloaded_pretrained,
 )
@@ -53,7 +54,7 @@ targs = TrainingArguments(
     report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
 )
 callback = ExpertOptimizerCallback()
-trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=default_data_collator, callbacks=[callback])
+trainer = OffloadTrainer(model=model, args=targs, train_dataset=ds, data_collator=default_data_collator, callbacks=[callback])
 trainer.train(resume_from_checkpoint=args.resume)
 if rank == 0:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

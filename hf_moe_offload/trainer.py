@@ -1,0 +1,62 @@
+"""`OffloadTrainer`: the stock `transformers.Trainer`, saving models with offloaded experts expert by expert.
+
+The Trainer saves a model (checkpoints, `save_model`) with `model.save_pretrained(output_dir)`, which takes
+`model.state_dict()`: for a model whose experts are offloaded that assembles every expert tensor of every layer in
+host memory at once, the whole expert width of the model (more than the host holds when the disk tier was chosen
+for that reason). `OffloadTrainer` saves such a model through the package's streaming save instead
+(`save_offloaded_pretrained`: one expert at a time, the same transformers checkpoint layout, written atomically), and
+a PEFT model's adapters from a state dict that leaves the offloaded experts out (peft keeps only the adapters of it).
+Everything else is the stock Trainer's: models without offloaded experts, and FSDP / DeepSpeed saves (they hand
+`_save` a gathered state dict), take the Trainer's own path.
+
+It is an ordinary subclass, so it combines with other Trainer subclasses by inheritance (`ChunkedLossTrainer` is one;
+for TRL: `class MySFTTrainer(OffloadTrainer, SFTTrainer)`). The expert-wise optimizer is still the
+`ExpertOptimizerCallback` in `callbacks`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
+
+from .offload.api import get_offload_engine
+from .offload.saving import save_offloaded_pretrained
+
+
+def _is_peft_model(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+class OffloadTrainer(Trainer):
+    """`transformers.Trainer` whose saves stream offloaded experts from their store (see the module docstring).
+
+        trainer = OffloadTrainer(model=model, args=args, train_dataset=ds, callbacks=[ExpertOptimizerCallback()])
+    """
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        engine = get_offload_engine(model)
+        if state_dict is not None or engine is None or engine.store is None:
+            return super()._save(output_dir, state_dict=state_dict)
+        if _is_peft_model(model):
+            # peft saves the adapters only: give it the state dict without the experts it would drop anyway.
+            with engine.experts_left_out_of_state_dict():
+                state_dict = self.model.state_dict()
+            return super()._save(output_dir, state_dict=state_dict)
+        if not self.args.should_save:
+            return None
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        save_offloaded_pretrained(model, output_dir)
+        # What the Trainer's `_save` writes beside the model.
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:
+            self.data_collator.tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        return None
+
+
+__all__ = ["OffloadTrainer"]
