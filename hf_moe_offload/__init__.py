@@ -26,7 +26,8 @@ from .offload import (
     get_offload_engine,
 )
 from .offload.checkpoint import load_offloaded_pretrained
-from .offload.saving import save_offloaded_pretrained
+from .offload.expert_lora import expert_target_parameters
+from .offload.saving import save_merged_lora, save_offloaded_pretrained
 from .lm_loss import ChunkedLossTrainer, chunked_causal_lm_loss
 from .trainer import OffloadTrainer
 from .optim import ExpertAwareOptimizer, ExpertOptimizer, ExpertOptimizerCallback, latest_complete_checkpoint
@@ -56,6 +57,8 @@ __all__ = [
     "disable_expert_offload",
     "get_offload_engine",
     "save_offloaded_pretrained",
+    "save_merged_lora",
+    "expert_target_parameters",
     "load_offloaded_pretrained",
     "ExpertOptimizer",
     "ExpertAwareOptimizer",

@@ -35,11 +35,12 @@ class ExpertLayout:
     """Packing of one expert's tensors into a flat vector: [decayed tensors | non-decayed tensors]."""
 
     def __init__(self, tensors: list[ExpertTensor], num_experts: int, expert_forward: Callable[..., torch.Tensor],
-                 hidden_size: int | None = None):
+                 hidden_size: int | None = None, linear: Callable[..., torch.Tensor] = F.linear):
         self.tensors = sorted(tensors, key=lambda t: not t.decay)  # stable: decayed first
         self.num_experts = num_experts
         self.hidden_size = hidden_size
-        self.expert_forward = expert_forward
+        self.expert_forward = expert_forward  # (x, *tensors in layout order, linear=...) -> y
+        self.linear = linear  # the `linear` expert_forward uses for one expert's tensors (its default)
         self.offsets: list[int] = []
         offset = 0
         for t in self.tensors:
@@ -68,13 +69,17 @@ class ExpertLayout:
     def names(self) -> list[str]:
         return [t.name for t in self.tensors]
 
-    def forward(self, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-        return self.expert_forward(x, *weights)
+    def forward(self, x: torch.Tensor, weights: list[torch.Tensor],
+                adapt: Callable[[Callable], Callable] | None = None) -> torch.Tensor:
+        """One expert. `adapt(linear) -> linear`: what the matmuls run through instead (LoRA on streamed experts)."""
+        return self.expert_forward(x, *weights, linear=adapt(self.linear) if adapt else self.linear)
 
-    def grouped_forward(self, x: torch.Tensor, counts: list[int], tensors: list[torch.Tensor]) -> torch.Tensor:
+    def grouped_forward(self, x: torch.Tensor, counts: list[int], tensors: list[torch.Tensor],
+                        adapt: Callable[[Callable], Callable] | None = None) -> torch.Tensor:
         """Every expert at once from the module's (E, ...) tensors (layout order), each matmul one grouped GEMM over
         the rows of each expert (`counts`, all E in expert order)."""
-        return self.expert_forward(x, *tensors, linear=GroupedLinear(counts, x))
+        linear = GroupedLinear(counts, x)
+        return self.expert_forward(x, *tensors, linear=adapt(linear) if adapt else linear)
 
     def matrices(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The weight matrices among `tensors` (layout order): the decayed ones."""
@@ -130,7 +135,7 @@ def experts_interface_layout(experts: nn.Module) -> ExpertLayout:
         return post_norm(y) if post_norm is not None else y
 
     down = getattr(experts, "down_proj")  # (E, H, I), or (E, I, H) transposed
-    return ExpertLayout(tensors, E, forward, down.shape[2] if transposed else down.shape[1])
+    return ExpertLayout(tensors, E, forward, down.shape[2] if transposed else down.shape[1], linear=expert_linear)
 
 
 def layout_for(experts: nn.Module) -> ExpertLayout:

@@ -77,11 +77,18 @@ def sorted_experts(module: nn.Module) -> ResidentExperts:
 class MoELayer:
     """One MoE layer on the path: its experts module, layout and what the enabled features put in its pipeline."""
 
-    def __init__(self, index: int, name: str, module: nn.Module, layout: ExpertLayout):
+    def __init__(self, index: int, name: str, module: nn.Module, layout: ExpertLayout, model: nn.Module | None = None):
         self.index = index
         self.name = name
         self.module = module
         self.layout = layout
+        # Where the experts module sits in the model (its parent and attribute, past peft's `base_layer` wrappers):
+        # what is there now may be peft's LoRA wrappers around it (`place`).
+        place = name
+        while place.endswith(".base_layer"):
+            place = place[: -len(".base_layer")]
+        parent, _, self._attr = place.rpartition(".")
+        self._parent = model.get_submodule(parent) if model is not None else None
         self.resident = ResidentExperts(module, layout)
         self.streamed = None  # the offload engine's OffloadedExpertsLayer, when the experts live in a store
         self.parallel = None  # expert parallelism's executor (exchange across ranks)
@@ -98,6 +105,10 @@ class MoELayer:
     @property
     def executor(self):
         return self.pipelined or self.parallel or run_moe
+
+    def place(self) -> nn.Module:
+        """What sits at the experts module's place in the model now: the module, or peft's wrappers around it."""
+        return getattr(self._parent, self._attr) if self._parent is not None else self.module
 
     def set_streamed(self, streamed) -> None:
         self.streamed = streamed
@@ -117,7 +128,7 @@ class MoELayer:
                                   gathers=self.pipelined is None and self.parallel is None)
         executor = self.executor
         if self.streamed is not None:  # offloaded: inference's mode, use scores, pre-gating of the next layer
-            self.streamed.on_route(hidden_states, top_k_index, plan.counts)
+            self.streamed.on_route(hidden_states, top_k_index, plan.counts, self.place())
             if executor is run_moe:
                 # ES-MoE §4.1: the first reads start before the token permutation and overlap it. An exchange or
                 # partitions run other rows than the plan's; their executors ask for what they run.
@@ -177,7 +188,7 @@ class MoEPath:
                 "module decorated with transformers' @use_experts_implementation (called as experts(hidden_states, "
                 "top_k_index, top_k_weights)) whose tensors an ExpertLayout describes (hf_moe_offload/layouts.py)"
             )
-        self.layers = [MoELayer(i, name, module, layout) for i, (name, module, layout) in enumerate(found)]
+        self.layers = [MoELayer(i, name, module, layout, model) for i, (name, module, layout) in enumerate(found)]
         self._model = model
         self._previous: str | None = None  # the experts implementation before the path served the layers
         self.serving = False

@@ -9,6 +9,10 @@ a PEFT model's adapters from a state dict that leaves the offloaded experts out 
 Everything else is the stock Trainer's: models without offloaded experts, and FSDP / DeepSpeed saves (they hand
 `_save` a gathered state dict), take the Trainer's own path.
 
+Frozen offloaded experts leave stand-in parameters on their modules for peft's LoRA (offload/stand_ins.py);
+`OffloadTrainer` keeps them out of DDP (`_set_params_and_buffers_to_ignore_for_model`, DDP's own way to leave
+parameters alone), which would otherwise broadcast them at its start as if they held the experts' values.
+
 It is an ordinary subclass, so it combines with other Trainer subclasses by inheritance (`ChunkedLossTrainer` is one;
 for TRL: `class MySFTTrainer(OffloadTrainer, SFTTrainer)`). The expert-wise optimizer is still the
 `ExpertOptimizerCallback` in `callbacks`.
@@ -19,11 +23,13 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from .offload.api import get_offload_engine
 from .offload.saving import save_offloaded_pretrained
+from .offload.stand_ins import is_stand_in
 
 
 def _is_peft_model(model) -> bool:
@@ -35,6 +41,12 @@ class OffloadTrainer(Trainer):
 
         trainer = OffloadTrainer(model=model, args=args, train_dataset=ds, callbacks=[ExpertOptimizerCallback()])
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        stand_ins = [name for name, p in self.model.named_parameters() if is_stand_in(p)]
+        if stand_ins:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, stand_ins)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)

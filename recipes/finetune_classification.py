@@ -59,7 +59,8 @@ from hf_moe_offload.data import OFFLINE_POLARITY, OFFLINE_TWEETS, TWEET_LABELS, 
 from hf_moe_offload.distributed import end_process_groups
 from hf_moe_offload.errors import run_reporting_errors
 from hf_moe_offload.hub import describe_model
-from hf_moe_offload.offload.saving import save_offloaded_pretrained
+from hf_moe_offload.offload.expert_lora import expert_target_parameters
+from hf_moe_offload.offload.saving import save_merged_lora, save_offloaded_pretrained
 from hf_moe_offload.run_stats import use_progress_bar
 from hf_moe_offload.train import print_figures
 from hf_moe_offload.trainer import OffloadTrainer
@@ -79,6 +80,14 @@ TASKS: dict[str, tuple[str, str | None, tuple[str, ...], str, str | None, int]] 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 
 
+def lora_targets(value: str) -> tuple[str, ...]:
+    parts = tuple(p.strip() for p in value.split(",") if p.strip())
+    unknown = [p for p in parts if p not in ("attention", "experts")]
+    if not parts or unknown:
+        raise argparse.ArgumentTypeError(f"--lora-targets takes attention and/or experts, comma-separated; got {value!r}")
+    return parts
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("task and data")
@@ -96,8 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-eval-samples", type=int, default=None)
     m = p.add_argument_group("fine-tuning method")
     m.add_argument("--method", default="full", choices=("full", "lora"),
-                   help="full: every weight incl. experts (ES-MoE Table 2); lora: adapters on attention and dense "
-                        "FFN layers, experts frozen. Defaults: full 400 steps at lr 3e-4, lora 600 at 3e-3")
+                   help="full: every weight incl. experts (ES-MoE Table 2); lora: adapters (--lora-targets), the "
+                        "experts frozen. Defaults: full 400 steps at lr 3e-4, lora 600 at 3e-3")
+    m.add_argument("--lora-targets", default="attention", type=lora_targets,
+                   help="comma-separated, for --method lora: attention (attention and dense FFN layers), experts (every "
+                        "expert matrix, streamed from the store: peft's target_parameters). Default: attention")
     m.add_argument("--lora-r", type=int, default=8)
     m.add_argument("--lora-alpha", type=int, default=16)
     jobs.add_model_arguments(p, preset="moe-tiny", num_experts=8, block_size=128, dropout=0.1)
@@ -184,12 +196,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.method == "lora":
         from peft import LoraConfig, TaskType, get_peft_model
 
+        modules = LORA_TARGETS if "attention" in args.lora_targets else []
+        parameters = expert_target_parameters(model) if "experts" in args.lora_targets else []
         lora = LoraConfig(task_type=TaskType.SEQ_CLS, r=args.lora_r, lora_alpha=args.lora_alpha,
-                          lora_dropout=0.0, target_modules=LORA_TARGETS)
+                          lora_dropout=0.0, target_modules=modules, target_parameters=parameters or None)
         model = get_peft_model(model, lora)  # the `score` head is trained in full (peft's modules_to_save)
         jobs.freeze_offloaded_experts(engine)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        lora_desc = f"r={args.lora_r}, alpha={args.lora_alpha} on {'/'.join(LORA_TARGETS)}; score head trained; " \
+        on = "/".join(modules + [f"{p} (every expert{', streamed' if engine and engine.store else ''})"
+                                 for p in parameters])
+        lora_desc = f"r={args.lora_r}, alpha={args.lora_alpha} on {on}; score head trained; " \
                     f"{trainable:,} trainable parameters"
     trainable_experts = args.method == "full"
     parallel = jobs.distribute(model, engine, args, trainable_experts=trainable_experts)
@@ -251,8 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
             # The adapter alone (built from the trainable tensors: the experts are never gathered) ...
             adapter = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
             model.save_pretrained(os.path.join(folder, "adapter"), state_dict=adapter)
-            # ... and the merged model, loadable without peft; experts are streamed from the store.
-            save_offloaded_pretrained(model.merge_and_unload(), folder)
+            # ... and the merged model, loadable without peft; experts are streamed from the store, each with its
+            # adapter's term added as it is written.
+            save_merged_lora(model, folder)
         else:
             save_offloaded_pretrained(model, folder)
 

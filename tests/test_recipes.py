@@ -108,11 +108,12 @@ def test_every_recipe_states_its_launch_command():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("method", ["lora", "full", "lora-experts"])
 def test_classification_recipe_on_a_qwen3_moe_checkpoint(tmp_path, method):
     """Issue 13: the recipe takes another family's checkpoint (written by transformers' save_pretrained, Hub layout)
     with that family's sequence-classification head, experts on the disk tier. LoRA: the offloaded experts are
-    frozen and come out exactly as they went in; full: the expert optimizer trains them (routers frozen here)."""
+    frozen and come out exactly as they went in; full: the expert optimizer trains them (routers frozen here);
+    LoRA on the experts too (issue 38): the merged save changes every expert tensor by its adapter's term."""
     import torch
     from moe_families import tiny_config
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -125,7 +126,9 @@ def test_classification_recipe_on_a_qwen3_moe_checkpoint(tmp_path, method):
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hub")
     tokenizer.save_pretrained(tmp_path / "hub")
     out = tmp_path / method
-    _run([sys.executable, os.path.join(RECIPES, "finetune_classification.py"), "--method", method, "--short",
+    flags = ["--method", "lora", "--lora-targets", "experts,attention"] if method == "lora-experts" else [
+        "--method", method]
+    _run([sys.executable, os.path.join(RECIPES, "finetune_classification.py"), *flags, "--short",
           "--model-path", str(tmp_path / "hub"), "--offload", "disk", "--freeze-router", "--output-dir", str(out)])
     metrics = _metrics(out)
     assert metrics["model"]["class"] == "Qwen3MoeForSequenceClassification"
@@ -138,3 +141,5 @@ def test_classification_recipe_on_a_qwen3_moe_checkpoint(tmp_path, method):
     assert all(torch.equal(after[n], before[n]) for n in routers)  # --freeze-router
     unchanged = [torch.equal(after[n], before[n]) for n in experts]
     assert all(unchanged) if method == "lora" else not any(unchanged)
+    if method == "lora-experts":
+        assert "experts.gate_up_proj (every expert, streamed)" in metrics["training"]["lora"], metrics["training"]

@@ -23,6 +23,7 @@ from ..moe_path import MoELayer, attached_path, experts_layers, find_experts_mod
 from .config import OffloadConfig
 from .engine import OffloadEngine, ResidentEngine
 from .inference import PreGate, Router, find_router
+from .stand_ins import stand_in_parameter
 from .planner import MemoryEstimate, choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
 from .disk_store import DiskExpertStore
 from .store import STATE_ROWS, ExpertStore, ExpertStoreError, HostExpertStore
@@ -172,7 +173,7 @@ def _put_layer_in_store(streamed, route: MoELayer, store: ExpertStore, initializ
             for e in range(layout.num_experts):
                 tensors = [getattr(module, t.name)[e].detach().float() for t in layout.tensors]
                 store.write_param((streamed.layer, e), layout.pack(tensors, flat))
-    streamed.meta = _detach_parameters(module, layout)
+    streamed.meta = _detach_parameters(module, layout, stand_ins=not store.trainable)
     streamed.handles = [
         module._register_state_dict_hook(functools.partial(_state_dict_hook, layer=streamed)),
         module._register_load_state_dict_pre_hook(functools.partial(_load_state_dict_pre_hook, layer=streamed)),
@@ -192,13 +193,17 @@ def _router(model: nn.Module, route) -> Router | None:
     return found
 
 
-def _detach_parameters(module: nn.Module, layout) -> dict[str, tuple[torch.Size, torch.dtype]]:
+def _detach_parameters(module: nn.Module, layout, stand_ins: bool) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Take the expert tensors off the module; returns their (shape, dtype) in registration order, so that
-    disable_expert_offload restores the same parameter order."""
+    disable_expert_offload restores the same parameter order. Frozen experts (`stand_ins`) leave a frozen
+    `ExpertStandIn` parameter in each one's place, for peft's LoRA on expert tensors (offload/stand_ins.py)."""
     names = set(layout.names())
     meta = {n: (p.shape, p.dtype) for n, p in module._parameters.items() if n in names}
     for t in layout.tensors:
-        del module._parameters[t.name]
+        param = module._parameters.pop(t.name)
+        if stand_ins:  # on the CPU where the model was built empty (load_offloaded_pretrained): where it computes
+            device = param.device if param.device.type != "meta" else torch.device("cpu")
+            module.register_parameter(t.name, stand_in_parameter(param.shape, param.dtype, device))
     return meta
 
 
@@ -231,6 +236,8 @@ def _warn_of_assembly(engine) -> None:
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata, layer):
     if not layer.engine.experts_in_state_dict:  # a streaming save writes the experts itself
+        for name in layer.layout.names():
+            state_dict.pop(prefix + name, None)  # frozen experts' stand-ins
         return state_dict
     _warn_of_assembly(layer.engine)
     layer.engine.synchronize()

@@ -15,6 +15,7 @@ import os
 import shutil
 import uuid
 
+import torch
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -29,6 +30,7 @@ from .safetensors_io import (
     read_weight_map,
     write_safetensors_streaming,
 )
+from .expert_lora import active_expert_lora
 from .store import WEIGHTS
 
 logger = logging.getLogger(__name__)
@@ -54,7 +56,8 @@ def _expert_param_names(model: nn.Module) -> dict[str, tuple[int, str]]:
     return out
 
 
-def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serialization: bool = True) -> None:
+def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serialization: bool = True,
+                              expert_deltas: dict | None = None) -> None:
     """`save_pretrained` for an offloaded model that streams experts one at a time (bounded host memory).
 
     Writes one shard of non-expert weights and one shard per MoE layer (each tensor with its CRC32), an index, the
@@ -62,7 +65,8 @@ def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serial
     the index, which says which shards make up the model, is moved in last, atomically. A re-save over an earlier
     save writes shards under new names while the old index still points to the old ones, so whatever happens
     (a kill, a full disk) `save_directory` holds the old save or the new one, never a mix of their weights. The
-    superseded shards and leftovers of interrupted saves are removed after the switch.
+    superseded shards and leftovers of interrupted saves are removed after the switch. `expert_deltas`: {layer:
+    {tensor name: [LoraTerm]}}, LoRA terms added to each expert as it is written (`save_merged_lora`).
     """
     engine = _offload_engine(model)
     if engine is None or engine.store is None:
@@ -75,7 +79,8 @@ def save_offloaded_pretrained(model: nn.Module, save_directory: str, safe_serial
     try:
         weight_map = _write_base_shard(model, engine, expert_names, os.path.join(tmp_dir, shard_names[0]))
         for layer in tqdm(engine.layers, desc="saving experts", unit="layer"):
-            weight_map.update(_write_expert_shard(engine, layer, expert_names, tmp_dir, shard_names[layer.layer + 1]))
+            weight_map.update(_write_expert_shard(engine, layer, expert_names, tmp_dir, shard_names[layer.layer + 1],
+                                                  (expert_deltas or {}).get(layer.layer, {})))
         _switch_to_new_save(model, tmp_dir, save_directory, weight_map)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -120,9 +125,10 @@ def _write_base_shard(model: nn.Module, engine, expert_names: dict, path: str) -
     return {k: shard for k in base}
 
 
-def _write_expert_shard(engine, layer, expert_names: dict, tmp_dir: str, shard: str) -> dict[str, str]:
-    """One MoE layer's (E, ...) tensors into one shard, each assembled expert by expert from the store; returns
-    their part of the weight map."""
+def _write_expert_shard(engine, layer, expert_names: dict, tmp_dir: str, shard: str,
+                        deltas: dict) -> dict[str, str]:
+    """One MoE layer's (E, ...) tensors into one shard, each assembled expert by expert from the store (plus the
+    LoRA terms `deltas` has for it); returns their part of the weight map."""
     names = [(full, n) for full, (l, n) in expert_names.items() if l == layer.layer]
     specs = []
     for full, n in names:
@@ -138,9 +144,12 @@ def _write_expert_shard(engine, layer, expert_names: dict, tmp_dir: str, shard: 
             key = (layer.layer, e)
             record = engine.store.acquire(key, WEIGHTS)
             try:
-                yield record.param[off : off + spec.numel].clone()
+                value = record.param[off : off + spec.numel].clone()
             finally:
                 engine.store.release(key)
+            for term in deltas.get(by_full[full], ()):
+                value += term.delta(e).reshape(-1).float()
+            yield value
 
     write_safetensors_streaming(os.path.join(tmp_dir, shard), specs, chunks, {"format": "pt"})
     return {full: shard for full, _ in names}
@@ -178,4 +187,31 @@ def _switch_to_new_save(model: nn.Module, tmp_dir: str, save_directory: str, wei
             _silent_remove(os.path.join(save_directory, name))
 
 
-__all__ = ["save_offloaded_pretrained"]
+def save_merged_lora(model: nn.Module, save_directory: str) -> nn.Module:
+    """Save a peft LoRA model whose experts are offloaded as one plain transformers checkpoint with the adapters
+    merged in, the experts streamed (each expert's `W + scaling * lhs @ rhs` formed as it is written, never the
+    whole layer). 1. the terms of the adapters on expert tensors are taken from peft's wrappers; 2. every other LoRA
+    layer merges itself (peft's `merge`); 3. peft's `unload()` takes the wrappers off, which leaves the merged layers
+    and the experts module in place (peft cannot merge into offloaded experts: their values are in the store);
+    4. `save_offloaded_pretrained` writes the model with the expert terms added. Returns the unwrapped model (`model`
+    is consumed, as by peft's `merge_and_unload`)."""
+    path = attached_path(model)
+    if path is None or path.engine is None or path.engine.store is None:
+        merged = model.merge_and_unload()
+        merged.save_pretrained(save_directory)
+        return merged
+    terms = {}
+    with torch.no_grad():
+        for layer, route in zip(path.engine.layers, path.layers):
+            found = active_expert_lora(route.place(), layer.module)
+            if found is not None:
+                terms[layer.layer] = {name: [term.detached() for term in ts] for name, ts in found.terms.items()}
+        for module in model.modules():
+            if hasattr(module, "lora_A") and hasattr(module, "merge") and not hasattr(module, "parameter_name"):
+                module.merge()
+    base = model.unload()
+    save_offloaded_pretrained(base, save_directory, expert_deltas=terms)
+    return base
+
+
+__all__ = ["save_merged_lora", "save_offloaded_pretrained"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +24,7 @@ from ..models.moe_gpt.moe_ops import dropout_active, grouped_expert_counts
 from ..precision import autocast_state, compute_dtype, restore_autocast
 from ..rng import get_rng, rng_devices, set_rng
 from ..layouts import ExpertLayout
+from .expert_lora import ExpertLora, active_expert_lora
 from .store import WEIGHTS, ExpertKey
 
 if TYPE_CHECKING:
@@ -38,10 +39,12 @@ class ChunkPlan:
     (`OffloadEngine.stream_chunks`): "slab" (a device block of k experts, issue 35), "layer" (the host tier's (E, P)
     block: one chunk of every expert, those without rows included), "staged" (streamed one by one and copied into the
     host staging block, k = `stage_experts`): one grouped GEMM per matmul over the chunk's (k, P) rows; "expert"
-    (streamed one by one, k = 1): the layout's expert function over the expert's (P,) weights."""
+    (streamed one by one, k = 1): the layout's expert function over the expert's (P,) weights. `lora`: the peft
+    adapters on the experts' tensors this call applies (offload/expert_lora.py)."""
 
     source: str
     chunks: list[list[Segment]]
+    lora: ExpertLora | None = None
 
     @property
     def grouped(self) -> bool:
@@ -85,6 +88,7 @@ class OffloadedExpertsLayer:
         self.handles: list = []  # the module's state-dict hooks (offload/api.py)
         self._recompute_forced = 0  # > 0 inside `recomputing()`
         self._view_cache: dict[tuple, list[torch.Tensor]] = {}  # see `_tensors`
+        self._lora: ExpertLora | None = None  # peft's adapters on the expert tensors, as of the last `on_route`
 
     @contextmanager
     def recomputing(self):
@@ -107,11 +111,15 @@ class OffloadedExpertsLayer:
     def keys(self, expert_ids: list[int]) -> list[ExpertKey]:
         return [(self.layer, e) for e in expert_ids]
 
-    def on_route(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, counts: list[int]) -> None:
+    def on_route(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, counts: list[int],
+                 outer: nn.Module | None = None) -> None:
         """Called by the MoE path with the layer's router input, choices and tokens per expert, before anything is
-        dispatched or read: picks the engine's mode for this call (inference or training) and, in inference, counts
-        the routed experts' use (before a read of this call could evict one of them), scores this layer's
-        pre-gating guess and starts the reads of the next layer's guessed experts (offload/inference.py)."""
+        dispatched or read, and with what sits at the experts module's place in the model (`outer`: peft's LoRA
+        wrappers, if any): takes the active adapters for this forward's calls, picks the engine's mode for this
+        call (inference or training) and, in inference, counts the routed experts' use (before a read of this call
+        could evict one of them), scores this layer's pre-gating guess and starts the reads of the next layer's
+        guessed experts (offload/inference.py)."""
+        self._lora = active_expert_lora(outer, self.module) if outer is not None else None
         engine = self.engine
         engine.bind(hidden_states.device)  # before the plan's first reads, which depend on the runtime
         if not engine.enter_call(self.layer, engine.inference_for(self.module), evaluating=not self.module.training):
@@ -154,9 +162,12 @@ class OffloadedExpertsLayer:
         self.last_counts = total
         self.engine.stats.tokens_per_expert[str(self.layer)] = total
         plan = self.plan(x_sorted, counts, ids)
+        if self._lora is not None:
+            plan = replace(plan, lora=self._lora)
         if torch.is_grad_enabled():
             self.outstanding += 1
             shared = [p for p in self.shared_parameters if p.requires_grad]
+            shared += self._lora.tensors() if self._lora is not None else []
             with self.engine.training_threads():
                 return _StreamedExperts.apply(x_sorted, self._anchor, self, plan, *shared)
         with torch.no_grad():
@@ -224,20 +235,28 @@ class OffloadedExpertsLayer:
                                              else self.layout.views(rows))
         return views
 
-    def _compute(self, xs: torch.Tensor, chunk: list[Segment], tensors: list[torch.Tensor],
-                 grouped: bool) -> torch.Tensor:
-        if grouped:
-            return self.layout.grouped_forward(xs, [n for _, _, n in chunk], tensors)
-        return self.layout.forward(xs, tensors)
+    def _compute(self, xs: torch.Tensor, chunk: list[Segment], tensors: list[torch.Tensor], grouped: bool,
+                 lora: ExpertLora | None) -> torch.Tensor:
+        adapt = None
+        if lora is not None:
+            experts = [e for e, _, _ in chunk]
 
-    def _forward_chunk(self, xs: torch.Tensor, chunk: list[Segment], rows: torch.Tensor, grouped: bool,
+            def adapt(linear):
+                return lora.linear(linear, self.layout.names(), tensors, experts, grouped, self.num_experts)
+        if grouped:
+            return self.layout.grouped_forward(xs, [n for _, _, n in chunk], tensors, adapt)
+        return self.layout.forward(xs, tensors, adapt)
+
+    def _forward_chunk(self, xs: torch.Tensor, chunk: list[Segment], rows: torch.Tensor, plan: ChunkPlan,
                        graphs: list | None) -> torch.Tensor:
         """One chunk's forward; with `graphs`, its graph is kept for backward (`keep_activations`): the middle
         activation (T_M) saved as a resident model saves it, the weights not (`_kept_graph`)."""
+        grouped = plan.grouped
         if graphs is None:
-            return self._compute(xs, chunk, self._tensors(rows, xs, grouped), grouped)
+            return self._compute(xs, chunk, self._tensors(rows, xs, grouped), grouped, plan.lora)
         leaves = [t.detach().requires_grad_(True) for t in self._tensors(rows, xs, grouped)]
-        graphs.append(_kept_graph(lambda inputs: self._compute(inputs, chunk, leaves, grouped), xs, leaves, rows))
+        graphs.append(_kept_graph(lambda inputs: self._compute(inputs, chunk, leaves, grouped, plan.lora), xs, leaves,
+                                  rows))
         return graphs[-1][2].detach()
 
     def _differentiate(self, ys, xs, leaves: list, gy, shared: tuple, g_shared: list) -> tuple:
@@ -261,7 +280,8 @@ class OffloadedExpertsLayer:
         chunks = plan.chunks
         y = None  # in the experts' output dtype (autocast: bf16), like the resident experts' torch.cat
         phase = "inference" if rng_states is None else "forward"
-        if phase == "inference" and engine.cost_model is not None and engine.inference and not plan.grouped:
+        if (phase == "inference" and engine.cost_model is not None and engine.inference and not plan.grouped
+                and plan.lora is None):
             on_host = [c[0] for c in chunks if engine.compute_on_host((self.layer, c[0][0]), c[0][2], x)]
             if on_host:
                 y = self._run_on_host(x, on_host)
@@ -272,7 +292,7 @@ class OffloadedExpertsLayer:
                 lo, hi = span(chunk)
                 if save_rng:
                     rng_states.append(get_rng(x.device))
-                out = self._forward_chunk(x[lo:hi], chunk, rows, plan.grouped, graphs)
+                out = self._forward_chunk(x[lo:hi], chunk, rows, plan, graphs)
                 if y is None:
                     y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out.dtype)
                 y[lo:hi] = out
@@ -303,7 +323,7 @@ class OffloadedExpertsLayer:
                                                                         enabled=bool(rng_states)):
                             if rng_states:
                                 set_rng(x.device, rng_states[c])
-                            ys = self._compute(xs, chunk, leaves, plan.grouped)
+                            ys = self._compute(xs, chunk, leaves, plan.grouped, plan.lora)
                     gx[lo:hi], expert_grads = self._differentiate(ys, xs, leaves, gy[lo:hi], shared, g_shared)
                 except BaseException:
                     for (e, _, _), record in zip(chunk, records):
