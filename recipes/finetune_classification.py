@@ -15,6 +15,8 @@ Launch (the default task, `tweet-sentiment`, is offline: 37k labelled tweets fro
     hf-moe-offload train
     python recipes/finetune_classification.py --model-path outputs/moe-gpt-small --method full
     python recipes/finetune_classification.py --model-path outputs/moe-gpt-small --method lora
+    # ... LoRA on every expert matrix too, the frozen experts streamed (peft target_parameters; docs/lora.md)
+    python recipes/finetune_classification.py --model-path outputs/moe-gpt-small --method lora --lora-targets experts,attention
 
     # ES-MoE Table 2 tasks (Hub datasets: need the network or a filled datasets cache), one GPU
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml recipes/finetune_classification.py \

@@ -29,6 +29,8 @@ from peft import LoraConfig, get_peft_model
 from hf_moe_offload import MoEGPTConfig, MoEGPTForCausalLM, OffloadConfig, disable_expert_offload, enable_expert_offload
 from hf_moe_offload.offload.stand_ins import is_stand_in
 from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
+from hf_moe_offload.runtime import use_runtime
+from hf_moe_offload.runtime.simulated import SimulatedRuntime
 
 from moe_families import tiny_model
 from numerics import assert_within_adam_drift
@@ -58,16 +60,17 @@ def _lora(family: str, model, seed: int = 1):
                                             init_lora_weights=False))
 
 
-def _pair(family: str, tier: str, tmp_path, layers: int = 2):
-    """(resident LoRA model, offloaded LoRA model, its engine): the same base weights and adapters."""
+def _pair(family: str, tier: str, tmp_path, layers: int = 2, staged: bool = True, **config):
+    """(resident LoRA model, offloaded LoRA model, its engine): the same base weights and adapters. `staged`: the
+    disk tier in chunks of 2 experts (on the CPU; a device has its slab)."""
     base = _model(family, layers=layers)
     for p in base.parameters():
         p.requires_grad_(False)
     offloaded = copy.deepcopy(base)
-    staged = {"stage_experts": 2} if tier == "disk" else {}  # the disk tier in chunks of 2 experts
+    stage = {"stage_experts": 2} if tier == "disk" and staged else {}
     engine = enable_expert_offload(offloaded, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "experts"),
                                                             train_experts=False, host_cache_experts=6, prefetch_depth=1,
-                                                            **staged))
+                                                            **stage, **config))
     return _lora(family, base), _lora(family, offloaded), engine
 
 
@@ -126,6 +129,37 @@ def test_lora_on_streamed_experts_equals_lora_on_resident_experts(family, tier, 
     assert_within_adam_drift(streamed, resident, LR, 3, weight_decay=0.01,
                              outliers=0.1 if autocast else 0.01)
     assert all(torch.equal(engine.store.read_param(k), v) for k, v in stored.items())  # the base, bit for bit
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_lora_on_the_simulated_device_equals_lora_on_resident_experts(tier, autocast, tmp_path):
+    """The device path (CUDA's ordering, simulated: asynchronous copies with random delays): training through the
+    slab and evaluation through the device expert cache, Qwen3-MoE, equal peft's resident LoRA as on the CPU (same
+    tolerances), after 3 AdamW steps."""
+    with use_runtime(SimulatedRuntime(seed=5, max_delay=0.001)):
+        resident, streamed, engine = _pair("qwen3_moe", tier, tmp_path, layers=1 if autocast else 2, staged=False,
+                                           device_cache_bytes=1 << 20)
+        opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=LR) for m in (resident, streamed)]
+        g = torch.Generator().manual_seed(8)
+        for _ in range(3):
+            x = torch.randint(0, 96, (2, 11), generator=g)
+            for model, opt in zip((resident, streamed), opts):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    model(x, labels=x).loss.backward()
+                opt.step()
+                opt.zero_grad()
+        assert engine.slab is not None
+        x = torch.randint(0, 96, (2, 9), generator=g)
+        logits = []
+        for model in (resident, streamed):
+            model.eval()
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits.append(model(x).logits.float())
+        engine.synchronize()
+        assert engine.stats.device_cache_misses > 0  # evaluation read its experts through the device cache
+    torch.testing.assert_close(logits[1], logits[0], atol=5e-2 if autocast else 1e-5, rtol=0)
+    assert_within_adam_drift(streamed, resident, LR, 3, weight_decay=0.01, outliers=0.1 if autocast else 0.01)
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "moe_gpt"])
@@ -257,3 +291,20 @@ def test_offload_trainer_under_accelerate_launch_keeps_the_stand_ins_out_of_ddp(
     assert a.keys() == b.keys() and any("experts" in n for n in a)
     for name in a:
         torch.testing.assert_close(torch.tensor(a[name]), torch.tensor(b[name]), atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["S1", "S2", "S3", "S4"])
+def test_lora_on_streamed_experts_under_mpmoe_partitions(strategy, tmp_path):
+    """MPMoE's two partitions over the streamed experts with LoRA, every memory-reuse strategy (S3/S4 recompute the
+    streamed layer in backward, which takes the adapters again): logits and adapter gradients equal peft's resident
+    LoRA without partitions (fp32, 1e-5)."""
+    from hf_moe_offload.pipelining import enable_micro_batch_pipelining
+
+    resident, streamed, _ = _pair("qwen3_moe", "host", tmp_path)
+    enable_micro_batch_pipelining(streamed.get_base_model(), n=2, strategy=strategy)
+    x = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(9))
+    outs = [m(x, labels=x) for m in (resident, streamed)]
+    for out in outs:
+        out.loss.backward()
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-5, rtol=0)
+    _assert_close_relative(_adapter_grads(resident), _adapter_grads(streamed), 1e-5)

@@ -314,6 +314,7 @@ def test_dropout_inside_experts_is_replayed_in_backward(keep, tier, tmp_path):
 def test_auto_mode_picks_tier_from_budgets(tmp_path, caplog):
     model = small_model()
     est = estimate_memory(model, expert_modules(model), tokens_per_batch=64)
+    frozen = estimate_memory(model, expert_modules(model), tokens_per_batch=64, trained_experts=False)
     assert est.expert_params == sum(p.numel() for m in expert_modules(model) for p in m.parameters(recurse=False))
     big = 10 * (est.expert_state_bytes + est.non_expert_state_bytes + est.activation_bytes)
     assert choose_tier(est, big, big)[0] == "device"
@@ -325,6 +326,11 @@ def test_auto_mode_picks_tier_from_budgets(tmp_path, caplog):
         engine = enable_expert_offload(model, cfg)
     assert engine.store.tier == "disk"
     assert "mode=auto chose 'disk'" in caplog.text
+    # Frozen experts (LoRA) need their weights only, a quarter of that: the same budgets take them on the host tier.
+    assert frozen.expert_state_bytes * 4 == est.expert_state_bytes
+    cfg = OffloadConfig(mode="auto", device_budget_bytes=est.non_expert_state_bytes + 1,
+                        host_budget_bytes=est.expert_state_bytes // 2, train_experts=False)
+    assert enable_expert_offload(small_model(), cfg).store.tier == "host"
 
 
 # --- failures: clear errors, nothing lost ---

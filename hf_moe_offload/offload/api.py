@@ -64,7 +64,8 @@ def enable_expert_offload(
         )
     modules = [module for _, module, _ in found]
     device = config.resolved_device()
-    mode = _resolve_mode(config, device, estimate_memory(model, modules, tokens_per_batch), modules[0])
+    est = estimate_memory(model, modules, tokens_per_batch, trained_experts=config.train_experts)
+    mode = _resolve_mode(config, device, est, modules[0])
     layouts = [layout for _, _, layout in found]
     model_dtype = getattr(modules[0], layouts[0].tensors[0].name).dtype
     stats = OffloadStats()

@@ -18,6 +18,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 ADAM_BYTES_PER_PARAM = 16  # fp32 param + grad + exp_avg + exp_avg_sq
+FROZEN_BYTES_PER_PARAM = 4  # frozen experts (LoRA): the weights-only store's fp32 row
 
 
 @dataclass
@@ -26,10 +27,11 @@ class MemoryEstimate:
     non_expert_params: int
     num_experts_total: int
     activation_bytes: int
+    expert_bytes_per_param: int = ADAM_BYTES_PER_PARAM  # FROZEN_BYTES_PER_PARAM for frozen experts
 
     @property
     def expert_state_bytes(self) -> int:
-        return self.expert_params * ADAM_BYTES_PER_PARAM
+        return self.expert_params * self.expert_bytes_per_param
 
     @property
     def non_expert_state_bytes(self) -> int:
@@ -40,7 +42,10 @@ class MemoryEstimate:
         return self.expert_state_bytes // max(1, self.num_experts_total)
 
 
-def estimate_memory(model: nn.Module, expert_modules: list[nn.Module], tokens_per_batch: int = 0) -> MemoryEstimate:
+def estimate_memory(model: nn.Module, expert_modules: list[nn.Module], tokens_per_batch: int = 0,
+                    trained_experts: bool = True) -> MemoryEstimate:
+    """Parameter counts and bytes of state. `trained_experts=False` (LoRA): the experts' state is their fp32 weights
+    only, a quarter of a trained expert's."""
     expert_ids = {id(p) for m in expert_modules for p in m.parameters(recurse=False)}
     expert_params = sum(p.numel() for m in expert_modules for p in m.parameters(recurse=False))
     non_expert = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids)
@@ -52,7 +57,8 @@ def estimate_memory(model: nn.Module, expert_modules: list[nn.Module], tokens_pe
         inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         per_token_layer = 8 * cfg.hidden_size + 2 * inter
         act = tokens_per_batch * cfg.num_hidden_layers * per_token_layer * 4
-    return MemoryEstimate(expert_params, non_expert, num_experts, act)
+    return MemoryEstimate(expert_params, non_expert, num_experts, act,
+                          ADAM_BYTES_PER_PARAM if trained_experts else FROZEN_BYTES_PER_PARAM)
 
 
 def local_process_count() -> int:
