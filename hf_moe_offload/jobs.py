@@ -41,7 +41,8 @@ from .hub import RECORD_FILE, push_to_hub, write_model_card
 from .models.moe_gpt import MOE_GPT_PRESETS, MoEGPTConfig
 from .offload import OffloadConfig, enable_expert_offload, get_offload_engine
 from .offload.checkpoint import load_offloaded_pretrained
-from .offload.saving import save_offloaded_pretrained
+from .offload.expert_lora import expert_target_parameters
+from .offload.saving import save_merged_lora, save_offloaded_pretrained
 from .optim import ExpertOptimizerCallback
 from .run_stats import ExpertLoadCallback, OffloadTotalsCallback, plot_expert_load, plot_training_curves
 
@@ -350,6 +351,60 @@ def _load_pretrained(model_class, path: str, flag: str = "--model-path", **kwarg
         raise UserError(f"{flag} {path} could not be loaded: {first}") from err
 
 
+# LoRA's `--lora-targets attention`: attention projections and dense FFN layers, by the names the families give them
+# (peft matches them as suffixes; names a family lacks are skipped).
+LORA_ATTENTION = ["q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "fc1", "fc2"]
+
+
+def _lora_targets(value: str) -> tuple[str, ...]:
+    parts = tuple(p.strip() for p in value.split(",") if p.strip())
+    if not parts or any(p not in ("attention", "experts") for p in parts):
+        raise argparse.ArgumentTypeError(f"--lora-targets takes attention and/or experts, comma-separated; got {value!r}")
+    return parts
+
+
+def add_method_arguments(p: argparse.ArgumentParser, defaults_note: str) -> None:
+    """`--method full|lora`, `--lora-targets`, `--lora-r`, `--lora-alpha` (`defaults_note`: the job's steps and lr
+    per method)."""
+    m = p.add_argument_group("fine-tuning method")
+    m.add_argument("--method", default="full", choices=("full", "lora"),
+                   help="full: every weight incl. experts; lora: peft adapters (--lora-targets), the experts frozen "
+                        f"(offloaded as weights only). {defaults_note}")
+    m.add_argument("--lora-targets", default=("attention",), type=_lora_targets,
+                   help="comma-separated, for --method lora: attention (attention and dense FFN layers), experts (every "
+                        "expert matrix, streamed from the store: peft's target_parameters, docs/lora.md). Default: "
+                        "attention")
+    m.add_argument("--lora-r", type=int, default=8)
+    m.add_argument("--lora-alpha", type=int, default=16)
+
+
+def apply_lora(model: nn.Module, engine, args: argparse.Namespace, task_type) -> tuple[nn.Module, str]:
+    """`--method lora`: peft's LoRA on `--lora-targets`, the offloaded experts frozen -> (the peft model, what the
+    card says of it)."""
+    from peft import LoraConfig, get_peft_model
+
+    modules = LORA_ATTENTION if "attention" in args.lora_targets else []
+    parameters = expert_target_parameters(model) if "experts" in args.lora_targets else []
+    lora = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                      target_modules=modules, target_parameters=parameters or None)
+    model = get_peft_model(model, lora)
+    freeze_offloaded_experts(engine)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    streamed = ", streamed" if engine is not None and engine.store is not None else ""
+    on = "/".join([m for m in modules if any(n.endswith(f".{m}") for n, _ in model.named_modules())]
+                  + [f"{p} (every expert{streamed})" for p in parameters])
+    return model, f"r={args.lora_r}, alpha={args.lora_alpha} on {on}; {trainable:,} trainable parameters"
+
+
+def save_lora_run(model: nn.Module, folder: str) -> None:
+    """A LoRA run's output: the adapter alone in `adapter/` (from the trainable tensors: the experts are never
+    gathered) and the model with the adapters merged in, loadable without peft (`save_merged_lora`: each offloaded
+    expert's W + BA formed as it is written)."""
+    adapter = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    model.save_pretrained(os.path.join(folder, "adapter"), state_dict=adapter)
+    save_merged_lora(model, folder)
+
+
 def freeze_offloaded_experts(engine) -> None:
     """Offloaded experts that are not trained (LoRA): gradients still flow through them to the layers below, but
     their own weight gradients are not computed (and no optimizer is needed)."""
@@ -605,6 +660,9 @@ __all__ = [
     "load_tokenizer",
     "preset_config",
     "prepare_model",
+    "add_method_arguments",
+    "apply_lora",
+    "save_lora_run",
     "freeze_offloaded_experts",
     "distribute",
     "pipeline",

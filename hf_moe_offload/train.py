@@ -66,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser, **defaults) -> None:
                    help="a model built from scratch gets a byte-level BPE of this many entries trained on the training "
                         "text (0: the GPT-2 BPE as is); ignored with --model-path or --tokenizer. Default: %(default)s")
     jobs.add_offload_arguments(p, mode=d["offload"])
+    jobs.add_method_arguments(p, "Defaults for both: --steps and --lr")
     jobs.add_pipelining_arguments(p)
     jobs.add_training_arguments(p, output_dir=d["output_dir"], steps=d["steps"], batch_size=d["batch_size"],
                                 lr=d["lr"], grad_accum=d["grad_accum"], logging_steps=d["logging_steps"])
@@ -91,10 +92,17 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
         eval_ds = lm_blocks(tokenizer, raw["validation"], args.block_size, max_blocks=args.max_eval_blocks)
     rank, world_size = jobs.world()
     tokens_per_step = args.batch_size * args.grad_accum * world_size * args.block_size
+    args.train_experts = args.method == "full"  # LoRA: offloaded experts frozen, stored as weights only
     model, engine = jobs.prepare_model(args, tokenizer, tokens_per_batch=args.batch_size * args.block_size)
-    parallel = jobs.distribute(model, engine, args)
+    lora_desc = None
+    if args.method == "lora":
+        from peft import TaskType
+
+        model, lora_desc = jobs.apply_lora(model, engine, args, TaskType.CAUSAL_LM)
+    trainable_experts = args.method == "full"
+    parallel = jobs.distribute(model, engine, args, trainable_experts=trainable_experts)
     pipelined = jobs.pipeline(model, args)
-    callbacks, load, totals = jobs.training_callbacks(engine)
+    callbacks, load, totals = jobs.training_callbacks(engine, trainable_experts=trainable_experts)
     trainer = ChunkedLossTrainer(
         model=model, args=targs, train_dataset=train_ds, eval_dataset=eval_ds, data_collator=default_data_collator,
         callbacks=callbacks, preprocess_logits_for_metrics=jobs.lm_nll_per_sequence,
@@ -133,7 +141,7 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
             "block_size": args.block_size,
             "tokenizer": _tokenizer_description(args, tokenizer),
         },
-        "training": {"method": "full", "steps": args.steps, "batch_size": args.batch_size,
+        "training": {"method": args.method, "lora": lora_desc, "steps": args.steps, "batch_size": args.batch_size,
                      "grad_accum": args.grad_accum, "lr": args.lr, "precision": args.precision, "seed": args.seed,
                      "scheduler": "warmup + cosine", "max_grad_norm": args.max_grad_norm,
                      "lm_loss": trainer.lm_loss_path()},
@@ -144,7 +152,8 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
                 f"tokens: {metrics['versus_baseline']}.",
         "limitations": _limitations(args, metrics),
     }
-    record = jobs.finish_run(trainer, model, tokenizer, record, args, load, totals, started)
+    save = (lambda folder: jobs.save_lora_run(model, folder)) if args.method == "lora" else None
+    record = jobs.finish_run(trainer, model, tokenizer, record, args, load, totals, started, save_model=save)
     if trainer.is_world_process_zero():
         print_figures(record)
     return record

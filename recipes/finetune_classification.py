@@ -61,8 +61,7 @@ from hf_moe_offload.data import OFFLINE_POLARITY, OFFLINE_TWEETS, TWEET_LABELS, 
 from hf_moe_offload.distributed import end_process_groups
 from hf_moe_offload.errors import run_reporting_errors
 from hf_moe_offload.hub import describe_model
-from hf_moe_offload.offload.expert_lora import expert_target_parameters
-from hf_moe_offload.offload.saving import save_merged_lora, save_offloaded_pretrained
+from hf_moe_offload.offload.saving import save_offloaded_pretrained
 from hf_moe_offload.run_stats import use_progress_bar
 from hf_moe_offload.train import print_figures
 from hf_moe_offload.trainer import OffloadTrainer
@@ -79,15 +78,6 @@ TASKS: dict[str, tuple[str, str | None, tuple[str, ...], str, str | None, int]] 
     "mnli": ("nyu-mll/glue", "mnli", ("premise", "hypothesis"), "label", "validation_matched", 3),
     "boolq": ("google/boolq", None, ("question", "passage"), "answer", "validation", 2),
 }
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
-
-
-def lora_targets(value: str) -> tuple[str, ...]:
-    parts = tuple(p.strip() for p in value.split(",") if p.strip())
-    unknown = [p for p in parts if p not in ("attention", "experts")]
-    if not parts or unknown:
-        raise argparse.ArgumentTypeError(f"--lora-targets takes attention and/or experts, comma-separated; got {value!r}")
-    return parts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,15 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-labels", type=int, default=None)
     g.add_argument("--max-train-samples", type=int, default=None)
     g.add_argument("--max-eval-samples", type=int, default=None)
-    m = p.add_argument_group("fine-tuning method")
-    m.add_argument("--method", default="full", choices=("full", "lora"),
-                   help="full: every weight incl. experts (ES-MoE Table 2); lora: adapters (--lora-targets), the "
-                        "experts frozen. Defaults: full 400 steps at lr 3e-4, lora 600 at 3e-3")
-    m.add_argument("--lora-targets", default="attention", type=lora_targets,
-                   help="comma-separated, for --method lora: attention (attention and dense FFN layers), experts (every "
-                        "expert matrix, streamed from the store: peft's target_parameters). Default: attention")
-    m.add_argument("--lora-r", type=int, default=8)
-    m.add_argument("--lora-alpha", type=int, default=16)
+    jobs.add_method_arguments(p, "Defaults: full 400 steps at lr 3e-4 (ES-MoE Table 2); lora 600 at 3e-3, or 1200 "
+                                 "at 1e-3 with the experts among the targets")
     jobs.add_model_arguments(p, preset="moe-tiny", num_experts=8, block_size=128, dropout=0.1)
     jobs.add_offload_arguments(p, mode="host")
     jobs.add_pipelining_arguments(p)
@@ -159,10 +142,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     jobs.tune_host_memory(args)
     # Defaults per method, tuned on the offline tweets with the main job's model (RESULTS.md, issue 16).
+    experts_lora = args.method == "lora" and "experts" in args.lora_targets
     if args.lr is None:
-        args.lr = 3e-3 if args.method == "lora" else 3e-4
+        args.lr = (1e-3 if experts_lora else 3e-3) if args.method == "lora" else 3e-4
     if args.steps is None:
-        args.steps = 600 if args.method == "lora" else 400
+        args.steps = (1200 if experts_lora else 600) if args.method == "lora" else 400
     if args.short:
         jobs.short_run(args, steps=8)
         args.max_train_samples = args.max_train_samples or 64
@@ -196,19 +180,11 @@ def main(argv: list[str] | None = None) -> dict:
     model.config.pad_token_id = tokenizer.pad_token_id
     lora_desc = None
     if args.method == "lora":
-        from peft import LoraConfig, TaskType, get_peft_model
+        from peft import TaskType
 
-        modules = LORA_TARGETS if "attention" in args.lora_targets else []
-        parameters = expert_target_parameters(model) if "experts" in args.lora_targets else []
-        lora = LoraConfig(task_type=TaskType.SEQ_CLS, r=args.lora_r, lora_alpha=args.lora_alpha,
-                          lora_dropout=0.0, target_modules=modules, target_parameters=parameters or None)
-        model = get_peft_model(model, lora)  # the `score` head is trained in full (peft's modules_to_save)
-        jobs.freeze_offloaded_experts(engine)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        on = "/".join(modules + [f"{p} (every expert{', streamed' if engine and engine.store else ''})"
-                                 for p in parameters])
-        lora_desc = f"r={args.lora_r}, alpha={args.lora_alpha} on {on}; score head trained; " \
-                    f"{trainable:,} trainable parameters"
+        # the `score` head is trained in full (peft's modules_to_save)
+        model, lora_desc = jobs.apply_lora(model, engine, args, TaskType.SEQ_CLS)
+        lora_desc += "; score head trained"
     trainable_experts = args.method == "full"
     parallel = jobs.distribute(model, engine, args, trainable_experts=trainable_experts)
     pipelined = jobs.pipeline(model, args)
@@ -266,12 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def save(folder: str) -> None:
         if args.method == "lora":
-            # The adapter alone (built from the trainable tensors: the experts are never gathered) ...
-            adapter = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-            model.save_pretrained(os.path.join(folder, "adapter"), state_dict=adapter)
-            # ... and the merged model, loadable without peft; experts are streamed from the store, each with its
-            # adapter's term added as it is written.
-            save_merged_lora(model, folder)
+            jobs.save_lora_run(model, folder)  # adapter/ and the merged model
         else:
             save_offloaded_pretrained(model, folder)
 

@@ -207,3 +207,51 @@ def test_cuda_generation_gives_the_resident_greedy_tokens(tier, cache, tmp_path)
     engine = get_offload_engine(model)
     assert engine.runtime.name == "cuda" and engine.stats.h2d_bytes > 0
     assert (engine.device_cache is None) == (cache == "off")
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_cuda_lora_on_streamed_experts_equals_resident_lora(tier, autocast, tmp_path):
+    """Issue 38 on the GPU: peft's LoRA on Qwen3-MoE's expert tensors, the frozen experts streamed through the slab
+    (training) and the device expert cache (evaluation), the adapters on the GPU, against peft's resident LoRA on the
+    same GPU: the adapters after 3 AdamW steps and the evaluation logits, with test_expert_lora.py's tolerances (one
+    MoE layer under autocast, where a second layer's router could pick other experts on rounding alone)."""
+    from peft import LoraConfig, get_peft_model
+    from moe_families import tiny_model
+    from numerics import assert_within_adam_drift
+
+    layers = 1 if autocast else 2
+    resident = tiny_model("qwen3_moe", num_hidden_layers=layers)
+    for p in resident.parameters():
+        p.requires_grad_(False)
+    streamed = copy.deepcopy(resident)
+    resident.cuda()
+    engine = enable_expert_offload(streamed, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "e"),
+                                                           train_experts=False, host_cache_experts=6,
+                                                           device_cache_bytes=1 << 20))
+    streamed.cuda()  # the non-expert weights and the stand-ins (the adapters are made beside them)
+    models = []
+    for model in (resident, streamed):
+        torch.manual_seed(1)
+        models.append(get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
+                                                       target_parameters=["experts.gate_up_proj", "experts.down_proj"])))
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models]
+    g = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        x = torch.randint(0, 96, (2, 11), generator=g).cuda()
+        for model, opt in zip(models, opts):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert engine.device.type == "cuda" and engine.slab is not None
+    x = torch.randint(0, 96, (2, 9), generator=g).cuda()
+    logits = []
+    for model in models:
+        model.eval()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            logits.append(model(x).logits.float())
+    engine.synchronize()
+    assert engine.stats.device_cache_misses > 0
+    torch.testing.assert_close(logits[1], logits[0], atol=5e-2 if autocast else 1e-5, rtol=0)
+    assert_within_adam_drift(models[1], models[0], 1e-2, 3, weight_decay=0.01, outliers=0.1 if autocast else 0.01)

@@ -133,6 +133,27 @@ def test_push_to_hub_flag_of_the_cli(tmp_path, capsys):
     assert json.loads((out / "metrics.json").read_text())["hub_model_id"] == "me/tiny-moe"
 
 
+def test_main_job_with_lora_on_the_streamed_experts(tmp_path):
+    """Issue 38, item 4: `hf-moe-offload train --method lora --lora-targets experts,attention` trains adapters on
+    every expert matrix while the frozen experts stay on the disk tier; it saves the peft adapter (its config names
+    the expert tensors) and the merged model, which transformers loads as a plain model, and the card says so."""
+    from hf_moe_offload.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--short", "--steps", "2", "--max-eval-blocks", "4", "--num-experts", "4", "--method", "lora",
+                 "--lora-targets", "experts,attention", "--output-dir", str(out)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["training"]["method"] == "lora" and "(every expert, streamed)" in metrics["training"]["lora"]
+    assert metrics["offload"]["mode"] == "disk"
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert set(adapter["target_parameters"]) == {"experts.fc1_weight", "experts.fc2_weight"}
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    assert "experts frozen (LoRA)" in (out / "README.md").read_text()
+
+
 def test_lm_nll_per_sequence_equals_the_batched_cross_entropy():
     """The evaluation's per-sequence NLL (taken one sequence at a time, to bound memory) equals the batched
     cross-entropy with ignored labels, and the perplexity follows from it (fp32, rtol 1e-6)."""
