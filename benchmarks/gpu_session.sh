@@ -57,6 +57,9 @@ step qwen3_train 240 python3 benchmarks/gpu_offload.py --family qwen3_moe --toke
 step qwen3_generate 150 python3 benchmarks/generate.py --device cuda --layers 16 --experts 64 --hidden 1024 \
   --inter 512 --top-k 8 --dtype bf16 --batch 1,8 --cache 256 --rounds 2 --new-tokens 32 --prompt-tokens 16
 step qwen3_cap16 60 python3 benchmarks/gpu_offload.py --family qwen3_moe --gpu-memory-gb 16 --variants resident,host,host-pin
+# 4. Issue 38: LoRA on every expert matrix, peft resident vs streamed (host, disk), bf16 autocast on the GPU.
+step lora_experts 90 python3 benchmarks/lora_experts.py --device cuda --layers 4 --experts 32 --hidden 1024 \
+  --expert-ffn 512 --steps 5 --rounds 1 --out "$OUT/lora_experts_cuda.json"
 # (The MoE-GPT table of earlier sessions, `benchmarks/gpu_offload.py --tiers host,host-bf16`, runs when time is left.)
 
 cp benchmarks/gpu_train_qwen3*.json benchmarks/gpu_offload*.json benchmarks/generate*-cuda.json "$OUT"/ 2>/dev/null

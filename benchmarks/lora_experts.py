@@ -9,6 +9,8 @@ experts cached; the low-rank term added in the streamed pass). LoRA r=16 on ever
 lr 1e-3, batch 4 x 128 tokens. Reported: peak RSS over the process's baseline after imports, the median step time
 (the first step left out) and its ratio to the resident run's in the same round, the bytes read from the store per
 step. Variants alternate round by round; a ratio is the median over rounds. Writes benchmarks/lora_experts.json.
+`--device cuda`: the model computes on the GPU (the streamed variants' experts come up through the slab), and the
+table adds the peak GPU memory and the bytes uploaded per step.
 Quantized expert storage (int8 / 4-bit) is not measured: the store keeps frozen experts in fp32 today.
 """
 
@@ -41,8 +43,9 @@ def run_variant(args) -> dict:
 
     torch.manual_seed(0)
     baseline = _rss("VmRSS:")
+    cuda = args.device == "cuda"
     if args.variant == "resident":
-        model, engine = AutoModelForCausalLM.from_pretrained(args.ckpt), None
+        model, engine = AutoModelForCausalLM.from_pretrained(args.ckpt).to(args.device), None
         for p in model.parameters():
             p.requires_grad_(False)
     else:
@@ -50,7 +53,7 @@ def run_variant(args) -> dict:
         cfg = OffloadConfig(mode=args.variant, offload_dir=os.path.join(args.work, "experts"), train_experts=False,
                             host_cache_experts=max(8, experts // 4) if args.variant == "disk" else None,
                             pin_fraction=0.0)
-        model = load_offloaded_pretrained(args.ckpt, cfg)
+        model = load_offloaded_pretrained(args.ckpt, cfg, device=args.device)
         from hf_moe_offload import get_offload_engine
 
         engine = get_offload_engine(model)
@@ -61,17 +64,24 @@ def run_variant(args) -> dict:
     g = torch.Generator().manual_seed(1)
     times, losses = [], []
     read0 = engine.stats.disk_read_bytes if engine is not None else 0
+    h2d0 = engine.stats.h2d_bytes if engine is not None else 0
     for _ in range(args.steps):
-        x = torch.randint(0, model.config.vocab_size, (4, 128), generator=g)
+        x = torch.randint(0, model.config.vocab_size, (4, 128), generator=g).to(args.device)
         t0 = time.perf_counter()
-        loss = model(input_ids=x, labels=x).loss
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=cuda):
+            loss = model(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     read = (engine.stats.disk_read_bytes - read0) / args.steps if engine is not None else 0
-    return {"variant": args.variant, "peak_rss_over_baseline_mib": (_rss("VmHWM:") - baseline) / 2**20,
+    gpu = {"peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20,
+           "h2d_mib_per_step": ((engine.stats.h2d_bytes - h2d0) / args.steps if engine is not None else 0) / 2**20
+           } if cuda else {}
+    return {**gpu, "variant": args.variant, "peak_rss_over_baseline_mib": (_rss("VmHWM:") - baseline) / 2**20,
             "step_s": statistics.median(times[1:]), "disk_read_mib_per_step": read / 2**20, "losses": losses,
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
@@ -98,6 +108,7 @@ def main() -> None:
     p.add_argument("--expert-ffn", type=int, default=512)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "lora_experts.json"))
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one variant, in a child process
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -115,7 +126,7 @@ def main() -> None:
                 vwork = tempfile.mkdtemp(dir=work)
                 cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant, "--ckpt", args.ckpt,
                        "--work", vwork, "--layers", str(args.layers), "--experts", str(args.experts),
-                       "--steps", str(args.steps)]
+                       "--steps", str(args.steps), "--device", args.device]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True,
                                      env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
                 rows[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -127,13 +138,16 @@ def main() -> None:
                         "step_s": statistics.median(r["step_s"] for r in rows[variant]),
                         "x_resident": statistics.median(ratios),
                         "disk_read_mib_per_step": statistics.median(r["disk_read_mib_per_step"] for r in rows[variant]),
-                        "trainable": rows[variant][0]["trainable"]})
+                        "trainable": rows[variant][0]["trainable"],
+                        **{k: statistics.median(r[k] for r in rows[variant])
+                           for k in ("peak_gpu_mib", "h2d_mib_per_step") if k in rows[variant][0]}})
     print(f"expert weights {expert_bytes / 2**20:.0f} MiB (fp32), {args.layers} layers x {args.experts} experts, "
           f"{args.rounds} rounds x {args.steps} steps")
     print(f"{'variant':<10}{'peak RSS MiB':>14}{'step s':>9}{'x resident':>12}{'disk MiB/step':>15}")
     for s in summary:
+        gpu = f"  GPU peak {s['peak_gpu_mib']:.0f} MiB, up {s['h2d_mib_per_step']:.1f} MiB/step" if "peak_gpu_mib" in s else ""
         print(f"{s['variant']:<10}{s['peak_rss_over_baseline_mib']:>14.0f}{s['step_s']:>9.2f}{s['x_resident']:>12.2f}"
-              f"{s['disk_read_mib_per_step']:>15.1f}")
+              f"{s['disk_read_mib_per_step']:>15.1f}{gpu}")
     with open(args.out, "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("variant", "ckpt", "work")},
                    "expert_weight_mib": expert_bytes / 2**20, "summary": summary, "rounds": rows}, f, indent=2)

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-labels", type=int, default=None)
     g.add_argument("--max-train-samples", type=int, default=None)
     g.add_argument("--max-eval-samples", type=int, default=None)
-    jobs.add_method_arguments(p, "Defaults: full 400 steps at lr 3e-4 (ES-MoE Table 2); lora 600 at 3e-3, or 1200 "
+    jobs.add_method_arguments(p, "Defaults: full 400 steps at lr 3e-4 (ES-MoE Table 2); lora 600 at 3e-3, or 2000 "
                                  "at 1e-3 with the experts among the targets")
     jobs.add_model_arguments(p, preset="moe-tiny", num_experts=8, block_size=128, dropout=0.1)
     jobs.add_offload_arguments(p, mode="host")
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.lr is None:
         args.lr = (1e-3 if experts_lora else 3e-3) if args.method == "lora" else 3e-4
     if args.steps is None:
-        args.steps = (1200 if experts_lora else 600) if args.method == "lora" else 400
+        args.steps = (2000 if experts_lora else 600) if args.method == "lora" else 400
     if args.short:
         jobs.short_run(args, steps=8)
         args.max_train_samples = args.max_train_samples or 64

@@ -133,3 +133,23 @@ def test_generate_device_harness_on_the_simulated_device(tmp_path):
     assert rows["ours host, device cache 0"]["device_cache_hit_rate"] is None
     assert rows["ours host, device cache 1/2"]["device_cache_hit_rate"] > 0
     assert rows["ours disk, device cache 1/4"]["uploaded_MB_per_token"] > 0
+
+
+def test_lora_experts_harness(tmp_path):
+    """benchmarks/lora_experts.py (issue 38) at a tiny size, each variant in this process through `run_variant`:
+    the same trainable adapters everywhere, the losses of the first step equal (the same model, adapters and batch:
+    LoRA streamed equals LoRA resident), and only the disk tier reads from disk."""
+    import argparse
+
+    lora = bench("lora_experts")
+    args = argparse.Namespace(layers=2, experts=16, hidden=64, expert_ffn=64, steps=2, device="cpu",
+                              ckpt=str(tmp_path / "ckpt"))
+    assert lora.save_model(args) == 2 * 16 * 3 * 64 * 64 * 4  # fp32 bytes of the experts' gate/up and down
+    rows = {}
+    for variant in lora.VARIANTS:
+        rows[variant] = lora.run_variant(argparse.Namespace(**vars(args), variant=variant,
+                                                           work=str(tmp_path / variant)))
+    assert len({r["trainable"] for r in rows.values()}) == 1
+    first = [r["losses"][0] for r in rows.values()]
+    assert max(first) - min(first) < 1e-4, first
+    assert rows["disk"]["disk_read_mib_per_step"] > 0 and rows["host"]["disk_read_mib_per_step"] == 0
