@@ -74,6 +74,13 @@ def sorted_experts(module: nn.Module) -> ResidentExperts:
     return ResidentExperts(module, layout_for(module))
 
 
+def unwrapped_name(name: str) -> str:
+    """A module's name without peft's trailing `.base_layer`s: where its outermost wrapper sits."""
+    while name.endswith(".base_layer"):
+        name = name[: -len(".base_layer")]
+    return name
+
+
 class MoELayer:
     """One MoE layer on the path: its experts module, layout and what the enabled features put in its pipeline."""
 
@@ -84,10 +91,7 @@ class MoELayer:
         self.layout = layout
         # Where the experts module sits in the model (its parent and attribute, past peft's `base_layer` wrappers):
         # what is there now may be peft's LoRA wrappers around it (`place`).
-        place = name
-        while place.endswith(".base_layer"):
-            place = place[: -len(".base_layer")]
-        parent, _, self._attr = place.rpartition(".")
+        parent, _, self._attr = unwrapped_name(name).rpartition(".")
         self._parent = model.get_submodule(parent) if model is not None else None
         self.resident = ResidentExperts(module, layout)
         self.streamed = None  # the offload engine's OffloadedExpertsLayer, when the experts live in a store
@@ -287,4 +291,5 @@ def moe_path(model: nn.Module) -> MoEPath:
 
 
 __all__ = ["IMPLEMENTATION", "MoELayer", "MoEPath", "ResidentExperts", "attached_path", "experts_forward",
-           "experts_layers", "find_experts_modules", "get_moe_path", "holding_path", "moe_path", "sorted_experts"]
+           "experts_layers", "find_experts_modules", "get_moe_path", "holding_path", "moe_path", "sorted_experts",
+           "unwrapped_name"]

@@ -23,13 +23,12 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from .offload.api import get_offload_engine
 from .offload.saving import save_offloaded_pretrained
-from .offload.stand_ins import is_stand_in
+from .offload.stand_ins import keep_stand_ins_out_of_ddp
 
 
 def _is_peft_model(model) -> bool:
@@ -44,9 +43,7 @@ class OffloadTrainer(Trainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        stand_ins = [name for name, p in self.model.named_parameters() if is_stand_in(p)]
-        if stand_ins:
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, stand_ins)
+        keep_stand_ins_out_of_ddp(self.model)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)

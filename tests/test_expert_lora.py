@@ -180,7 +180,8 @@ def test_lora_expert_by_expert_equals_the_grouped_pass(family, tmp_path, monkeyp
 
 def test_frozen_offloaded_experts_leave_stand_ins_that_refuse_a_merge(tmp_path):
     """Frozen offloaded experts keep a frozen parameter of one element per tensor (what peft targets); the state
-    dict shows the stored experts; peft's merge is refused with the reason; once offload is disabled, peft's own
+    dict shows the stored experts, and loading one writes them to the store; peft's `disable_adapter()` turns the
+    streamed adapters off; peft's merge is refused with the reason; once offload is disabled, peft's own
     resident LoRA computes what the streamed one did."""
     model = _model("qwen3_moe")
     engine = enable_expert_offload(model, OffloadConfig(mode="host", train_experts=False))
@@ -191,10 +192,21 @@ def test_frozen_offloaded_experts_leave_stand_ins_that_refuse_a_merge(tmp_path):
         with torch._C.DisableTorchFunctionSubclass():
             assert p.untyped_storage().nbytes() == p.element_size()
         assert not is_stand_in(model.state_dict()[f"model.layers.0.mlp.experts.{name}"])
-    peft_model = _lora("qwen3_moe", model)
+    # load_state_dict writes the experts through to the store; the stand-ins count as loaded, or missing once.
+    other = _model("qwen3_moe", seed=3)
+    assert not model.load_state_dict(other.state_dict()).missing_keys
     x = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, other(x).logits, atol=1e-5, rtol=0)
+    partial = {k: v for k, v in other.state_dict().items() if ".experts." not in k}
+    missing = model.load_state_dict(partial, strict=False).missing_keys
+    assert sorted(missing) == sorted(n for n in other.state_dict() if ".experts." in n)
+    peft_model = _lora("qwen3_moe", model)
+    with torch.no_grad():
         streamed = peft_model(x).logits
+        with peft_model.disable_adapter():  # peft's rule: no adapter applies meanwhile
+            torch.testing.assert_close(peft_model(x).logits, other(x).logits, atol=1e-5, rtol=0)
+        assert (streamed - other(x).logits).abs().max() > 1e-3
     with pytest.raises(RuntimeError, match="offloaded experts"):
         peft_model.merge_and_unload()
     disable_expert_offload(model)

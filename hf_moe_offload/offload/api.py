@@ -175,9 +175,14 @@ def _put_layer_in_store(streamed, route: MoELayer, store: ExpertStore, initializ
                 tensors = [getattr(module, t.name)[e].detach().float() for t in layout.tensors]
                 store.write_param((streamed.layer, e), layout.pack(tensors, flat))
     streamed.meta = _detach_parameters(module, layout, stand_ins=not store.trainable)
+    loaded: set[str] = set()  # state-dict keys the last load wrote into the store
     streamed.handles = [
         module._register_state_dict_hook(functools.partial(_state_dict_hook, layer=streamed)),
-        module._register_load_state_dict_pre_hook(functools.partial(_load_state_dict_pre_hook, layer=streamed)),
+        module._register_load_state_dict_pre_hook(functools.partial(_load_state_dict_pre_hook, layer=streamed,
+                                                                    loaded=loaded)),
+        # Frozen experts' stand-ins are parameters whose values the pre-hook took from the state dict into the
+        # store: not missing.
+        module.register_load_state_dict_post_hook(functools.partial(_load_state_dict_post_hook, loaded=loaded)),
     ]
     route.set_streamed(streamed)
 
@@ -248,7 +253,7 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata, layer):
 
 
 def _load_state_dict_pre_hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs,
-                              layer):
+                              layer, loaded: set[str]):
     layout = layer.layout
     names = layout.names()
     present = [n for n in names if prefix + n in state_dict]
@@ -259,6 +264,7 @@ def _load_state_dict_pre_hook(state_dict, prefix, local_metadata, strict, missin
         missing_keys.extend(prefix + n for n in names if n not in present)
     layer.engine.synchronize()
     tensors = {n: state_dict.pop(prefix + n) for n in present}
+    loaded.update(prefix + n for n in present)
     flat = torch.empty(layout.numel)
     for e in range(layout.num_experts):
         key = (layer.layer, e)
@@ -272,6 +278,12 @@ def _load_state_dict_pre_hook(state_dict, prefix, local_metadata, strict, missin
             cur[layout.offsets[i] : layout.offsets[i] + spec.numel] = tensors[n][e].reshape(-1).float()
         flat.copy_(cur)
         layer.engine.store.write_param(key, flat, reset_state=False)
+
+
+def _load_state_dict_post_hook(module, incompatible_keys, loaded: set[str]) -> None:
+    # (a stand-in's key the state dict lacks is reported by the pre-hook and by torch: once is enough)
+    incompatible_keys.missing_keys[:] = dict.fromkeys(k for k in incompatible_keys.missing_keys if k not in loaded)
+    loaded.clear()
 
 
 def disable_expert_offload(model: nn.Module) -> None:

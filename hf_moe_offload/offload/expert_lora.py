@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..moe_path import experts_layers
+from ..moe_path import experts_layers, unwrapped_name
 
 
 # A grouped GEMM takes matrices whose rows are 16-byte multiples (GroupedLinear.usable): ranks are padded with zeros
@@ -127,10 +127,7 @@ def expert_target_parameters(model: nn.Module) -> list[str]:
     ["experts.down_proj", "experts.gate_up_proj"]: peft matches them as suffixes of each tensor's full name."""
     names = set()
     for name, _, layout in experts_layers(model):
-        attr = name.rpartition(".")[2]
-        while attr == "base_layer":  # already wrapped by peft
-            name = name.rpartition(".")[0]
-            attr = name.rpartition(".")[2]
+        attr = unwrapped_name(name).rpartition(".")[2]
         names.update(f"{attr}.{t.name}" for t in layout.tensors if t.decay)
     return sorted(names)
 

@@ -101,4 +101,16 @@ def is_stand_in(t) -> bool:
     return isinstance(t, ExpertStandIn)
 
 
-__all__ = ["ExpertStandIn", "is_stand_in", "stand_in_parameter"]
+def keep_stand_ins_out_of_ddp(model: nn.Module) -> list[str]:
+    """Tell DDP to leave the stand-ins of `model` (the module it will wrap) alone: at its start DDP broadcasts every
+    parameter into place, which a stand-in of one element cannot take. `OffloadTrainer` calls this; a custom loop
+    calls it on the model it hands to `accelerator.prepare` / `DistributedDataParallel`. Returns their names."""
+    names = [name for name, p in model.named_parameters() if is_stand_in(p)]
+    if names:
+        from torch.nn.parallel import DistributedDataParallel
+
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    return names
+
+
+__all__ = ["ExpertStandIn", "is_stand_in", "keep_stand_ins_out_of_ddp", "stand_in_parameter"]
