@@ -946,7 +946,8 @@ def test_enable_disable_twice_leaves_no_hook_behind():
     def hooks():
         return {name: tuple(len(getattr(m, attr)) for attr in ("_forward_hooks", "_forward_pre_hooks",
                                                                 "_backward_hooks", "_state_dict_hooks",
-                                                                "_load_state_dict_pre_hooks"))
+                                                                "_load_state_dict_pre_hooks",
+                                                                "_load_state_dict_post_hooks"))
                 for name, m in model.named_modules()}
 
     before, attrs = hooks(), set(model.__dict__)
