@@ -31,10 +31,6 @@ from .offload.saving import save_offloaded_pretrained
 from .offload.stand_ins import keep_stand_ins_out_of_ddp
 
 
-def _is_peft_model(model) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
 class OffloadTrainer(Trainer):
     """`transformers.Trainer` whose saves stream offloaded experts from their store (see the module docstring).
 
@@ -50,7 +46,7 @@ class OffloadTrainer(Trainer):
         engine = get_offload_engine(model)
         if state_dict is not None or engine is None or engine.store is None:
             return super()._save(output_dir, state_dict=state_dict)
-        if _is_peft_model(model):
+        if hasattr(model, "get_base_model"):  # PEFT (as hub.py and lm_loss.py tell it)
             # peft saves the adapters only: give it the state dict without the experts it would drop anyway.
             with engine.experts_left_out_of_state_dict():
                 state_dict = self.model.state_dict()

@@ -227,13 +227,15 @@ def _expert_tensor(layer, name: str) -> torch.Tensor:
 
 # Above this many bytes of experts, the first `state_dict()` that assembles them says how to save without doing so.
 ASSEMBLY_WARNING_BYTES = 1 << 30
-_warned_engines: "weakref.WeakSet" = weakref.WeakSet()
+_checked_engines: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _warn_of_assembly(engine) -> None:
+    if engine in _checked_engines:  # said once (or found small) for this engine: each layer's hook asks
+        return
+    _checked_engines.add(engine)
     nbytes = sum(math.prod(shape) * dtype.itemsize for layer in engine.layers for shape, dtype in layer.meta.values())
-    if nbytes >= ASSEMBLY_WARNING_BYTES and engine not in _warned_engines:
-        _warned_engines.add(engine)
+    if nbytes >= ASSEMBLY_WARNING_BYTES:
         logger.warning(
             "state_dict() of a model with offloaded experts assembles all %.1f GB of them in host memory. To save "
             "the model, use save_offloaded_pretrained(model, folder) or hf_moe_offload.OffloadTrainer, which write "

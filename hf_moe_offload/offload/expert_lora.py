@@ -40,6 +40,17 @@ class LoraTerm:
     scaling: float
     transposed: bool  # the weight is stored (E, in, out)
 
+    @classmethod
+    def of(cls, first: torch.Tensor, second: torch.Tensor, scaling: float, transposed: bool) -> "LoraTerm":
+        """The term with its factors as row-major blocks, the rank zero-padded to `RANK_MULTIPLE` (once per
+        forward: every chunk takes its experts' blocks from these; peft's factors are permuted views)."""
+        r = first.shape[-1] if transposed else first.shape[-2]
+        pad = -r % RANK_MULTIPLE
+        if pad:  # first: (E, in, r) when transposed, else (E, r, in); second the other way round
+            first = torch.nn.functional.pad(first, (0, pad) if transposed else (0, 0, 0, pad))
+            second = torch.nn.functional.pad(second, (0, 0, 0, pad) if transposed else (0, pad))
+        return cls(first.contiguous(), second.contiguous(), scaling, transposed)
+
     def delta(self, e: int) -> torch.Tensor:
         """Expert e's `scaling * lhs @ rhs`: the adapter's change of the weight, in the weight's own orientation."""
         first, second = self.first[e], self.second[e]
@@ -47,15 +58,6 @@ class LoraTerm:
 
     def detached(self) -> "LoraTerm":
         return LoraTerm(self.first.detach(), self.second.detach(), self.scaling, self.transposed)
-
-    def padded(self, factor: torch.Tensor, is_first: bool) -> torch.Tensor:
-        """A (k, ...) block of `first` or `second` with its rank padded to `RANK_MULTIPLE`."""
-        rank_last = is_first == self.transposed  # first: (E, in, r) when transposed; second: (E, out, r) when not
-        r = factor.shape[-1] if rank_last else factor.shape[-2]
-        pad = -r % RANK_MULTIPLE
-        if pad:
-            factor = torch.nn.functional.pad(factor, (0, pad) if rank_last else (0, 0, 0, pad))
-        return factor.contiguous()
 
 
 class ExpertLora:
@@ -74,16 +76,19 @@ class ExpertLora:
         expert tensors in layout order (`names`), recognised by identity when the expert function passes them to its
         linear; `experts`: the chunk's experts, whose (k, ...) factor blocks a grouped chunk takes (one expert's
         factors otherwise)."""
-        index = None if experts == list(range(num_experts)) else torch.tensor(experts)
+        index = None  # the chunk's experts, made once on the factors' device where they are a subset
 
-        def pick(term: LoraTerm, is_first: bool) -> torch.Tensor:
-            factor = term.first if is_first else term.second
+        def pick(factor: torch.Tensor) -> torch.Tensor:
+            nonlocal index
             if not grouped:
                 return factor[experts[0]]
-            block = factor if index is None else factor.index_select(0, index.to(factor.device))
-            return term.padded(block, is_first)  # peft's factors are permuted views: row-major blocks for the GEMM
+            if experts == list(range(num_experts)):
+                return factor
+            if index is None:
+                index = torch.tensor(experts, device=factor.device)
+            return factor.index_select(0, index)
 
-        by_weight = {id(t): [(pick(term, True), pick(term, False), term.scaling) for term in self.terms[name]]
+        by_weight = {id(t): [(pick(term.first), pick(term.second), term.scaling) for term in self.terms[name]]
                      for name, t in zip(names, tensors) if name in self.terms}
 
         def adapted(x, w, b=None, *rest):
@@ -117,7 +122,7 @@ def active_expert_lora(outer: nn.Module, module: nn.Module) -> ExpertLora | None
                                      "while the experts stream, not their biases")
                 lhs, rhs, scaling = wrapper.get_delta_factors(adapter)
                 first, second = (lhs, rhs) if transposed else (rhs, lhs)
-                terms.setdefault(wrapper.parameter_name, []).append(LoraTerm(first, second, scaling, transposed))
+                terms.setdefault(wrapper.parameter_name, []).append(LoraTerm.of(first, second, scaling, transposed))
         wrapper = wrapper.base_layer
     return ExpertLora(terms) if terms else None
 
