@@ -20,6 +20,8 @@ setup(
         "xxhash",  # the disk tier's row checksums (datasets requires it too)
         "tqdm",
         "psutil",
+        # Frozen experts stored in 8 or 4 bits (hf_moe_offload/offload/quantized.py): its CPU and CUDA backends.
+        "bitsandbytes>=0.46",
     ],
     extras_require={
         # Offline data (text, labelled tweets) and tokenizer for the jobs and recipes, plots for the model card.

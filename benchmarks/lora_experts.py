@@ -1,17 +1,19 @@
 """LoRA on every expert matrix (peft `target_parameters`): experts resident against experts streamed (issue 38).
 
-python benchmarks/lora_experts.py [--layers 4 --experts 32 --hidden 256 --expert-ffn 512 --steps 6 --rounds 2]
+python benchmarks/lora_experts.py [--layers 4 --experts 32 --hidden 256 --expert-ffn 512 --steps 6 --rounds 2
+                                   --dtype bf16]
 
-A Qwen3-MoE of the given shape (random weights, fp32) is saved once; each variant then runs in its own process
+A Qwen3-MoE of the given shape (random weights, in `--dtype`) is saved once; each variant then runs in its own process
 (peak RSS is per process): `resident` (peft's own path: the parametrization forms W + BA for the whole layer in each
-forward), `host` and `disk` (frozen experts offloaded to a weights-only store, the disk tier with a quarter of the
-experts cached; the low-rank term added in the streamed pass). LoRA r=16 on every expert matrix and on q/k/v/o, AdamW
-lr 1e-3, batch 4 x 128 tokens. Reported: peak RSS over the process's baseline after imports, the median step time
-(the first step left out) and its ratio to the resident run's in the same round, the bytes read from the store per
-step. Variants alternate round by round; a ratio is the median over rounds. Writes benchmarks/lora_experts.json.
-`--device cuda`: the model computes on the GPU (the streamed variants' experts come up through the slab), and the
-table adds the peak GPU memory and the bytes uploaded per step.
-Quantized expert storage (int8 / 4-bit) is not measured: the store keeps frozen experts in fp32 today.
+forward), `host` and `disk` (frozen experts offloaded to a weights-only store in the model's dtype, the disk tier
+with a quarter of the experts cached; the low-rank term added in the streamed pass), and the quantized stores
+`host-nf4`, `disk-int8`, `disk-nf4` (bitsandbytes' formats, dequantized per chunk; issue 38 item 2). LoRA r=16 on
+every expert matrix and on q/k/v/o, AdamW lr 1e-3, batch 4 x 128 tokens. Reported: peak RSS over the process's
+baseline after imports, the store's bytes, the median step time (the first step left out) and its ratio to the
+resident run's in the same round, the bytes read from the store per step. Variants alternate round by round; a ratio
+is the median over rounds. Writes benchmarks/lora_experts.json.
+`--device cuda`: the model computes on the GPU (the streamed variants' experts come up through the slab, quantized
+ones dequantized there), and the table adds the peak GPU memory and the bytes uploaded per step.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("resident", "host", "disk")
+VARIANTS = ("resident", "host", "disk", "host-nf4", "disk-int8", "disk-nf4")
 
 
 def _rss(field: str) -> int:
@@ -44,19 +46,23 @@ def run_variant(args) -> dict:
     torch.manual_seed(0)
     baseline = _rss("VmRSS:")
     cuda = args.device == "cuda"
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    store_mib = 0.0
     if args.variant == "resident":
-        model, engine = AutoModelForCausalLM.from_pretrained(args.ckpt).to(args.device), None
+        model, engine = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=dtype).to(args.device), None
         for p in model.parameters():
             p.requires_grad_(False)
     else:
         experts = args.layers * args.experts
-        cfg = OffloadConfig(mode=args.variant, offload_dir=os.path.join(args.work, "experts"), train_experts=False,
-                            host_cache_experts=max(8, experts // 4) if args.variant == "disk" else None,
-                            pin_fraction=0.0)
-        model = load_offloaded_pretrained(args.ckpt, cfg, device=args.device)
+        tier, _, storage = args.variant.partition("-")
+        cfg = OffloadConfig(mode=tier, offload_dir=os.path.join(args.work, "experts"), train_experts=False,
+                            host_cache_experts=max(8, experts // 4) if tier == "disk" else None,
+                            pin_fraction=0.0, expert_storage=storage or "auto")
+        model = load_offloaded_pretrained(args.ckpt, cfg, dtype=dtype, device=args.device)
         from hf_moe_offload import get_offload_engine
 
         engine = get_offload_engine(model)
+        store_mib = len(engine.store) * engine.store.record_bytes() / 2**20
     lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       target_parameters=expert_target_parameters(model))
     model = get_peft_model(model, lora).train()
@@ -82,6 +88,7 @@ def run_variant(args) -> dict:
            "h2d_mib_per_step": ((engine.stats.h2d_bytes - h2d0) / args.steps if engine is not None else 0) / 2**20
            } if cuda else {}
     return {**gpu, "variant": args.variant, "peak_rss_over_baseline_mib": (_rss("VmHWM:") - baseline) / 2**20,
+            "store_mib": store_mib,
             "step_s": statistics.median(times[1:]), "disk_read_mib_per_step": read / 2**20, "losses": losses,
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
@@ -95,9 +102,9 @@ def save_model(args) -> int:
                                moe_intermediate_size=args.expert_ffn, num_hidden_layers=args.layers,
                                num_attention_heads=8, num_key_value_heads=4, head_dim=args.hidden // 8,
                                num_experts=args.experts, num_experts_per_tok=4, max_position_embeddings=512)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     model.save_pretrained(args.ckpt)
-    return sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 4
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
 
 
 def main() -> None:
@@ -109,6 +116,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="the model's dtype (default bf16)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "lora_experts.json"))
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one variant, in a child process
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -122,11 +130,11 @@ def main() -> None:
         expert_bytes = save_model(args)
         rows: dict[str, list[dict]] = {v: [] for v in VARIANTS}
         for r in range(args.rounds):
-            for variant in VARIANTS[r % 3:] + VARIANTS[: r % 3]:
+            for variant in VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]:
                 vwork = tempfile.mkdtemp(dir=work)
                 cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant, "--ckpt", args.ckpt,
                        "--work", vwork, "--layers", str(args.layers), "--experts", str(args.experts),
-                       "--steps", str(args.steps), "--device", args.device]
+                       "--steps", str(args.steps), "--device", args.device, "--dtype", args.dtype]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True,
                                      env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
                 rows[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -138,16 +146,17 @@ def main() -> None:
                         "step_s": statistics.median(r["step_s"] for r in rows[variant]),
                         "x_resident": statistics.median(ratios),
                         "disk_read_mib_per_step": statistics.median(r["disk_read_mib_per_step"] for r in rows[variant]),
+                        "store_mib": rows[variant][0]["store_mib"],
                         "trainable": rows[variant][0]["trainable"],
                         **{k: statistics.median(r[k] for r in rows[variant])
                            for k in ("peak_gpu_mib", "h2d_mib_per_step") if k in rows[variant][0]}})
-    print(f"expert weights {expert_bytes / 2**20:.0f} MiB (fp32), {args.layers} layers x {args.experts} experts, "
-          f"{args.rounds} rounds x {args.steps} steps")
-    print(f"{'variant':<10}{'peak RSS MiB':>14}{'step s':>9}{'x resident':>12}{'disk MiB/step':>15}")
+    print(f"expert weights {expert_bytes / 2**20:.0f} MiB ({args.dtype}), {args.layers} layers x {args.experts} "
+          f"experts, {args.rounds} rounds x {args.steps} steps")
+    print(f"{'variant':<11}{'peak RSS MiB':>14}{'store MiB':>11}{'step s':>9}{'x resident':>12}{'disk MiB/step':>15}")
     for s in summary:
         gpu = f"  GPU peak {s['peak_gpu_mib']:.0f} MiB, up {s['h2d_mib_per_step']:.1f} MiB/step" if "peak_gpu_mib" in s else ""
-        print(f"{s['variant']:<10}{s['peak_rss_over_baseline_mib']:>14.0f}{s['step_s']:>9.2f}{s['x_resident']:>12.2f}"
-              f"{s['disk_read_mib_per_step']:>15.1f}{gpu}")
+        print(f"{s['variant']:<11}{s['peak_rss_over_baseline_mib']:>14.0f}{s['store_mib']:>11.0f}{s['step_s']:>9.2f}"
+              f"{s['x_resident']:>12.2f}{s['disk_read_mib_per_step']:>15.1f}{gpu}")
     with open(args.out, "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("variant", "ckpt", "work")},
                    "expert_weight_mib": expert_bytes / 2**20, "summary": summary, "rounds": rows}, f, indent=2)

@@ -305,7 +305,9 @@ def _card_training_values(record: dict) -> dict[str, str]:
                 + (f"; eval: {data['eval_size']}" if data.get("eval_size") else ""),
         "tokenizer": data.get("tokenizer", "n/a"),
         "method": {"full": "full fine-tuning, experts included" if record.get("base_model") else "training from "
-                   "scratch, all parameters", "lora": f"LoRA ({train.get('lora', '')})"}.get(train.get("method", "full"),
+                   "scratch, all parameters", "lora": f"LoRA ({train.get('lora', '')})"
+                   + (f"; frozen experts stored as {train['expert_storage']}"
+                      if train.get("expert_storage", "auto") != "auto" else "")}.get(train.get("method", "full"),
                                                                                           train.get("method", "n/a"))
                   + (f"; {train['lm_loss']}" if train.get("lm_loss") else ""),
         "schedule": f"{train.get('steps')} × {train.get('batch_size')} × {train.get('grad_accum')} × "

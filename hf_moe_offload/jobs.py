@@ -42,6 +42,7 @@ from .models.moe_gpt import MOE_GPT_PRESETS, MoEGPTConfig
 from .offload import OffloadConfig, enable_expert_offload, get_offload_engine
 from .offload.checkpoint import load_offloaded_pretrained
 from .offload.expert_lora import expert_target_parameters
+from .offload.quantized import EXPERT_STORAGES
 from .offload.saving import save_merged_lora, save_offloaded_pretrained
 from .optim import ExpertOptimizerCallback
 from .run_stats import ExpertLoadCallback, OffloadTotalsCallback, plot_expert_load, plot_training_curves
@@ -198,8 +199,9 @@ def offload_config(args: argparse.Namespace, precision: str | None = None, subdi
         host_budget_bytes=int(args.host_budget_mb * mb) if args.host_budget_mb else None,
         # NOTE: autocast runs the expert matmuls in bf16 anyway; streaming bf16 copies halves the bytes moved.
         compute_dtype=torch.bfloat16 if (precision or getattr(args, "precision", "fp32")) == "bf16" else None,
-        # Frozen experts (a LoRA recipe sets it): the store keeps their weights only.
+        # Frozen experts (a LoRA recipe sets it): the store keeps their weights only, quantized if asked.
         train_experts=getattr(args, "train_experts", True),
+        expert_storage=getattr(args, "expert_storage", "auto"),
     )
 
 
@@ -376,6 +378,21 @@ def add_method_arguments(p: argparse.ArgumentParser, defaults_note: str) -> None
                         "attention")
     m.add_argument("--lora-r", type=int, default=8)
     m.add_argument("--lora-alpha", type=int, default=16)
+    m.add_argument("--expert-storage", default="auto", choices=EXPERT_STORAGES,
+                   help="how the offloaded store keeps the frozen experts of --method lora: auto/bf16 (the model's "
+                        "dtype), int8 or nf4 (bitsandbytes' formats, dequantized per chunk where the experts compute; "
+                        "docs/lora.md). Default: auto")
+
+
+def check_expert_storage(args: argparse.Namespace) -> None:
+    """`--expert-storage int8|nf4` needs frozen experts (--method lora) in an offloaded tier."""
+    if args.expert_storage in ("int8", "nf4"):
+        if args.method != "lora":
+            raise UserError(f"--expert-storage {args.expert_storage} keeps frozen experts quantized; with --method "
+                            f"{args.method} the experts are trained: use --method lora or --expert-storage auto")
+        if args.offload == "device":
+            raise UserError(f"--expert-storage {args.expert_storage} is a format of the offloaded store: use "
+                            "--offload host, disk or auto")
 
 
 def apply_lora(model: nn.Module, engine, args: argparse.Namespace, task_type) -> tuple[nn.Module, str]:
@@ -576,12 +593,23 @@ def offload_summary(engine, args: argparse.Namespace) -> dict[str, Any] | None:
         effective_prefetch_depth=engine.depth,
         pin_fraction=args.pin_fraction,
         compute_dtype=str(store.compute_dtype).replace("torch.", ""),
-        expert_state_rows="fp32 weights, gradients, Adam moments" if store.trainable else "fp32 weights (frozen)",
+        expert_state_rows=_stored_rows(store),
     )
     if cache is not None:
         summary.update(host_cache_experts=cache, host_cache_MB=round(cache * record_bytes / 2**20, 2),
                        host_cache_fraction=round(cache / len(keys), 4))
     return summary
+
+
+def _stored_rows(store) -> str:
+    """What the store keeps per expert, for the card."""
+    if store.trainable:
+        return "fp32 weights, gradients, Adam moments"
+    q = store.quantization
+    if q is not None:
+        return f"{q.storage} weights (frozen; bitsandbytes, {q.bytes_per_parameter:.3f} bytes/parameter)"
+    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return f"{short.get(store.row_dtype, store.row_dtype)} weights (frozen)"
 
 
 def finish_run(trainer, model: nn.Module, tokenizer: PreTrainedTokenizerBase, record: dict, args: argparse.Namespace,

@@ -93,6 +93,7 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
     rank, world_size = jobs.world()
     tokens_per_step = args.batch_size * args.grad_accum * world_size * args.block_size
     args.train_experts = args.method == "full"  # LoRA: offloaded experts frozen, stored as weights only
+    jobs.check_expert_storage(args)
     model, engine = jobs.prepare_model(args, tokenizer, tokens_per_batch=args.batch_size * args.block_size)
     lora_desc = None
     if args.method == "lora":
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
             "block_size": args.block_size,
             "tokenizer": _tokenizer_description(args, tokenizer),
         },
-        "training": {"method": args.method, "lora": lora_desc, "steps": args.steps, "batch_size": args.batch_size,
+        "training": {"method": args.method, "lora": lora_desc, "expert_storage": args.expert_storage, "steps": args.steps, "batch_size": args.batch_size,
                      "grad_accum": args.grad_accum, "lr": args.lr, "precision": args.precision, "seed": args.seed,
                      "scheduler": "warmup + cosine", "max_grad_norm": args.max_grad_norm,
                      "lm_loss": trainer.lm_loss_path()},

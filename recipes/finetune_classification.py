@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
         data = {k: tokenize(v, tokenizer, text_columns, max_length(args)) for k, v in raw.items()}
 
     args.train_experts = args.method == "full"  # LoRA: offloaded experts frozen, stored as weights only
+    jobs.check_expert_storage(args)
     overrides = {"num_labels": num_labels}
     if dataset == OFFLINE_TWEETS and not args.train_file:
         overrides.update(id2label=dict(enumerate(TWEET_LABELS)), label2id={n: i for i, n in enumerate(TWEET_LABELS)})
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
             "tokenizer": type(tokenizer).__name__,
             "columns": {"text": list(text_columns), "label": label_column, "num_labels": num_labels},
         },
-        "training": {"method": args.method, "lora": lora_desc, "steps": args.steps, "batch_size": args.batch_size,
+        "training": {"method": args.method, "lora": lora_desc, "expert_storage": args.expert_storage, "steps": args.steps, "batch_size": args.batch_size,
                      "grad_accum": args.grad_accum, "lr": args.lr, "precision": args.precision, "seed": args.seed,
                      "scheduler": "warmup + cosine", "max_grad_norm": args.max_grad_norm},
         "metrics": metrics,

@@ -141,17 +141,26 @@ def test_main_job_with_lora_on_the_streamed_experts(tmp_path):
 
     out = tmp_path / "run"
     assert main(["train", "--short", "--steps", "2", "--max-eval-blocks", "4", "--num-experts", "4", "--method", "lora",
-                 "--lora-targets", "experts,attention", "--output-dir", str(out)]) == 0
+                 "--lora-targets", "experts,attention", "--expert-storage", "nf4", "--output-dir", str(out)]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["training"]["method"] == "lora" and "(every expert, streamed)" in metrics["training"]["lora"]
-    assert metrics["offload"]["mode"] == "disk"
+    assert metrics["training"]["expert_storage"] == "nf4"
+    assert metrics["offload"]["mode"] == "disk" and metrics["offload"]["expert_state_rows"].startswith("nf4 weights")
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert set(adapter["target_parameters"]) == {"experts.fc1_weight", "experts.fc2_weight"}
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in n for n, _ in model.named_parameters())
-    assert "experts frozen (LoRA)" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "experts frozen (LoRA)" in card and "frozen experts stored as nf4" in card
+
+
+def test_main_job_refuses_quantized_storage_of_trained_experts(tmp_path, capsys):
+    from hf_moe_offload.cli import main
+
+    assert main(["train", "--short", "--expert-storage", "int8", "--output-dir", str(tmp_path / "run")]) != 0
+    assert "--expert-storage int8 keeps frozen experts quantized" in capsys.readouterr().err
 
 
 def test_lm_nll_per_sequence_equals_the_batched_cross_entropy():

@@ -24,6 +24,7 @@ from .config import OffloadConfig
 from .engine import OffloadEngine, ResidentEngine
 from .inference import PreGate, Router, find_router
 from .stand_ins import stand_in_parameter
+from .quantized import store_quantization
 from .planner import MemoryEstimate, choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
 from .disk_store import DiskExpertStore
 from .store import STATE_ROWS, ExpertStore, ExpertStoreError, HostExpertStore
@@ -64,12 +65,17 @@ def enable_expert_offload(
         )
     modules = [module for _, module, _ in found]
     device = config.resolved_device()
-    est = estimate_memory(model, modules, tokens_per_batch, trained_experts=config.train_experts)
-    mode = _resolve_mode(config, device, est, modules[0])
     layouts = [layout for _, _, layout in found]
     model_dtype = getattr(modules[0], layouts[0].tensors[0].name).dtype
+    quantization = store_quantization(config.expert_storage, model_dtype, [t.shape for t in layouts[0].tensors])
+    est = estimate_memory(model, modules, tokens_per_batch, trained_experts=config.train_experts,
+                          frozen_bytes_per_param=_frozen_bytes_per_param(model_dtype, quantization))
+    mode = _resolve_mode(config, device, est, modules[0])
+    if mode == "device" and quantization is not None:  # mode="auto" (config refuses "device"): quantized = stored
+        mode = "host"
     stats = OffloadStats()
-    store = None if mode == "device" else _build_store(mode, config, layouts, model_dtype, stats, store_factory)
+    store = (None if mode == "device"
+             else _build_store(mode, config, layouts, model_dtype, stats, store_factory, quantization))
     if store is None:
         engine = ResidentEngine(stats)
         holding_path(model).engine = engine
@@ -113,13 +119,23 @@ def _resolve_mode(config: OffloadConfig, device: torch.device, est: MemoryEstima
     return mode
 
 
+def _frozen_bytes_per_param(model_dtype: torch.dtype, quantization) -> float:
+    """Bytes per parameter of a weights-only store (frozen experts): its format's, or the row dtype's."""
+    if quantization is not None:
+        return quantization.bytes_per_parameter
+    return model_dtype.itemsize if model_dtype in (torch.bfloat16, torch.float16) else 4
+
+
 def _build_store(mode: str, config: OffloadConfig, layouts: list, model_dtype: torch.dtype, stats: OffloadStats,
-                 store_factory: Callable[..., ExpertStore] | None) -> ExpertStore:
-    """The host or disk tier's store, one record per (layer, expert)."""
+                 store_factory: Callable[..., ExpertStore] | None, quantization=None) -> ExpertStore:
+    """The host or disk tier's store, one record per (layer, expert); `quantization`: frozen experts kept in 8 or 4
+    bits (offload/quantized.py)."""
     compute_dtype = config.compute_dtype or model_dtype
     numel = layouts[0].numel
     if any(lay.numel != numel for lay in layouts):
         raise ValueError("all MoE layers must have experts of the same size to share one store")
+    if quantization is not None and any([t.shape for t in lay.tensors] != list(quantization.shapes) for lay in layouts):
+        raise ValueError("quantized expert storage needs every MoE layer's experts to have the same tensors")
     keys = [(i, e) for i, lay in enumerate(layouts) for e in range(lay.num_experts)]
     state_rows = STATE_ROWS if config.train_experts else 1  # frozen experts: weights only
     if store_factory is not None and not config.train_experts:
@@ -128,9 +144,9 @@ def _build_store(mode: str, config: OffloadConfig, layouts: list, model_dtype: t
     # so there is no master to keep); training keeps fp32 masters, gradients and moments.
     row_dtype = model_dtype if state_rows == 1 and model_dtype in (torch.bfloat16, torch.float16) else torch.float32
     if mode == "host":
-        return (HostExpertStore(keys, numel, compute_dtype, stats, state_rows, row_dtype) if store_factory is None
-                else store_factory("host", keys, numel, compute_dtype, stats, None))
-    record_bytes = state_rows * numel * row_dtype.itemsize
+        return (HostExpertStore(keys, numel, compute_dtype, stats, state_rows, row_dtype, quantization)
+                if store_factory is None else store_factory("host", keys, numel, compute_dtype, stats, None))
+    record_bytes = quantization.nbytes if quantization is not None else state_rows * numel * row_dtype.itemsize
     cache = config.host_cache_experts
     if config.host_cache_bytes is not None:
         cache = config.host_cache_bytes // record_bytes
@@ -145,7 +161,7 @@ def _build_store(mode: str, config: OffloadConfig, layouts: list, model_dtype: t
     if store_factory is None:
         store = DiskExpertStore(
             keys, numel, compute_dtype, stats, os.path.join(config.offload_dir), cache, config.io_threads,
-            state_rows=state_rows, row_dtype=row_dtype,
+            state_rows=state_rows, row_dtype=row_dtype, quantization=quantization,
         )
     else:
         store = store_factory("disk", keys, numel, compute_dtype, stats, cache)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .quantized import EXPERT_STORAGES, QUANTIZED_STORAGES
+
 TIERS = ("device", "host", "disk")
 
 
@@ -43,6 +45,11 @@ class OffloadConfig:
         "help": "False: the experts are frozen (e.g. LoRA on the other parts): the store keeps their weights only, "
                 "no gradient and no Adam moments (a quarter of the memory), and backward computes no expert "
                 "weight gradient"})
+    expert_storage: str = field(default="auto", metadata={
+        "help": "how the store keeps frozen experts (train_experts=False): auto / bf16 (the model's own dtype), int8 "
+                "(LLM.int8 row-wise) or nf4 (4-bit NormalFloat, blocks of 64), quantized by bitsandbytes when the "
+                "store is filled and dequantized per chunk where the experts compute (offload/quantized.py); the "
+                "quantized formats need an offloaded tier (host or disk)"})
     keep_activations: bool | None = field(default=None, metadata={
         "help": "keep each expert's middle activation for backward instead of recomputing it (issue 14); the "
                 "weights are not kept but taken from the backward's stream. None (default): keep where the experts "
@@ -118,6 +125,16 @@ class OffloadConfig:
             raise ValueError(f"OffloadConfig.decode_cache_decay must be in (0, 1], got {self.decode_cache_decay}")
         if self.offload_dir is not None:
             self.offload_dir = os.fspath(self.offload_dir)
+        if self.expert_storage not in EXPERT_STORAGES:
+            raise ValueError(f"OffloadConfig.expert_storage must be one of {', '.join(EXPERT_STORAGES)}; got "
+                             f"{self.expert_storage!r}")
+        if self.expert_storage in QUANTIZED_STORAGES:
+            if self.train_experts:
+                raise ValueError(f"OffloadConfig.expert_storage={self.expert_storage!r} keeps frozen experts only "
+                                 "(quantized weights are not updated): set train_experts=False (e.g. LoRA)")
+            if self.mode == "device":
+                raise ValueError(f"OffloadConfig.expert_storage={self.expert_storage!r} is a format of the offloaded "
+                                 "store: use mode='host', 'disk' or 'auto' (which then picks host or disk)")
 
     def resolved_device(self) -> torch.device:
         return resolve_device(self.device)

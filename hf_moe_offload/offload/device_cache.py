@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from ..runtime import DeviceRuntime, Event, aligned_nbytes
+from .quantized import upload_weights
 from .store import ExpertKey
 from .telemetry import OffloadStats
 
@@ -61,19 +62,19 @@ class DeviceExpertCache:
         self.in_flight[slot] += 1
         return self.slots[slot], self.ready[slot], lambda: self._done(slot)
 
-    def upload(self, key: ExpertKey, version: int, src: torch.Tensor) -> tuple[torch.Tensor, Event, Callable] | None:
-        """Admit `key` (see the module docstring) and enqueue its upload from `src` (page-locked host weights) on the
+    def upload(self, key: ExpertKey, version: int, src) -> tuple[torch.Tensor, Event, Callable] | None:
+        """Admit `key` (see the module docstring) and enqueue its upload from `src` (page-locked host weights, or a
+        quantized expert's bytes: `ExpertRecord.upload_source`) on the
         copy stream -> (weights, ready, done); None: not admitted (stream it through the ring)."""
         slot = self._claim(key)
         if slot is None:
             return None
         rt = self.rt
         rt.wait_event(self.free_after[slot], self.stream)  # compute is done with what the slot held
-        rt.copy_(self.slots[slot], src, self.stream)
+        self.stats.h2d_bytes += upload_weights(rt, self.slots[slot], src, self.stream)
         self.ready[slot] = rt.record(self.stream)
         self.version[slot] = version
         self.in_flight[slot] += 1
-        self.stats.h2d_bytes += src.numel() * src.element_size()
         return self.slots[slot], self.ready[slot], lambda: self._done(slot)
 
     def _claim(self, key: ExpertKey) -> int | None:

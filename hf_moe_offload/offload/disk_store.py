@@ -20,6 +20,7 @@ from ..errors import ExpertStoreError
 from ..runtime import HOST
 from .eviction import EvictionPolicy
 from .expert_files import DirectoryLock, ExpertFiles
+from .quantized import ExpertQuantization
 from .store import GRAD, PARAM, STATE_ROWS, ExpertKey, ExpertRecord, ExpertStore
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,10 @@ class DiskExpertStore(ExpertStore):
     row_io = True
 
     def __init__(self, keys, numel, compute_dtype, stats, offload_dir: str, cache_experts: int, io_threads: int = 2,
-                 owner: bool = True, state_rows: int = STATE_ROWS, row_dtype: torch.dtype = torch.float32):
-        super().__init__(keys, numel, compute_dtype, stats, state_rows, row_dtype)
+                 owner: bool = True, state_rows: int = STATE_ROWS, row_dtype: torch.dtype = torch.float32,
+                 quantization: ExpertQuantization | None = None):
+        super().__init__(keys, numel, compute_dtype, stats, state_rows, row_dtype, quantization)
+        row_dtype, row_numel = self.row_dtype, self.row_numel
         if cache_experts < 1:
             raise ExpertStoreError(
                 f"the disk tier's host cache holds {cache_experts} experts; it needs at least 1 (one expert's state "
@@ -100,15 +103,16 @@ class DiskExpertStore(ExpertStore):
             raise ExpertStoreError(
                 f"offload_dir {offload_dir!r} is not writable ({err.strerror}); choose a writable directory"
             ) from err
-        self.files = ExpertFiles(offload_dir, numel, state_rows, row_dtype, stats, self.row_io, len(self._keys))
+        self.files = ExpertFiles(offload_dir, row_numel, state_rows, row_dtype, stats, self.row_io, len(self._keys))
         self._dir_lock = DirectoryLock(offload_dir) if owner else None
         if owner:
             self.files.discard_stale(killed=not self._dir_lock.previous_closed)
         self.cache_experts = cache_experts
-        self._slots = [torch.empty(state_rows, numel, dtype=row_dtype) for _ in range(cache_experts)]
-        # One compute copy per slot, allocated (and page-locked) once, not per read.
+        self._slots = [torch.empty(state_rows, row_numel, dtype=row_dtype) for _ in range(cache_experts)]
+        # One compute copy per slot, allocated (and page-locked) once, not per read (quantized rows: none, they are
+        # dequantized where they compute).
         self._compute_slots = ([torch.empty(numel, dtype=compute_dtype) for _ in range(cache_experts)]
-                               if compute_dtype != row_dtype else [None] * cache_experts)
+                               if compute_dtype != row_dtype and quantization is None else [None] * cache_experts)
         self._free = list(range(cache_experts))
         self._entries: OrderedDict[ExpertKey, _Entry] = OrderedDict()  # least recently used first
         self._pinned: set[ExpertKey] = set()
@@ -396,7 +400,7 @@ class DiskExpertStore(ExpertStore):
             self.note_host_write(record)
             record.buffer.zero_()
             record.grad_stale = False
-            record.param.copy_(flat)
+            record.set_weights(flat)
             record.refresh_compute()
             self.steps[key] = 0
             self.has_grad[key] = False

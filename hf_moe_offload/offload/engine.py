@@ -241,6 +241,11 @@ class OffloadEngine:
         if self.runtime.asynchronous:
             self._bind_slab()
             return
+        if cache is None and self.store.quantization is not None:
+            # The host tier's quantized rows are no (E, P) weights to compute from: a chunk's experts are dequantized
+            # into the staging block (memory: the block, not the layer)
+            self.stage_experts = self.config.stage_experts or self.STAGE_MAX
+            return
         if cache is None:
             if self.config.stage_experts not in (None, 1):
                 raise ValueError(
@@ -425,7 +430,7 @@ class OffloadEngine:
             record = self.store.try_acquire(key, WEIGHTS)
             if record is None:
                 continue
-            kept = cache.upload(key, version, record.compute_param())
+            kept = cache.upload(key, version, record.upload_source())
             if kept is None:
                 self.store.release(key)
                 continue
@@ -732,7 +737,7 @@ class OffloadEngine:
                         copy, copy_ready, _ = self.stager.upload(key, record)
                         sources.append((key, version, copy, copy_ready))
                     else:
-                        sources.append((key, version, record.compute_param(), None))
+                        sources.append((key, version, record.upload_source(), None))
                 reused = slab.upload(sources, backward=backward)
         except BaseException:  # what was acquired goes back (after the compute enqueued so far, as a stream's would)
             for key, record in zip(keys, records):

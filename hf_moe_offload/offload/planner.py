@@ -27,11 +27,12 @@ class MemoryEstimate:
     non_expert_params: int
     num_experts_total: int
     activation_bytes: int
-    expert_bytes_per_param: int = ADAM_BYTES_PER_PARAM  # FROZEN_BYTES_PER_PARAM for frozen experts
+    # ADAM_BYTES_PER_PARAM for trained experts; frozen ones: their storage's (2 for bf16, 0.5625 for nf4, ...)
+    expert_bytes_per_param: float = ADAM_BYTES_PER_PARAM
 
     @property
     def expert_state_bytes(self) -> int:
-        return self.expert_params * self.expert_bytes_per_param
+        return int(self.expert_params * self.expert_bytes_per_param)
 
     @property
     def non_expert_state_bytes(self) -> int:
@@ -43,9 +44,10 @@ class MemoryEstimate:
 
 
 def estimate_memory(model: nn.Module, expert_modules: list[nn.Module], tokens_per_batch: int = 0,
-                    trained_experts: bool = True) -> MemoryEstimate:
-    """Parameter counts and bytes of state. `trained_experts=False` (LoRA): the experts' state is their fp32 weights
-    only, a quarter of a trained expert's."""
+                    trained_experts: bool = True, frozen_bytes_per_param: float = FROZEN_BYTES_PER_PARAM
+                    ) -> MemoryEstimate:
+    """Parameter counts and bytes of state. `trained_experts=False` (LoRA): the experts' state is their weights only,
+    `frozen_bytes_per_param` each (fp32: a quarter of a trained expert's; bf16 or quantized: less)."""
     expert_ids = {id(p) for m in expert_modules for p in m.parameters(recurse=False)}
     expert_params = sum(p.numel() for m in expert_modules for p in m.parameters(recurse=False))
     non_expert = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids)
@@ -58,7 +60,7 @@ def estimate_memory(model: nn.Module, expert_modules: list[nn.Module], tokens_pe
         per_token_layer = 8 * cfg.hidden_size + 2 * inter
         act = tokens_per_batch * cfg.num_hidden_layers * per_token_layer * 4
     return MemoryEstimate(expert_params, non_expert, num_experts, act,
-                          ADAM_BYTES_PER_PARAM if trained_experts else FROZEN_BYTES_PER_PARAM)
+                          ADAM_BYTES_PER_PARAM if trained_experts else frozen_bytes_per_param)
 
 
 def local_process_count() -> int:
@@ -90,8 +92,9 @@ def choose_tier(est: MemoryEstimate, device_budget: int, host_budget: int, headr
         )
     if est.expert_state_bytes <= headroom * host_budget:
         return "host", (
-            f"expert state ({est.expert_state_bytes / 2**30:.2f} GiB) exceeds the device budget "
-            f"({device_budget / 2**30:.2f} GiB) but fits host memory ({host_budget / 2**30:.2f} GiB)"
+            f"all state ({need_device_all / 2**30:.2f} GiB) exceeds the device budget ({device_budget / 2**30:.2f} "
+            f"GiB); the expert state ({est.expert_state_bytes / 2**30:.2f} GiB) fits host memory "
+            f"({host_budget / 2**30:.2f} GiB)"
         )
     return "disk", (
         f"expert state ({est.expert_state_bytes / 2**30:.2f} GiB) exceeds host memory ({host_budget / 2**30:.2f} GiB)"

@@ -144,7 +144,7 @@ def _write_expert_shard(engine, layer, expert_names: dict, tmp_dir: str, shard: 
             key = (layer.layer, e)
             record = engine.store.acquire(key, WEIGHTS)
             try:
-                value = record.param[off : off + spec.numel].clone()
+                value = record.weights(torch.float32, off, spec.numel)
             finally:
                 engine.store.release(key)
             for term in deltas.get(by_full[full], ()):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import DeviceRuntime, Event, aligned_nbytes
+from .quantized import upload_weights
 from .store import ExpertKey
 from .telemetry import OffloadStats
 
@@ -107,9 +108,8 @@ class DeviceSlab:
                 rt.record_stream(src, self.stream)
             if hi - lo > 1:
                 src = src.as_strided((hi - lo, self.numel), (self.numel, 1))
-            rt.copy_(rows[lo:hi] if hi - lo > 1 else rows[lo], src, self.stream)
+            nbytes = upload_weights(rt, rows[lo:hi] if hi - lo > 1 else rows[lo], src, self.stream)
             if sources[lo][3] is None:  # from the host (a pinned expert's device copy was counted when uploaded)
-                nbytes = (hi - lo) * self.numel * self.dtype.itemsize
                 self.stats.h2d_bytes += nbytes
                 if backward:
                     self.stats.h2d_reupload_bytes += nbytes
@@ -138,7 +138,7 @@ def _runs(sources: list, stride: int) -> list[tuple[int, int]]:
     for j in range(1, len(sources) + 1):
         if j < len(sources):
             a, b = sources[j - 1][2], sources[j][2]
-            if a is None or b is None:
+            if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):  # None, or quantized bytes
                 out.append((lo, j))
                 lo = j
                 continue

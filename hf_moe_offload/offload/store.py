@@ -33,6 +33,7 @@ import torch
 
 from ..errors import ExpertStoreError
 from ..runtime import HOST, DeviceRuntime, InlineRuntime
+from .quantized import EncodedWeights, ExpertQuantization
 from .telemetry import OffloadStats
 
 ExpertKey = tuple[int, int]  # (MoE layer index, expert index)
@@ -69,14 +70,20 @@ class ExpertRecord:
     `grad_stale`: the gradient row holds an old gradient that counts as zero (issue 14: the optimizer step does not
     zero it in a separate pass; the next gradient is copied in instead of added). Read the gradient through
     `current_grad()`, add to it through `add_grad()`.
+
+    `decoder` (quantized frozen experts, offload/quantized.py): `param` is a row of bytes in the library's format;
+    there is no compute copy: `compute_param()` dequantizes it each time, `upload_source()` hands the bytes to a
+    device upload that dequantizes there. Write and read the weights through `set_weights` / `weights`.
     """
 
     __slots__ = ("key", "buffer", "param", "grad", "exp_avg", "exp_avg_sq", "compute", "grad_stale", "_versions",
-                 "_split")
+                 "_split", "decoder")
 
     def __init__(self, key: ExpertKey, buffer: torch.Tensor, compute_dtype: torch.dtype,
-                 versions: dict[ExpertKey, int] | None = None, compute: torch.Tensor | None = None):
+                 versions: dict[ExpertKey, int] | None = None, compute: torch.Tensor | None = None,
+                 decoder: "Decoder | None" = None):
         self.key = key
+        self.decoder = decoder
         self._versions = versions if versions is not None else {key: 0}
         self.buffer = buffer
         rows = buffer.unbind(0)
@@ -86,7 +93,7 @@ class ExpertRecord:
         self.grad_stale = False
         self._split = None
         self.compute = None
-        if compute_dtype != buffer.dtype:
+        if compute_dtype != buffer.dtype and decoder is None:
             # The disk tier passes its cache slot's compute buffer: nothing is allocated (or pinned) per read.
             self.compute = compute if compute is not None else torch.empty(buffer.shape[1], dtype=compute_dtype)
             self.compute.copy_(self.param)
@@ -100,8 +107,34 @@ class ExpertRecord:
         self._versions[self.key] = value
 
     def compute_param(self) -> torch.Tensor:
-        """What is copied to the device: the low-precision copy, or the fp32 weights (the DMA source)."""
+        """The weights in the compute dtype, on the host: the low-precision copy, or the weights row itself (the DMA
+        source); a quantized record's dequantized now, into a new tensor."""
+        if self.decoder is not None:
+            return self.decoder.quantization.decode(self.param, self.decoder.dtype)
         return self.param if self.compute is None else self.compute
+
+    def upload_source(self) -> "torch.Tensor | EncodedWeights":
+        """What a device upload reads (`offload/quantized.py::upload_weights`): `compute_param()`, or a quantized
+        record's bytes, dequantized on the device."""
+        if self.decoder is not None:
+            return EncodedWeights(self.param, self.decoder.quantization, self.decoder.dtype)
+        return self.compute_param()
+
+    def weights(self, dtype: torch.dtype = torch.float32, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """A copy of the weights (`length` of them from `start`: one tensor of the layout) in `dtype` (a quantized
+        record's dequantized)."""
+        end = self.param.numel() if length is None else start + length
+        if self.decoder is not None:
+            flat = self.decoder.quantization.decode(self.param, dtype)
+            return flat if length is None else flat[start:end]
+        return self.param[start:end].to(dtype, copy=True)
+
+    def set_weights(self, flat: torch.Tensor) -> None:
+        """Write the weights (quantized where the record is); the caller then calls `refresh_compute`."""
+        if self.decoder is not None:
+            self.decoder.quantization.encode(flat, out=self.param)
+        else:
+            self.param.copy_(flat)
 
     def add_grad(self, g: torch.Tensor) -> None:
         """Accumulate `g` (flat) into the fp32 gradient."""
@@ -150,6 +183,15 @@ class ExpertRecord:
         self.version += 1
 
 
+class Decoder:
+    """A quantized store's format and the dtype its records dequantize to (shared by its records)."""
+
+    __slots__ = ("quantization", "dtype")
+
+    def __init__(self, quantization: ExpertQuantization, dtype: torch.dtype):
+        self.quantization, self.dtype = quantization, dtype
+
+
 class ExpertStore:
     """Interface shared by the tiers; see the module docstring."""
 
@@ -160,13 +202,22 @@ class ExpertStore:
     lazy_grad_zero = True
 
     def __init__(self, keys: Iterable[ExpertKey], numel: int, compute_dtype: torch.dtype, stats: OffloadStats,
-                 state_rows: int = STATE_ROWS, row_dtype: torch.dtype = torch.float32):
+                 state_rows: int = STATE_ROWS, row_dtype: torch.dtype = torch.float32,
+                 quantization: ExpertQuantization | None = None):
         if state_rows not in (1, STATE_ROWS):
             raise ValueError(f"state_rows must be 1 (weights only) or {STATE_ROWS}, got {state_rows}")
-        if row_dtype != torch.float32 and state_rows != 1:
-            raise ValueError("only a weights-only store (state_rows=1) keeps its rows in another dtype than fp32: "
-                             "training needs fp32 masters, gradients and moments")
+        if row_dtype != torch.float32 and state_rows != 1 or quantization is not None and state_rows != 1:
+            raise ValueError("only a weights-only store (state_rows=1) keeps its rows in another dtype than fp32 or "
+                             "quantized: training needs fp32 masters, gradients and moments")
+        # Quantized frozen experts (offload/quantized.py): each record one row of `quantization.nbytes` bytes.
+        self.quantization = quantization
+        self.decoder = Decoder(quantization, compute_dtype) if quantization is not None else None
+        if quantization is not None:
+            if quantization.numel != numel:
+                raise ValueError(f"the quantization is of {quantization.numel} parameters, the experts have {numel}")
+            row_dtype = torch.uint8
         self.row_dtype = row_dtype
+        self.row_numel = quantization.nbytes if quantization is not None else numel  # a row's length, in row_dtype
         self._keys = list(keys)
         self.numel = numel
         self.state_rows = state_rows  # 4: [param | grad | exp_avg | exp_avg_sq]; 1: weights only (frozen experts)
@@ -195,13 +246,13 @@ class ExpertStore:
         return self.state_rows == STATE_ROWS
 
     def record_bytes(self) -> int:
-        return self.state_rows * self.numel * self.row_dtype.itemsize
+        return self.state_rows * self.row_numel * self.row_dtype.itemsize
 
     def read_param(self, key: ExpertKey) -> torch.Tensor:
         """A copy of the weights of `key`, in fp32."""
         record = self.acquire(key, WEIGHTS)
         try:
-            return record.param.to(torch.float32, copy=True)
+            return record.weights(torch.float32)
         finally:
             self.release(key)
 
@@ -209,7 +260,7 @@ class ExpertStore:
         record = self.acquire(key, None if reset_state else WEIGHTS)
         try:
             self.note_host_write(record)
-            record.param.copy_(flat)
+            record.set_weights(flat)
             if reset_state:
                 record.buffer[1:].zero_()
                 record.grad_stale = False
@@ -261,7 +312,7 @@ class ExpertStore:
 
     def _new_record(self, key: ExpertKey, buffer: torch.Tensor, compute: torch.Tensor | None = None) -> ExpertRecord:
         """The record object over `buffer` (a subclass may return its own record type, e.g. a node-shared one)."""
-        return ExpertRecord(key, buffer, self.compute_dtype, self.versions, compute)
+        return ExpertRecord(key, buffer, self.compute_dtype, self.versions, compute, self.decoder)
 
     def bind_runtime(self, runtime: DeviceRuntime) -> None:
         """The engine computes on `runtime`'s device: page-lock what its uploads read (the DMA sources only: the
@@ -280,7 +331,7 @@ class ExpertStore:
     switches_compute_dtype = False
 
     def _check_compute_switch(self, dtype: torch.dtype) -> None:
-        if self.compute_dtype != self.row_dtype:
+        if self.compute_dtype != self.row_dtype or self.quantization is not None:
             raise RuntimeError(f"the store already streams {self.compute_dtype} copies (asked for {dtype})")
 
     def note_host_write(self, record: ExpertRecord) -> None:
@@ -351,8 +402,9 @@ class HostExpertStore(ExpertStore):
     tier = "host"
 
     def __init__(self, keys, numel, compute_dtype, stats, state_rows: int = STATE_ROWS,
-                 row_dtype: torch.dtype = torch.float32):
-        super().__init__(keys, numel, compute_dtype, stats, state_rows, row_dtype)
+                 row_dtype: torch.dtype = torch.float32, quantization: ExpertQuantization | None = None):
+        super().__init__(keys, numel, compute_dtype, stats, state_rows, row_dtype, quantization)
+        row_dtype, row_numel = self.row_dtype, self.row_numel
         by_layer: dict[int, list[int]] = {}
         for layer, e in self._keys:
             by_layer.setdefault(layer, []).append(e)
@@ -361,16 +413,18 @@ class HostExpertStore(ExpertStore):
         self._grouped: dict[int, torch.Tensor | None] = {}
         # What uploads read, page-locked at bind: each layer's (E, P) weights (or compute copies), one registration.
         self._dma: list[torch.Tensor] = []
-        with_copies = compute_dtype != row_dtype
+        with_copies = compute_dtype != row_dtype and quantization is None
         for layer, experts in by_layer.items():
             order = sorted(experts)
-            block = _row_block(state_rows, len(order), numel, row_dtype)
+            block = _row_block(state_rows, len(order), row_numel, row_dtype)
             copies = torch.empty(len(order), numel, dtype=compute_dtype) if with_copies else None
             for i, e in enumerate(order):
                 self._records[(layer, e)] = self._new_record(
                     (layer, e), _own_tensor(block[:, i]), _own_tensor(copies[i]) if with_copies else None)
             weights = copies if with_copies else block[0]
-            self._grouped[layer] = weights if order == list(range(len(order))) else None
+            # (quantized rows are no weights: the layer's experts are dequantized per chunk, `stage_experts`)
+            grouped = order == list(range(len(order))) and quantization is None
+            self._grouped[layer] = weights if grouped else None
             self._dma.append(weights)
 
     def _dma_sources(self):

@@ -226,8 +226,10 @@ class OffloadedExpertsLayer:
         if not autocast and rows.dtype != x.dtype:
             rows = rows.to(x.dtype)
             return self.layout.grouped_views(rows) if grouped else self.layout.views(rows)
-        if self.engine.runtime.asynchronous and not grouped:
-            return self.layout.views(rows)  # a slot or a device copy: cheap on the host, never reused as such
+        if not grouped and (self.engine.runtime.asynchronous or self.engine.store.quantization is not None):
+            # a slot or a device copy (cheap on the host), or a quantized expert dequantized for this use only (a
+            # new tensor each time: cached views would keep every one alive)
+            return self.layout.views(rows)
         key = (rows.data_ptr(), tuple(rows.shape), grouped)
         views = self._view_cache.get(key)
         if views is None:

@@ -17,6 +17,7 @@ import torch
 
 from ..runtime import HOST, DeviceRuntime, Event
 from .device_cache import DeviceExpertCache
+from .quantized import upload_weights
 from .slab import StallTimer
 from .store import ExpertKey, ExpertRecord
 from .telemetry import OffloadStats
@@ -35,6 +36,7 @@ class DeviceStager:
     def __init__(self, runtime: DeviceRuntime, numel: int, dtype: torch.dtype, depth: int, stats: OffloadStats):
         self.rt = runtime
         self.stats = stats
+        self.numel, self.dtype = numel, dtype
         self.pinned: dict[ExpertKey, tuple[torch.Tensor, int, Event]] = {}  # key -> (copy, version, its upload)
         self.pinned_keys: set[ExpertKey] = set()
         self.timer = StallTimer(runtime, stats)
@@ -53,9 +55,9 @@ class DeviceStager:
         """-> (weights, their upload's event or None, `done` to call after compute's last use, or None). With `cache`
         (decoding, offload/device_cache.py) an admitted expert goes into a cache slot instead of the ring."""
         rt = self.rt
-        src = record.compute_param()
         if not rt.asynchronous:
-            return src, None, None
+            return record.compute_param(), None, None
+        src = record.upload_source()
         cached = self.pinned.get(key)
         if cached is not None and cached[1] == record.version:
             # Its upload's event too: a first use that was interrupted may never have waited for it.
@@ -67,7 +69,7 @@ class DeviceStager:
         if key in self.pinned_keys:
             # A copy of its own, allocated on the copy stream that writes it; compute reads it (record_stream), so
             # its memory is not handed out again before compute is done with it.
-            dst = rt.empty(src.shape, src.dtype, stream=self.stream)
+            dst = rt.empty((self.numel,), self.dtype, stream=self.stream)
             rt.record_stream(dst, rt.current_stream())
             done = None
         else:
@@ -77,9 +79,8 @@ class DeviceStager:
             rt.wait_event(self.slot_free[slot], self.stream)  # compute is done with the slot's previous expert
             done = functools.partial(self._slot_done, slot)
             self.ring_in_flight += 1
-        rt.copy_(dst, src, self.stream)
+        self.stats.h2d_bytes += upload_weights(rt, dst, src, self.stream)
         ready = rt.record(self.stream)
-        self.stats.h2d_bytes += src.numel() * src.element_size()
         if done is None:
             self.pinned[key] = (dst, record.version, ready)
         return dst, ready, done

@@ -1,0 +1,321 @@
+"""`hf-moe-offload estimate`: the memory each tier needs and the bytes a training step moves, from a config alone.
+
+Issue 38, item 3. The model is built on the meta device from its `config.json` (no weights read), so every family
+the package serves counts its own parameters: the experts (through the same layouts the store uses), the rest, and,
+for LoRA, peft's own adapters (peft builds them on the meta device too). The accounting:
+
+- **Expert store** (ES-MoE §4.1): a trained expert keeps fp32 weights, gradient and two Adam moments (16 bytes per
+  parameter); a frozen one (LoRA) its weights only, in the model's dtype or quantized (`expert_storage`: the
+  bitsandbytes row of offload/quantized.py). The host tier holds the store in host memory; the disk tier in files,
+  with a host cache of `host_cache_experts` records (default: a quarter of the experts, as `enable_expert_offload`).
+- **The rest of the model** on the compute device: full fine-tuning keeps weights, gradients and AdamW's two moments
+  in the model's dtype (4 x its bytes per parameter); LoRA keeps the frozen weights plus peft's adapters (fp32, as
+  peft casts them) with their gradients and moments (16 bytes per adapter parameter).
+- **Activations** for a batch, kept for backward (per token and layer: attention's inputs and outputs, the router's
+  and the experts' inputs, the experts' gate/up outputs for the top-k, fp32 or the model's dtype), and the logits
+  with their gradient.
+- **Engine buffers** where the experts compute: on a GPU the slab's two blocks of a layer's experts (offload/slab.py);
+  on the CPU the disk tier's staging block.
+- **Bytes per step**, assuming every expert gets tokens (true of large batches): a device uploads every expert for the
+  forward and again for the backward but the two chunks the slab still holds (quantized experts: their bytes); the
+  disk tier reads each uncached expert once
+  per sweep (frozen: forward and backward, weights only; trained: ES-MoE's minimum, `benchmarks/offload.py`).
+
+Process overhead (the Python interpreter, torch and transformers: ~0.5 GB of RSS) is not counted: the host figures
+are what the run adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .errors import UserError
+from .offload.planner import ADAM_BYTES_PER_PARAM, MemoryEstimate, choose_tier, detect_budgets
+from .offload.quantized import EXPERT_STORAGES, QUANTIZED_STORAGES, store_quantization
+from .offload.store import ROW_GAP_BYTES
+
+METHODS = ("full", "lora", "lora-experts")
+GiB = 2**30
+
+
+@dataclass
+class Workload:
+    """What the run will do."""
+
+    method: str = "full"  # full | lora (attention adapters, experts frozen) | lora-experts (adapters on them too)
+    expert_storage: str = "auto"
+    dtype: torch.dtype = torch.bfloat16  # the model's
+    batch_size: int = 1
+    seq_len: int = 512
+    lora_r: int = 8
+    host_cache_experts: int | None = None  # disk tier; None: a quarter of the experts (enable_expert_offload's)
+    prefetch_depth: int = 2
+    device: str = "cuda"  # where the model computes: cuda (experts uploaded) or cpu
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise UserError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.expert_storage not in EXPERT_STORAGES:
+            raise UserError(f"expert storage must be one of {', '.join(EXPERT_STORAGES)}; got {self.expert_storage!r}")
+        if self.expert_storage in QUANTIZED_STORAGES and self.method == "full":
+            raise UserError(f"--expert-storage {self.expert_storage} keeps frozen experts: use a LoRA method")
+
+    @property
+    def frozen_experts(self) -> bool:
+        return self.method != "full"
+
+
+@dataclass
+class TierNeeds:
+    """One tier's memory (bytes) and its traffic per training step (bytes)."""
+
+    tier: str
+    device_bytes: int
+    host_bytes: int
+    disk_bytes: int
+    h2d_bytes_per_step: int = 0
+    d2h_bytes_per_step: int = 0
+    disk_read_bytes_per_step: int = 0
+    disk_write_bytes_per_step: int = 0
+    parts: dict[str, int] = field(default_factory=dict)  # what the figures are made of
+
+
+@dataclass
+class Estimate:
+    model_type: str
+    expert_params: int
+    non_expert_params: int
+    lora_params: int
+    num_experts: int  # over all MoE layers
+    moe_layers: int
+    params_per_expert: int
+    expert_record_bytes: int  # one expert in the store
+    host_cache_experts: int
+    tiers: dict[str, TierNeeds]
+    auto: str
+    auto_reason: str
+    workload: Workload
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["workload"]["dtype"] = str(self.workload.dtype).removeprefix("torch.")
+        return out
+
+
+def meta_model(config):
+    """The model of `config` on the meta device (no memory, no weights)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config)
+
+
+def estimate(config, workload: Workload, device_budget: int | None = None, host_budget: int | None = None) -> Estimate:
+    """Every tier's needs for `workload` on the model of `config`, and the tier `mode="auto"` picks within the
+    budgets (default: this machine's free memory; the device's is the host's where it computes on the CPU)."""
+    from .moe_path import experts_layers
+
+    w = workload
+    model = meta_model(config)
+    found = experts_layers(model)
+    if not found:
+        raise UserError(f"{type(model).__name__} has no experts module that hf_moe_offload serves")
+    layouts = [layout for _, _, layout in found]
+    p = layouts[0].numel
+    n_experts = sum(lay.num_experts for lay in layouts)
+    expert_params = n_experts * p
+    non_expert = sum(t.numel() for t in model.parameters()) - expert_params
+    lora = _lora_params(model, w) if w.frozen_experts else 0
+    item = w.dtype.itemsize
+    quantization = (store_quantization(w.expert_storage, w.dtype, [t.shape for t in layouts[0].tensors])
+                    if w.frozen_experts else None)
+
+    # One expert in the store (api._build_store's rules)
+    if not w.frozen_experts:
+        record = ADAM_BYTES_PER_PARAM * p
+    elif quantization is not None:
+        record = quantization.nbytes
+    else:
+        record = p * (item if w.dtype in (torch.bfloat16, torch.float16) else 4)
+    # Streamed copies in the compute dtype next to fp32 records (a bf16 model's trained experts on a device)
+    copy = p * item if not w.frozen_experts and w.dtype != torch.float32 else 0
+    store = n_experts * (record + copy)
+    # the host tier's layer blocks leave ROW_GAP_BYTES after each row (offload/store.py: cache-set spacing)
+    host_store = store + len(layouts) * (4 if not w.frozen_experts else 1) * ROW_GAP_BYTES
+    cache = w.host_cache_experts or max(w.prefetch_depth + 2, n_experts // 4)
+    cache = min(cache, n_experts)
+
+    # The rest of the model: frozen weights + trained state
+    rest = non_expert * (4 * item if not w.frozen_experts else item) + lora * ADAM_BYTES_PER_PARAM
+    acts = _activation_bytes(config, w, item)
+    cuda = w.device == "cuda"
+    upload = quantization.nbytes if quantization is not None else p * item  # one expert's upload
+    layer_experts = layouts[0].num_experts
+    slab = 2 * layer_experts * p * item if cuda else 0  # two blocks of a layer's experts (offload/slab.py)
+    staging = 8 * p * item if not cuda else 0  # the disk tier's staging block on the CPU (STAGE_MAX experts)
+
+    resident_experts = expert_params * (4 * item if not w.frozen_experts else item)
+    tiers: dict[str, TierNeeds] = {}
+    tiers["device"] = _place(TierNeeds("device", 0, 0, 0, parts={
+        "experts (resident)": resident_experts, "rest of the model": rest, "activations": acts}), cuda)
+    # Forward and backward each upload every expert, but the forward's last two chunks (a layer each by default),
+    # which the slab's two blocks still hold when the backward starts
+    steps_h2d = (2 * n_experts - min(n_experts, 2 * layer_experts)) * upload if cuda else 0
+    d2h = n_experts * p * item if cuda and not w.frozen_experts else 0
+    host = TierNeeds("host", 0, 0, 0, h2d_bytes_per_step=steps_h2d, d2h_bytes_per_step=d2h, parts={
+        "expert store": host_store, "rest of the model": rest, "activations": acts,
+        **({"slab": slab} if cuda else {})})
+    tiers["host"] = _place(host, cuda, host_parts=("expert store",))
+    if w.frozen_experts:
+        reads, writes = 2 * max(0, n_experts - cache) * record, 0
+    else:  # benchmarks/offload.py::minimum_bytes with every expert used: weights x2 + moments read, 3 rows written
+        row = 4 * p
+        reads, writes = max(0, n_experts - cache) * 4 * row, max(0, n_experts - cache) * 3 * row
+    cache_bytes = cache * (record + copy)
+    disk = TierNeeds("disk", 0, 0, n_experts * record, h2d_bytes_per_step=steps_h2d, d2h_bytes_per_step=d2h,
+                     disk_read_bytes_per_step=reads, disk_write_bytes_per_step=writes, parts={
+                         "host cache": cache_bytes, "rest of the model": rest, "activations": acts,
+                         **({"slab": slab} if cuda else {"staging block": staging})})
+    tiers["disk"] = _place(disk, cuda, host_parts=("host cache",))
+
+    host_budget = host_budget or detect_budgets(torch.device("cpu"))[1]
+    device_budget = device_budget or (host_budget if not cuda else _cuda_free())
+    est = MemoryEstimate(expert_params, non_expert, n_experts, acts,
+                         ADAM_BYTES_PER_PARAM if not w.frozen_experts else record / p)
+    auto, why = choose_tier(est, device_budget, host_budget)
+    if auto == "device" and quantization is not None:  # the quantized format is the store's (OffloadConfig)
+        auto, why = "host", f"{w.expert_storage} experts live in the offloaded store; " + why
+    return Estimate(getattr(config, "model_type", "?"), expert_params, non_expert, lora, n_experts, len(layouts), p,
+                    record, cache, tiers, auto, why, w)
+
+
+def _place(needs: TierNeeds, cuda: bool, host_parts: tuple[str, ...] = ()) -> TierNeeds:
+    """Sum the parts into device and host bytes: on a GPU what is not a host part is on the device; on the CPU
+    everything is host memory (the device is the host)."""
+    for name, nbytes in needs.parts.items():
+        if cuda and name not in host_parts:
+            needs.device_bytes += nbytes
+        else:
+            needs.host_bytes += nbytes
+    return needs
+
+
+def _cuda_free() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    raise UserError("no GPU here to read its free memory from: give --gpu-memory GB (or --device cpu)")
+
+
+def _lora_params(model, w: Workload) -> int:
+    """peft's trainable parameters for the method (the jobs' targets), counted on the meta model (peft builds its
+    adapters there)."""
+    from peft import LoraConfig, get_peft_model
+
+    from .jobs import LORA_ATTENTION  # what `--method lora` adapts
+    from .offload.expert_lora import expert_target_parameters
+
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    modules = [m for m in LORA_ATTENTION if m in names]
+    parameters = expert_target_parameters(model) if w.method == "lora-experts" else []
+    if not modules and not parameters:
+        return 0
+    peft_model = get_peft_model(model, LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=modules,
+                                                  target_parameters=parameters or None))
+    return sum(t.numel() for t in peft_model.parameters() if t.requires_grad)
+
+
+def _activation_bytes(config, w: Workload, item: int) -> int:
+    """Activations kept for backward: per token and layer ~ 10 hidden-sized tensors (attention's and the MoE block's
+    inputs and outputs, norms, the residual) and the top-k experts' gate/up outputs (2 x their width each) and outputs;
+    plus the logits in fp32 with their gradient. Under the model's dtype (autocast or a bf16 model)."""
+    tokens = w.batch_size * w.seq_len
+    h = config.hidden_size
+    inter = (getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None)
+             or 4 * h)
+    k = (getattr(config, "num_experts_per_tok", None) or getattr(config, "num_experts_per_token", None)
+         or getattr(config, "moe_top_k", None) or getattr(config, "top_k", None) or 2)
+    layers = config.num_hidden_layers
+    per_token_layer = 10 * h + k * (3 * inter + h)
+    return tokens * layers * per_token_layer * item + 3 * tokens * config.vocab_size * 4
+
+
+# --- CLI ---
+def add_cli(sub) -> None:
+    p = sub.add_parser("estimate", help="memory per tier and bytes moved per step, from a model folder or config.json",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a model folder (its config.json is read; no weights needed) or a config.json")
+    p.add_argument("--method", default="full", choices=METHODS,
+                   help="full: every weight trained; lora: adapters on attention, experts frozen; lora-experts: "
+                        "adapters on every expert matrix too (docs/lora.md)")
+    p.add_argument("--expert-storage", default="auto", choices=EXPERT_STORAGES,
+                   help="frozen experts' storage (LoRA methods): auto/bf16 the model's dtype, int8, nf4")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="the model's dtype")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where the model computes")
+    p.add_argument("--gpu-memory", type=float, help="GB of GPU memory available (default: this GPU's free memory)")
+    p.add_argument("--host-memory", type=float, help="GB of host memory available (default: this machine's)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--lora-r", type=int, default=8)
+    p.add_argument("--host-cache-experts", type=int, help="disk tier: experts cached in host memory (default: a "
+                                                          "quarter)")
+    p.add_argument("--json", help="also write the estimate to this file")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    from transformers import AutoConfig
+
+    from . import models  # noqa: F401  (registers MoE-GPT with the Auto classes)
+
+    path = args.model
+    folder = os.path.dirname(path) if path.endswith(".json") else path
+    if not os.path.isfile(os.path.join(folder, "config.json")) and not os.path.isfile(path):
+        raise UserError(f"{path}: no config.json there (a model folder or a config.json is needed)")
+    config = AutoConfig.from_pretrained(folder)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    w = Workload(method=args.method, expert_storage=args.expert_storage, dtype=dtype, batch_size=args.batch_size,
+                 seq_len=args.seq_len, lora_r=args.lora_r, host_cache_experts=args.host_cache_experts,
+                 device=args.device)
+    gb = 1e9
+    est = estimate(config, w, device_budget=int(args.gpu_memory * gb) if args.gpu_memory else None,
+                   host_budget=int(args.host_memory * gb) if args.host_memory else None)
+    print(render(est))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(est.as_dict(), f, indent=2)
+    return 0
+
+
+def render(est: Estimate) -> str:
+    w = est.workload
+    gib = lambda b: f"{b / GiB:,.2f} GiB"  # noqa: E731
+    lines = [
+        f"{est.model_type}: {est.expert_params / 1e9:.2f} B expert parameters ({est.num_experts} experts in "
+        f"{est.moe_layers} layers, {est.params_per_expert / 1e6:.2f} M each), {est.non_expert_params / 1e9:.2f} B other"
+        + (f", {est.lora_params / 1e6:.1f} M LoRA (r={w.lora_r})" if est.lora_params else ""),
+        f"method {w.method}, experts stored as "
+        + (f"{w.expert_storage}" if w.expert_storage in QUANTIZED_STORAGES else
+           ("fp32 state (weights, grad, Adam)" if not w.frozen_experts else str(w.dtype).removeprefix("torch.")))
+        + f" ({est.expert_record_bytes / 2**20:.2f} MiB per expert), model {str(w.dtype).removeprefix('torch.')}, "
+        f"batch {w.batch_size} x {w.seq_len} tokens, computing on {w.device}",
+        "",
+        f"{'tier':<8}{'device':>14}{'host':>14}{'disk':>14}{'upload/step':>16}{'disk read/step':>16}"
+        f"{'disk write/step':>17}",
+    ]
+    for t in est.tiers.values():
+        lines.append(f"{t.tier:<8}{gib(t.device_bytes):>14}{gib(t.host_bytes):>14}{gib(t.disk_bytes):>14}"
+                     f"{gib(t.h2d_bytes_per_step):>16}{gib(t.disk_read_bytes_per_step):>16}"
+                     f"{gib(t.disk_write_bytes_per_step):>17}")
+    lines += ["", f"mode='auto' picks: {est.auto} ({est.auto_reason})",
+              f"disk tier host cache: {est.host_cache_experts} experts; process overhead (~0.5 GiB) not included"]
+    return "\n".join(lines)
+
+
+__all__ = ["Estimate", "TierNeeds", "Workload", "estimate", "meta_model", "render"]
