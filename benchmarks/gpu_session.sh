@@ -16,7 +16,8 @@ if [ "${1:-}" = "prepare" ]; then
   python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     transformers==5.24.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 evaluate==0.4.6 peft==0.21.2 \
-    tokenizers==0.23.3 pydantic pydantic-core annotated-types typing-inspection typing_extensions hjson
+    tokenizers==0.23.3 bitsandbytes==0.50.2 pydantic pydantic-core annotated-types typing-inspection \
+    typing_extensions hjson
   # DeepSpeed (the training peer, benchmark-only) has no wheel on the index: built here without its ops; its CPU-Adam
   # compiles at first use on the GPU machine (~60 s).
   DS_BUILD_OPS=0 python3 -m pip wheel --quiet deepspeed==0.19.8 --no-deps --no-build-isolation -w .whl
@@ -57,9 +58,12 @@ step qwen3_train 240 python3 benchmarks/gpu_offload.py --family qwen3_moe --toke
 step qwen3_generate 150 python3 benchmarks/generate.py --device cuda --layers 16 --experts 64 --hidden 1024 \
   --inter 512 --top-k 8 --dtype bf16 --batch 1,8 --cache 256 --rounds 2 --new-tokens 32 --prompt-tokens 16
 step qwen3_cap16 60 python3 benchmarks/gpu_offload.py --family qwen3_moe --gpu-memory-gb 16 --variants resident,host,host-pin
-# 4. Issue 38: LoRA on every expert matrix, peft resident vs streamed (host, disk), bf16 autocast on the GPU.
-step lora_experts 90 python3 benchmarks/lora_experts.py --device cuda --layers 4 --experts 32 --hidden 1024 \
+# 4. Issue 38: LoRA on every expert matrix, peft resident vs streamed (host, disk; bf16, int8, nf4 stores), bf16.
+step lora_experts 120 python3 benchmarks/lora_experts.py --device cuda --layers 4 --experts 32 --hidden 1024 \
   --expert-ffn 512 --steps 5 --rounds 1 --out "$OUT/lora_experts_cuda.json"
+# 5. Issue 38: Qwen3-30B-A3B's shape, nf4 experts on the disk tier, LoRA on every expert, 3 steps on the GPU.
+step real_shape 240 python3 benchmarks/real_shape_lora.py --device cuda --steps 3 --cache-experts 1024 \
+  --offload-dir /tmp/real-shape-experts --out "$OUT/real_shape_lora_cuda.json"
 # (The MoE-GPT table of earlier sessions, `benchmarks/gpu_offload.py --tiers host,host-bf16`, runs when time is left.)
 
 cp benchmarks/gpu_train_qwen3*.json benchmarks/gpu_offload*.json benchmarks/generate*-cuda.json "$OUT"/ 2>/dev/null

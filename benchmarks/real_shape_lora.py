@@ -31,6 +31,30 @@ def _rss(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
 
+def _live_after_trim(baseline: int) -> int:
+    """RSS over `baseline` once glibc has handed its free heap memory back (`malloc_trim(0)`): what the step keeps
+    live, apart from what the allocator retains (the difference grows step by step on this machine)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    return _rss("VmRSS:") - baseline
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every CPU tensor storage Python still references (each storage once)."""
+    import gc
+
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def qwen3_30b_a3b_config(layers: int = 48):
     from transformers import AutoConfig
 
@@ -62,7 +86,6 @@ def main() -> None:
     from hf_moe_offload import OffloadConfig, enable_expert_offload, expert_target_parameters
     from hf_moe_offload.estimate import Workload, estimate, render
 
-    baseline = _rss("VmRSS:")
     config = qwen3_30b_a3b_config(args.layers)
     workload = Workload(method="lora-experts", expert_storage=args.storage, dtype=torch.bfloat16, batch_size=1,
                         seq_len=args.seq_len, lora_r=args.lora_r, host_cache_experts=args.cache_experts,
@@ -70,6 +93,11 @@ def main() -> None:
     est = estimate(config, workload)
     print(render(est), flush=True)
     disk_est = est.tiers["disk"]
+    baseline = _rss("VmRSS:")  # after every import (the estimate's too), as the estimate leaves the process out
+
+    def stage(what: str) -> None:
+        print(f"  {what}: RSS over baseline {(_rss('VmRSS:') - baseline) / 2**30:.2f} GiB (anonymous "
+              f"{_rss('RssAnon:') / 2**30:.2f}, file-backed {_rss('RssFile:') / 2**30:.2f} GiB in all)", flush=True)
 
     shutil.rmtree(args.offload_dir, ignore_errors=True)
     with init_empty_weights():
@@ -85,10 +113,14 @@ def main() -> None:
         engine.store.write_param(key, torch.randn(engine.store.numel, generator=g, dtype=torch.bfloat16) * scale)
     engine.store.flush()
     fill_s = time.perf_counter() - t0
+    stage(f"experts filled in {fill_s:.0f} s")
     for name, param in list(model.named_parameters()):
         if param.device.type == "meta":
-            value = (torch.ones(param.shape) if "norm" in name else torch.randn(param.shape, generator=g) * scale)
-            set_module_tensor_to_device(model, name, args.device, value=value.to(torch.bfloat16))
+            # drawn in bf16 (an fp32 draw of lm_head alone is 1.2 GB), scaled in place
+            value = (torch.ones(param.shape, dtype=torch.bfloat16) if "norm" in name
+                     else torch.randn(param.shape, generator=g, dtype=torch.bfloat16).mul_(scale))
+            set_module_tensor_to_device(model, name, args.device, value=value)
+            del value
     model.to(args.device)
     for t in model.parameters():
         t.requires_grad_(False)
@@ -96,8 +128,9 @@ def main() -> None:
                                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                              target_parameters=expert_target_parameters(model))).train()
     trainable = sum(t.numel() for t in model.parameters() if t.requires_grad)
+    stage(f"the rest made, {trainable / 1e6:.1f} M LoRA parameters")
     opt = torch.optim.AdamW([t for t in model.parameters() if t.requires_grad], lr=1e-4)
-    times, losses, reads = [], [], []
+    times, losses, reads, trimmed = [], [], [], []
     cuda = args.device == "cuda"
     for step in range(args.steps):
         x = torch.randint(0, config.vocab_size, (1, args.seq_len), generator=g).to(args.device)
@@ -105,24 +138,31 @@ def main() -> None:
         t = time.perf_counter()
         with torch.autocast(args.device, dtype=torch.bfloat16, enabled=cuda):
             loss = model(input_ids=x, labels=x).loss
+        stage("forward")
         loss.backward()
+        stage("backward")
         opt.step()
         opt.zero_grad()
         engine.synchronize()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+        trimmed.append(_live_after_trim(baseline))
         losses.append(loss.item())
         reads.append(engine.stats.disk_read_bytes - read0)
         print(f"step {step}: {times[-1]:.1f} s, loss {losses[-1]:.3f}, read {reads[-1] / 2**30:.2f} GiB, "
-              f"peak RSS over baseline {(_rss('VmHWM:') - baseline) / 2**30:.2f} GiB", flush=True)
+              f"peak RSS over baseline {(_rss('VmHWM:') - baseline) / 2**30:.2f} GiB, after malloc_trim "
+              f"{trimmed[-1] / 2**30:.2f} GiB", flush=True)
     peak = _rss("VmHWM:") - baseline
+    used = sum(1 for counts in engine.stats.tokens_per_expert.values() for n in counts if n)  # the last forward's
+    live = _live_tensor_bytes()
     store_files = sum(os.path.getsize(os.path.join(args.offload_dir, f)) for f in os.listdir(args.offload_dir)
                       if f.endswith(".bin"))
     out = {
         "args": vars(args), "experts": est.num_experts, "expert_params": est.expert_params,
         "lora_trainable": trainable, "fill_s": fill_s, "step_s": times, "losses": losses,
-        "disk_read_bytes_per_step": reads, "peak_rss_over_baseline_bytes": peak,
+        "disk_read_bytes_per_step": reads, "peak_rss_over_baseline_bytes": peak, "rss_after_trim_bytes": trimmed, "experts_routed_last_step": used,
+        "live_tensor_bytes_after_last_step": live,
         "store_file_bytes": store_files,
         "estimate": {"host_bytes": disk_est.host_bytes, "device_bytes": disk_est.device_bytes,
                      "disk_bytes": disk_est.disk_bytes, "disk_read_bytes_per_step": disk_est.disk_read_bytes_per_step,
@@ -133,9 +173,11 @@ def main() -> None:
     within = peak <= disk_est.host_bytes + (disk_est.device_bytes if not cuda else 0)
     print(f"\nexperts filled in {fill_s:.0f} s; store files {store_files / 2**30:.2f} GiB (estimate "
           f"{disk_est.disk_bytes / 2**30:.2f}); median step {statistics.median(times):.1f} s; reads/step "
-          f"{statistics.median(reads) / 2**30:.2f} GiB (estimate {disk_est.disk_read_bytes_per_step / 2**30:.2f}); "
+          f"{statistics.median(reads) / 2**30:.2f} GiB (estimate {disk_est.disk_read_bytes_per_step / 2**30:.2f}, for every "
+          f"expert routed; the last step routed {used} of {est.num_experts}); "
           f"peak RSS over baseline {peak / 2**30:.2f} GiB, estimate {disk_est.host_bytes / 2**30:.2f} GiB: "
-          f"{'within' if within else 'ABOVE'}")
+          f"{'within' if within else 'ABOVE'}; after the last step: {trimmed[-1] / 2**30:.2f} GiB once malloc_trim "
+          f"returned the allocator's free memory, of which live tensors {live / 2**30:.2f} GiB")
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
     shutil.rmtree(args.offload_dir, ignore_errors=True)

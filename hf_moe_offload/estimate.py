@@ -132,7 +132,7 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     n_experts = sum(lay.num_experts for lay in layouts)
     expert_params = n_experts * p
     non_expert = sum(t.numel() for t in model.parameters()) - expert_params
-    lora = _lora_params(model, w) if w.frozen_experts else 0
+    lora, lora_on_experts = _lora_params(model, w) if w.frozen_experts else (0, 0)
     item = w.dtype.itemsize
     quantization = (store_quantization(w.expert_storage, w.dtype, [t.shape for t in layouts[0].tensors])
                     if w.frozen_experts else None)
@@ -154,6 +154,9 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
 
     # The rest of the model: frozen weights + trained state
     rest = non_expert * (4 * item if not w.frozen_experts else item) + lora * ADAM_BYTES_PER_PARAM
+    # LoRA on streamed experts: each forward takes the adapters' factors once, in the model's dtype, as inputs of the
+    # experts' pass (offload/expert_lora.py: LoraTerm.of), kept until the next forward
+    lora_factors = lora_on_experts * item
     acts = _activation_bytes(config, w, item)
     cuda = w.device == "cuda"
     upload = quantization.nbytes if quantization is not None else p * item  # one expert's upload
@@ -171,6 +174,7 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     d2h = n_experts * p * item if cuda and not w.frozen_experts else 0
     host = TierNeeds("host", 0, 0, 0, h2d_bytes_per_step=steps_h2d, d2h_bytes_per_step=d2h, parts={
         "expert store": host_store, "rest of the model": rest, "activations": acts,
+        **({"LoRA factors (streamed pass)": lora_factors} if lora_factors else {}),
         **({"slab": slab} if cuda else {})})
     tiers["host"] = _place(host, cuda, host_parts=("expert store",))
     if w.frozen_experts:
@@ -182,6 +186,7 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     disk = TierNeeds("disk", 0, 0, n_experts * record, h2d_bytes_per_step=steps_h2d, d2h_bytes_per_step=d2h,
                      disk_read_bytes_per_step=reads, disk_write_bytes_per_step=writes, parts={
                          "host cache": cache_bytes, "rest of the model": rest, "activations": acts,
+                         **({"LoRA factors (streamed pass)": lora_factors} if lora_factors else {}),
                          **({"slab": slab} if cuda else {"staging block": staging})})
     tiers["disk"] = _place(disk, cuda, host_parts=("host cache",))
 
@@ -213,22 +218,30 @@ def _cuda_free() -> int:
     raise UserError("no GPU here to read its free memory from: give --gpu-memory GB (or --device cpu)")
 
 
-def _lora_params(model, w: Workload) -> int:
+def _lora_params(model, w: Workload) -> tuple[int, int]:
     """peft's trainable parameters for the method (the jobs' targets), counted on the meta model (peft builds its
-    adapters there)."""
+    adapters there): (all of them, those on the experts' tensors)."""
     from peft import LoraConfig, get_peft_model
 
     from .jobs import LORA_ATTENTION  # what `--method lora` adapts
+    from .moe_path import find_experts_modules
     from .offload.expert_lora import expert_target_parameters
 
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     modules = [m for m in LORA_ATTENTION if m in names]
     parameters = expert_target_parameters(model) if w.method == "lora-experts" else []
     if not modules and not parameters:
-        return 0
+        return 0, 0
+    experts = {name for name, _ in find_experts_modules(model)}
     peft_model = get_peft_model(model, LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=modules,
                                                   target_parameters=parameters or None))
-    return sum(t.numel() for t in peft_model.parameters() if t.requires_grad)
+    total = on_experts = 0
+    for name, t in peft_model.named_parameters():
+        if t.requires_grad:
+            total += t.numel()
+            # peft's wrappers sit at the experts module's place: base_model.model.<experts module path>.lora_*
+            on_experts += t.numel() * any(f".{e}." in name for e in experts)
+    return total, on_experts
 
 
 def _activation_bytes(config, w: Workload, item: int) -> int:

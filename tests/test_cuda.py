@@ -255,3 +255,55 @@ def test_cuda_lora_on_streamed_experts_equals_resident_lora(tier, autocast, tmp_
     assert engine.stats.device_cache_misses > 0
     torch.testing.assert_close(logits[1], logits[0], atol=5e-2 if autocast else 1e-5, rtol=0)
     assert_within_adam_drift(models[1], models[0], 1e-2, 3, weight_decay=0.01, outliers=0.1 if autocast else 0.01)
+
+
+@pytest.mark.parametrize("storage", ["nf4", "int8"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cuda_quantized_experts_dequantize_on_the_device(storage, tier, tmp_path):
+    """Issue 38 item 2 on the GPU: quantized frozen experts go up as their bytes and are dequantized by bitsandbytes'
+    CUDA kernels on the copy stream (slab in training, device cache in evaluation); the model computes what the
+    resident model with the library-dequantized experts computes on the same GPU (fp32, 1e-5; the first step's
+    logits, then evaluation after 2 AdamW steps of LoRA on the experts within the Adam bound)."""
+    from peft import LoraConfig, get_peft_model
+    from moe_families import tiny_model
+    from numerics import assert_within_adam_drift
+    from test_quantized_experts import _dequantized_by_the_library
+
+    resident = tiny_model("qwen3_moe", num_hidden_layers=2)
+    for p in resident.parameters():
+        p.requires_grad_(False)
+    streamed = copy.deepcopy(resident)
+    engine = enable_expert_offload(streamed, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "e"),
+                                                           train_experts=False, expert_storage=storage,
+                                                           host_cache_experts=6, device_cache_bytes=1 << 20))
+    _dequantized_by_the_library(resident, storage)
+    resident.cuda()
+    streamed.cuda()
+    models = []
+    for model in (resident, streamed):
+        torch.manual_seed(1)
+        models.append(get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
+                                                       target_parameters=["experts.gate_up_proj", "experts.down_proj"])))
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models]
+    g = torch.Generator().manual_seed(8)
+    for step in range(2):
+        x = torch.randint(0, 96, (2, 11), generator=g).cuda()
+        outs = []
+        for model, opt in zip(models, opts):
+            out = model(x, labels=x)
+            out.loss.backward()
+            outs.append(out.logits)
+            opt.step()
+            opt.zero_grad()
+        if step == 0:
+            torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=0)
+    assert engine.slab is not None
+    x = torch.randint(0, 96, (2, 9), generator=g).cuda()
+    logits = []
+    for model in models:
+        model.eval()
+        with torch.no_grad():
+            logits.append(model(x).logits)
+    engine.synchronize()
+    assert engine.stats.h2d_bytes % engine.store.quantization.nbytes == 0  # whole quantized rows went up
+    assert_within_adam_drift(models[1], models[0], 1e-2, 2, weight_decay=0.01, outliers=0.01)

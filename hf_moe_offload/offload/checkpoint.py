@@ -165,6 +165,7 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
     # First: a missing folder or shard is named before anything is built.
     files = _CheckpointFiles(_checkpoint_files(path))
     config = AutoConfig.from_pretrained(path, **config_kwargs)
+    _refuse_prequantized(path, config)
     with init_empty_weights():
         model = model_class.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
     engine = enable_expert_offload(model, offload_config, _initialize=False)
@@ -184,6 +185,22 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
         logger.info("%s: checkpoint tensors not used by %s: %s", path, type(model).__name__, unused)
     model.eval()
     return model.to(offload_config.device) if offload_config.device is not None else model
+
+
+def _refuse_prequantized(path: str, config) -> None:
+    """A checkpoint stored quantized (`quantization_config`: gpt-oss's MXFP4, FP8 releases, GPTQ/AWQ, ...) holds
+    packed blocks and scales where the store reads full-width expert tensors; bitsandbytes, which quantizes the store
+    (offload/quantized.py), reads none of those formats. Say so and how to get a checkpoint the store reads."""
+    quant = getattr(config, "quantization_config", None)
+    if not quant:
+        return
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
+    raise CheckpointError(
+        f"{path} is stored quantized ({method}, its config's quantization_config): the offload store reads "
+        "full-width (bf16/fp32) expert tensors and quantizes them itself with bitsandbytes (OffloadConfig("
+        "expert_storage='nf4' or 'int8')), which cannot read the checkpoint's format. Use the bf16 release of the "
+        "model, or dequantize once with transformers (from_pretrained(path, quantization_config=<its config class>("
+        "dequantize=True)) then save_pretrained) and load that folder")
 
 
 class _CheckpointFiles:

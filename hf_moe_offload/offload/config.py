@@ -55,10 +55,13 @@ class OffloadConfig:
                 "weights are not kept but taken from the backward's stream. None (default): keep where the experts "
                 "compute on the CPU (host and disk tier), where it costs what the resident model saves; recompute on "
                 "a device (ES-MoE keeps only the expert inputs there). The disk tier recomputes where the forward "
-                "casts the weights (autocast to another dtype than compute_dtype). False forces the recompute"})
+                "casts the weights (autocast to another dtype than compute_dtype), and quantized experts "
+                "(expert_storage) always do: a kept graph would hold each dequantized expert. False forces the "
+                "recompute"})
     stage_experts: int | None = field(default=None, metadata={
         "help": "experts per chunk of a training call's stream, uploaded or copied into one block and run as one "
-                "grouped GEMM per matmul (issues 14, 35). On a GPU (host or disk tier): None (default) = a whole "
+                "grouped GEMM per matmul (issues 14, 35). The host tier on the CPU with quantized experts: None = 8 "
+                "(dequantized into the block). On a GPU (host or disk tier): None (default) = a whole "
                 "layer's experts, bounded by device_budget_bytes (else a quarter of the free device memory) for the "
                 "slab's two blocks and, on the disk tier, by the host cache. On the CPU (disk tier): None = where the "
                 "host cache holds at least half the experts, a third of it beside the reads ahead, at most 8; "

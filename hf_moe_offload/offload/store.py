@@ -113,6 +113,10 @@ class ExpertRecord:
             return self.decoder.quantization.decode(self.param, self.decoder.dtype)
         return self.param if self.compute is None else self.compute
 
+    def decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        """A quantized record's weights dequantized into `out` ((numel,) in the compute dtype) -> `out`."""
+        return self.decoder.quantization.decode(self.param, out.dtype, out=out)
+
     def upload_source(self) -> "torch.Tensor | EncodedWeights":
         """What a device upload reads (`offload/quantized.py::upload_weights`): `compute_param()`, or a quantized
         record's bytes, dequantized on the device."""

@@ -103,8 +103,10 @@ class OffloadedExpertsLayer:
     def keeps_activations(self, x: torch.Tensor) -> bool:
         """Whether this call keeps its experts' forward graphs (`OffloadEngine.keep_activations`). Not inside
         `recomputing()`; not on the disk tier where the forward casts the weights (autocast to another dtype than the
-        streamed copy's): the graphs would hold a copy of every expert's weights, which the disk tier bounds."""
-        if not self.engine.keep_activations or self._recompute_forced:
+        streamed copy's), nor with quantized experts on either tier (each is dequantized into a tensor of its own):
+        the graphs would hold a full-width copy of every expert's weights, which the disk tier and quantized storage
+        are there to avoid."""
+        if not self.engine.keep_activations or self._recompute_forced or self.engine.store.quantization is not None:
             return False
         return self.engine.store.tier == "host" or compute_dtype(x) == self.engine.store.compute_dtype
 

@@ -30,13 +30,17 @@ class DeviceStager:
     per upload lets compute wait for exactly that expert, and an event per use lets the copy stream reuse the slot
     only after compute is done with it. Pinned experts (ES-MoE §4.3) keep a device copy, reused while the expert's
     version (its update count, kept by the store) is unchanged.
-    Inline runtime (CPU): the host tensor is already usable; nothing is copied.
+    Inline runtime (CPU): the host tensor is already usable; nothing is copied. A quantized expert is dequantized
+    into a ring of `depth + 2` host buffers (the stream holds at most `depth + 1` issued experts beside the one its
+    consumer just finished), not into a new tensor per use: the host's allocator would keep every size it handed out.
     """
 
     def __init__(self, runtime: DeviceRuntime, numel: int, dtype: torch.dtype, depth: int, stats: OffloadStats):
         self.rt = runtime
         self.stats = stats
-        self.numel, self.dtype = numel, dtype
+        self.numel, self.dtype, self.depth = numel, dtype, depth
+        self.host_ring: list[torch.Tensor] = []  # inline runtime, quantized experts: made on first use
+        self.host_next = 0
         self.pinned: dict[ExpertKey, tuple[torch.Tensor, int, Event]] = {}  # key -> (copy, version, its upload)
         self.pinned_keys: set[ExpertKey] = set()
         self.timer = StallTimer(runtime, stats)
@@ -56,7 +60,13 @@ class DeviceStager:
         (decoding, offload/device_cache.py) an admitted expert goes into a cache slot instead of the ring."""
         rt = self.rt
         if not rt.asynchronous:
-            return record.compute_param(), None, None
+            if record.decoder is None:
+                return record.compute_param(), None, None
+            if not self.host_ring:
+                self.host_ring = [torch.empty(self.numel, dtype=self.dtype) for _ in range(self.depth + 2)]
+            out = self.host_ring[self.host_next]
+            self.host_next = (self.host_next + 1) % len(self.host_ring)
+            return record.decode_into(out), None, None
         src = record.upload_source()
         cached = self.pinned.get(key)
         if cached is not None and cached[1] == record.version:
