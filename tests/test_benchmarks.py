@@ -137,12 +137,13 @@ def test_generate_device_harness_on_the_simulated_device(tmp_path):
 
 def test_lora_experts_harness(tmp_path):
     """benchmarks/lora_experts.py (issue 38) at a tiny size, each variant in this process through `run_variant`:
-    the same trainable adapters everywhere, the losses of the first step equal (the same model, adapters and batch:
-    LoRA streamed equals LoRA resident), and only the disk tier reads from disk."""
+    the same trainable adapters everywhere, the losses of the first step equal where the experts are stored at full
+    width (the same model, adapters and batch: LoRA streamed equals LoRA resident), the quantized stores smaller, and
+    only the disk tier reads from disk."""
     import argparse
 
     lora = bench("lora_experts")
-    args = argparse.Namespace(layers=2, experts=16, hidden=64, expert_ffn=64, steps=2, device="cpu",
+    args = argparse.Namespace(layers=2, experts=16, hidden=64, expert_ffn=64, steps=2, device="cpu", dtype="fp32",
                               ckpt=str(tmp_path / "ckpt"))
     assert lora.save_model(args) == 2 * 16 * 3 * 64 * 64 * 4  # fp32 bytes of the experts' gate/up and down
     rows = {}
@@ -150,6 +151,8 @@ def test_lora_experts_harness(tmp_path):
         rows[variant] = lora.run_variant(argparse.Namespace(**vars(args), variant=variant,
                                                            work=str(tmp_path / variant)))
     assert len({r["trainable"] for r in rows.values()}) == 1
-    first = [r["losses"][0] for r in rows.values()]
+    first = [rows[v]["losses"][0] for v in ("resident", "host", "disk")]
     assert max(first) - min(first) < 1e-4, first
     assert rows["disk"]["disk_read_mib_per_step"] > 0 and rows["host"]["disk_read_mib_per_step"] == 0
+    assert rows["disk-nf4"]["store_mib"] < rows["disk-int8"]["store_mib"] < rows["disk"]["store_mib"] / 2
+    assert all(r["disk_read_mib_per_step"] > 0 for v, r in rows.items() if v.startswith("disk"))

@@ -4,7 +4,8 @@ ES-MoE §4.1: expert state lives in host memory (the `host` tier) or in files wi
 tier, "Offloading experts to SSD"); only experts in flight (and pinned ones, §4.3) are on the device.
 
 Every expert is one `ExpertRecord`: a (4, P) fp32 buffer whose rows are [param | grad | exp_avg | exp_avg_sq], so one
-expert is one contiguous block in memory and one file on disk. Callers see a small interface: `acquire(key, rows)`
+expert is one contiguous block in memory and one file on disk. Frozen experts keep the weights row only, in the
+model's dtype or quantized (a row of bitsandbytes' bytes, `offload/quantized.py`; issue 38). Callers see a small interface: `acquire(key, rows)`
 (blocks until those rows of the record are in host memory and keeps it there), `release(key, dirty, grad_zeroed)`,
 `prefetch(keys, rows)` (the engine knows the forward and reverse-backward order, so reads are issued ahead, never
 page-fault driven), `set_schedule(keys)` (that order, for the disk tier's eviction), `flush()`, and the
