@@ -259,8 +259,9 @@ def _activation_bytes(config, model, w: Workload, item: int, moe_layers: int, nu
       from unquantized weights, `OffloadConfig.keep_activations`) their gate/up and activation outputs, 3 k I item;
       a dense layer's FFN the same for its width;
 
-    plus the logits in fp32 with their log-softmax and gradient, 3 V 4. Still low: at Qwen3-30B-A3B's shape with 128
-    tokens a forward held 2.5-3.1 GiB where this counts 1.58 (benchmarks/RESULTS.md, real_shape_lora)."""
+    plus the logits in fp32 with their log-softmax and gradient, 3 V 4. (At Qwen3-30B-A3B's shape, 4 layers, what
+    autograd saved beyond the parameters was less than this counts; the process's RSS grew more, by glibc keeping
+    freed memory: benchmarks/RESULTS.md, real_shape_lora.)"""
     tokens = w.batch_size * w.seq_len
     h = config.hidden_size
     heads = config.num_attention_heads
