@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .errors import UserError
+from .offload.api import default_cache_experts, weights_only_row_dtype
 from .offload.planner import ADAM_BYTES_PER_PARAM, MemoryEstimate, choose_tier, detect_budgets
 from .offload.quantized import EXPERT_STORAGES, QUANTIZED_STORAGES, store_quantization
 from .offload.store import ROW_GAP_BYTES
@@ -143,13 +143,13 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     elif quantization is not None:
         record = quantization.nbytes
     else:
-        record = p * (item if w.dtype in (torch.bfloat16, torch.float16) else 4)
+        record = p * weights_only_row_dtype(w.dtype).itemsize
     # Streamed copies in the compute dtype next to fp32 records (a bf16 model's trained experts on a device)
     copy = p * item if not w.frozen_experts and w.dtype != torch.float32 else 0
     store = n_experts * (record + copy)
     # the host tier's layer blocks leave ROW_GAP_BYTES after each row (offload/store.py: cache-set spacing)
     host_store = store + len(layouts) * (4 if not w.frozen_experts else 1) * ROW_GAP_BYTES
-    cache = w.host_cache_experts or max(w.prefetch_depth + 2, n_experts // 4)
+    cache = w.host_cache_experts or default_cache_experts(n_experts, w.prefetch_depth)
     cache = min(cache, n_experts)
 
     # The rest of the model: frozen weights + trained state

@@ -209,6 +209,32 @@ def test_cuda_generation_gives_the_resident_greedy_tokens(tier, cache, tmp_path)
     assert (engine.device_cache is None) == (cache == "off")
 
 
+def _cuda_lora_pair(tier, layers, tmp_path, storage="auto", prepare_resident=None):
+    """([resident peft model, streamed peft model], their AdamW optimizers, the engine): Qwen3-MoE with peft's LoRA
+    (r=4, random lora_B) on the expert tensors, the frozen experts offloaded per `tier` / `storage` (the device expert
+    cache on), both on the GPU; `prepare_resident(model)` runs on the resident base first."""
+    from peft import LoraConfig, get_peft_model
+    from moe_families import tiny_model
+
+    resident = tiny_model("qwen3_moe", num_hidden_layers=layers)
+    for p in resident.parameters():
+        p.requires_grad_(False)
+    streamed = copy.deepcopy(resident)
+    engine = enable_expert_offload(streamed, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "e"),
+                                                           train_experts=False, expert_storage=storage,
+                                                           host_cache_experts=6, device_cache_bytes=1 << 20))
+    if prepare_resident is not None:
+        prepare_resident(resident)
+    resident.cuda()
+    streamed.cuda()  # the non-expert weights and the stand-ins (the adapters are made beside them)
+    models = []
+    for model in (resident, streamed):
+        torch.manual_seed(1)
+        models.append(get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
+                                                       target_parameters=["experts.gate_up_proj", "experts.down_proj"])))
+    return models, [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models], engine
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_cuda_lora_on_streamed_experts_equals_resident_lora(tier, autocast, tmp_path):
@@ -216,26 +242,9 @@ def test_cuda_lora_on_streamed_experts_equals_resident_lora(tier, autocast, tmp_
     (training) and the device expert cache (evaluation), the adapters on the GPU, against peft's resident LoRA on the
     same GPU: the adapters after 3 AdamW steps and the evaluation logits, with test_expert_lora.py's tolerances (one
     MoE layer under autocast, where a second layer's router could pick other experts on rounding alone)."""
-    from peft import LoraConfig, get_peft_model
-    from moe_families import tiny_model
     from numerics import assert_within_adam_drift
 
-    layers = 1 if autocast else 2
-    resident = tiny_model("qwen3_moe", num_hidden_layers=layers)
-    for p in resident.parameters():
-        p.requires_grad_(False)
-    streamed = copy.deepcopy(resident)
-    resident.cuda()
-    engine = enable_expert_offload(streamed, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "e"),
-                                                           train_experts=False, host_cache_experts=6,
-                                                           device_cache_bytes=1 << 20))
-    streamed.cuda()  # the non-expert weights and the stand-ins (the adapters are made beside them)
-    models = []
-    for model in (resident, streamed):
-        torch.manual_seed(1)
-        models.append(get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
-                                                       target_parameters=["experts.gate_up_proj", "experts.down_proj"])))
-    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models]
+    models, opts, engine = _cuda_lora_pair(tier, layers=1 if autocast else 2, tmp_path=tmp_path)
     g = torch.Generator().manual_seed(8)
     for _ in range(3):
         x = torch.randint(0, 96, (2, 11), generator=g).cuda()
@@ -264,27 +273,11 @@ def test_cuda_quantized_experts_dequantize_on_the_device(storage, tier, tmp_path
     CUDA kernels on the copy stream (slab in training, device cache in evaluation); the model computes what the
     resident model with the library-dequantized experts computes on the same GPU (fp32, 1e-5; the first step's
     logits, then evaluation after 2 AdamW steps of LoRA on the experts within the Adam bound)."""
-    from peft import LoraConfig, get_peft_model
-    from moe_families import tiny_model
     from numerics import assert_within_adam_drift
     from test_quantized_experts import _dequantized_by_the_library
 
-    resident = tiny_model("qwen3_moe", num_hidden_layers=2)
-    for p in resident.parameters():
-        p.requires_grad_(False)
-    streamed = copy.deepcopy(resident)
-    engine = enable_expert_offload(streamed, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "e"),
-                                                           train_experts=False, expert_storage=storage,
-                                                           host_cache_experts=6, device_cache_bytes=1 << 20))
-    _dequantized_by_the_library(resident, storage)
-    resident.cuda()
-    streamed.cuda()
-    models = []
-    for model in (resident, streamed):
-        torch.manual_seed(1)
-        models.append(get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
-                                                       target_parameters=["experts.gate_up_proj", "experts.down_proj"])))
-    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models]
+    models, opts, engine = _cuda_lora_pair(tier, layers=2, tmp_path=tmp_path, storage=storage,
+                                           prepare_resident=lambda m: _dequantized_by_the_library(m, storage))
     g = torch.Generator().manual_seed(8)
     for step in range(2):
         x = torch.randint(0, 96, (2, 11), generator=g).cuda()

@@ -119,11 +119,22 @@ def _resolve_mode(config: OffloadConfig, device: torch.device, est: MemoryEstima
     return mode
 
 
+def weights_only_row_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The row dtype of a weights-only store (frozen experts) unquantized: a bf16/fp16 model's own (nothing is updated,
+    so there is no master to keep), else fp32."""
+    return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def default_cache_experts(num_experts: int, prefetch_depth: int) -> int:
+    """The disk tier's host cache when none is set: a quarter of the experts, at least prefetch_depth + 2."""
+    return max(prefetch_depth + 2, num_experts // 4)
+
+
 def _frozen_bytes_per_param(model_dtype: torch.dtype, quantization) -> float:
     """Bytes per parameter of a weights-only store (frozen experts): its format's, or the row dtype's."""
     if quantization is not None:
         return quantization.bytes_per_parameter
-    return model_dtype.itemsize if model_dtype in (torch.bfloat16, torch.float16) else 4
+    return weights_only_row_dtype(model_dtype).itemsize
 
 
 def _build_store(mode: str, config: OffloadConfig, layouts: list, model_dtype: torch.dtype, stats: OffloadStats,
@@ -142,7 +153,7 @@ def _build_store(mode: str, config: OffloadConfig, layouts: list, model_dtype: t
         raise ValueError("frozen experts (train_experts=False) stay in per-process stores; do not share them")
     # A weights-only store keeps the model's own dtype (a bf16 model: bf16 rows, no fp32 copy: nothing is updated,
     # so there is no master to keep); training keeps fp32 masters, gradients and moments.
-    row_dtype = model_dtype if state_rows == 1 and model_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    row_dtype = weights_only_row_dtype(model_dtype) if state_rows == 1 else torch.float32
     if mode == "host":
         return (HostExpertStore(keys, numel, compute_dtype, stats, state_rows, row_dtype, quantization)
                 if store_factory is None else store_factory("host", keys, numel, compute_dtype, stats, None))
@@ -157,7 +168,7 @@ def _build_store(mode: str, config: OffloadConfig, layouts: list, model_dtype: t
                 "raise it"
             )
     if cache is None:  # default: a quarter of the experts, at least prefetch_depth + 2
-        cache = max(config.prefetch_depth + 2, len(keys) // 4)
+        cache = default_cache_experts(len(keys), config.prefetch_depth)
     if store_factory is None:
         store = DiskExpertStore(
             keys, numel, compute_dtype, stats, os.path.join(config.offload_dir), cache, config.io_threads,

@@ -122,12 +122,6 @@ class ExpertQuantization:
             r += rows
         return out
 
-    def roundtrip(self, flat: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """What the store's experts compute with: `flat` quantized and dequantized by the library (tests compare a
-        resident model holding these weights with the offloaded one)."""
-        row = torch.empty(self.nbytes, dtype=torch.uint8, device=flat.device)
-        return self.decode(self.encode(flat, row), dtype or flat.dtype)
-
     def _split(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if row.dtype != torch.uint8 or row.numel() != self.nbytes:
             raise ValueError(f"a {self.storage} expert row is {self.nbytes} uint8 bytes; got {row.numel()} "
@@ -151,12 +145,6 @@ class EncodedWeights:
 
     def __init__(self, row: torch.Tensor, quantization: ExpertQuantization, dtype: torch.dtype):
         self.row, self.quantization, self.dtype = row, quantization, dtype
-
-    def numel(self) -> int:  # the bytes moved, as a tensor source would count them
-        return self.row.numel()
-
-    def element_size(self) -> int:
-        return 1
 
 
 def upload_weights(rt, dst: torch.Tensor, src, stream) -> int:
