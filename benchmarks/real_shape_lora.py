@@ -19,11 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import time
 
 import torch
+
+from hf_moe_offload.host_allocator import POLICIES, set_policy
 
 
 def _rss(field: str) -> int:
@@ -74,8 +77,12 @@ def main() -> None:
     p.add_argument("--cache-experts", type=int, default=256)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--offload-dir", default="/tmp/real-shape-experts")
+    p.add_argument("--malloc", default="return", choices=POLICIES,
+                   help="glibc malloc's policy (hf_moe_offload.host_allocator): return (the default here: the RSS is "
+                        "what the process holds, the estimate's premise), retain, glibc (its dynamic defaults)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "real_shape_lora.json"))
     args = p.parse_args()
+    malloc_set = set_policy(args.malloc)
 
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
@@ -130,11 +137,12 @@ def main() -> None:
     trainable = sum(t.numel() for t in model.parameters() if t.requires_grad)
     stage(f"the rest made, {trainable / 1e6:.1f} M LoRA parameters")
     opt = torch.optim.AdamW([t for t in model.parameters() if t.requires_grad], lr=1e-4)
-    times, losses, reads, trimmed = [], [], [], []
+    times, losses, reads, trimmed, faults, system = [], [], [], [], [], []
     cuda = args.device == "cuda"
     for step in range(args.steps):
         x = torch.randint(0, config.vocab_size, (1, args.seq_len), generator=g).to(args.device)
         read0 = engine.stats.disk_read_bytes
+        usage0 = resource.getrusage(resource.RUSAGE_SELF)
         t = time.perf_counter()
         with torch.autocast(args.device, dtype=torch.bfloat16, enabled=cuda):
             loss = model(input_ids=x, labels=x).loss
@@ -147,10 +155,14 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        faults.append(usage.ru_minflt - usage0.ru_minflt)
+        system.append(usage.ru_stime - usage0.ru_stime)
         trimmed.append(_live_after_trim(baseline))
         losses.append(loss.item())
         reads.append(engine.stats.disk_read_bytes - read0)
-        print(f"step {step}: {times[-1]:.1f} s, loss {losses[-1]:.3f}, read {reads[-1] / 2**30:.2f} GiB, "
+        print(f"step {step}: {times[-1]:.1f} s ({system[-1]:.1f} s system, {faults[-1] / 1e6:.2f} M minor faults), "
+              f"loss {losses[-1]:.3f}, read {reads[-1] / 2**30:.2f} GiB, "
               f"peak RSS over baseline {(_rss('VmHWM:') - baseline) / 2**30:.2f} GiB, after malloc_trim "
               f"{trimmed[-1] / 2**30:.2f} GiB", flush=True)
     peak = _rss("VmHWM:") - baseline
@@ -159,8 +171,8 @@ def main() -> None:
     store_files = sum(os.path.getsize(os.path.join(args.offload_dir, f)) for f in os.listdir(args.offload_dir)
                       if f.endswith(".bin"))
     out = {
-        "args": vars(args), "experts": est.num_experts, "expert_params": est.expert_params,
-        "lora_trainable": trainable, "fill_s": fill_s, "step_s": times, "losses": losses,
+        "args": vars(args), "malloc_policy_set": malloc_set, "experts": est.num_experts, "expert_params": est.expert_params,
+        "lora_trainable": trainable, "fill_s": fill_s, "step_s": times, "step_system_s": system, "step_minor_faults": faults, "losses": losses,
         "disk_read_bytes_per_step": reads, "peak_rss_over_baseline_bytes": peak, "rss_after_trim_bytes": trimmed, "experts_routed_last_step": used,
         "live_tensor_bytes_after_last_step": live,
         "store_file_bytes": store_files,

@@ -19,16 +19,20 @@ for LoRA, peft's own adapters (peft builds them on the meta device too). The acc
 - **Bytes per step**, assuming every expert gets tokens (true of large batches): a device uploads every expert for the
   forward and again for the backward but the two chunks the slab still holds (quantized experts: their bytes); the
   disk tier reads each uncached expert once
-  per sweep (frozen: forward and backward, weights only; trained: ES-MoE's minimum, `benchmarks/offload.py`).
+  per sweep (frozen: forward and backward, weights only; trained: ES-MoE's minimum, `benchmarks/offload.py`, plus
+  what the engine's schedule-following cache turns over between the sweeps, `_trained_disk_traffic`).
 
 Process overhead (the Python interpreter, torch and transformers: ~0.5 GB of RSS) is not counted: the host figures
-are what the run adds.
+are what the run adds. They are what the process holds; its RSS reaches them where malloc returns freed blocks
+(`host_allocator.return_freed_memory`, the jobs' `--malloc return`): glibc's defaults keep a step's freed transients
+in the heap, and at Qwen3-30B-A3B's shape the peak grew 25% past the figure over three steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -36,6 +40,7 @@ import torch
 
 from .errors import UserError
 from .offload.api import default_cache_experts, weights_only_row_dtype
+from .offload.engine import OffloadEngine
 from .offload.planner import ADAM_BYTES_PER_PARAM, MemoryEstimate, choose_tier, detect_budgets
 from .offload.quantized import EXPERT_STORAGES, QUANTIZED_STORAGES, store_quantization
 from .offload.store import ROW_GAP_BYTES
@@ -56,6 +61,7 @@ class Workload:
     lora_r: int = 8
     host_cache_experts: int | None = None  # disk tier; None: a quarter of the experts (enable_expert_offload's)
     prefetch_depth: int = 2
+    pin_fraction: float = 0.25  # OffloadConfig's: experts per layer kept in the disk tier's cache for good
     device: str = "cuda"  # where the model computes: cuda (experts uploaded) or cpu
 
     def __post_init__(self):
@@ -163,7 +169,7 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     upload = quantization.nbytes if quantization is not None else p * item  # one expert's upload
     layer_experts = layouts[0].num_experts
     slab = 2 * layer_experts * p * item if cuda else 0  # two blocks of a layer's experts (offload/slab.py)
-    staging = 8 * p * item if not cuda else 0  # the disk tier's staging block on the CPU (STAGE_MAX experts)
+    staging = OffloadEngine.STAGE_MAX * p * item if not cuda else 0  # the disk tier's staging block on the CPU
 
     resident_experts = expert_params * (4 * item if not w.frozen_experts else item)
     tiers: dict[str, TierNeeds] = {}
@@ -180,9 +186,8 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     tiers["host"] = _place(host, cuda, host_parts=("expert store",))
     if w.frozen_experts:
         reads, writes = 2 * max(0, n_experts - cache) * record, 0
-    else:  # benchmarks/offload.py::minimum_bytes with every expert used: weights x2 + moments read, 3 rows written
-        row = 4 * p
-        reads, writes = max(0, n_experts - cache) * 4 * row, max(0, n_experts - cache) * 3 * row
+    else:
+        reads, writes = _trained_disk_traffic(w, n_experts, layer_experts, len(layouts), cache, row=4 * p)
     cache_bytes = cache * (record + copy)
     disk = TierNeeds("disk", 0, 0, n_experts * record, h2d_bytes_per_step=steps_h2d, d2h_bytes_per_step=d2h,
                      disk_read_bytes_per_step=reads, disk_write_bytes_per_step=writes, parts={
@@ -200,6 +205,31 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
         auto, why = "host", f"{w.expert_storage} experts live in the offloaded store; " + why
     return Estimate(getattr(config, "model_type", "?"), expert_params, non_expert, lora, n_experts, len(layouts), p,
                     record, cache, tiers, auto, why, w)
+
+
+def _trained_disk_traffic(w: Workload, n_experts: int, layer_experts: int, layers: int, cache: int,
+                          row: int) -> tuple[int, int]:
+    """Bytes the disk tier reads and writes per step for trained experts, every expert used. ES-MoE's minimum
+    (benchmarks/offload.py::minimum_bytes) keeps the same `cache` records all step: each of the u = E - C others is
+    read for the forward (weights) and the backward (weights, two moments: the gradient row never leaves the host)
+    and written after its step (3 rows). The engine's cache follows the schedule (Belady, offload/eviction.py), so it
+    holds different records at the two turnarounds: the m = min(C - pins, u) records the backward starts with (the
+    forward's last) hold only their weights and read their two moments (2 rows each), and the m records the backward
+    leaves dirty are hit by the next forward and then written back (3 rows each) to make room for its reads, where
+    the minimum would keep them. Pins stay (ES-MoE §4.3), so m shrinks with them: at most `pin_fraction` of each layer's experts, within the room the engine
+    leaves beside the reads ahead and the staged chunks (engine.pin_limit, _bind_staging, _bind_slab)."""
+    depth = max(0, min(w.prefetch_depth, cache - 2))
+    room = cache - depth - 1
+    if w.device == "cuda":  # the slab's two chunks of up to a layer's experts
+        k = min(layer_experts, room // 2)
+        chunks = 2 * k if k >= 2 else 0
+    else:  # the staging block's two chunks, where the cache holds half the experts
+        k = min(OffloadEngine.STAGE_MAX, room // 3) if 2 * cache >= n_experts else 1
+        chunks = 2 * k if k > 1 else 0
+    pins = min(layers * math.ceil(w.pin_fraction * layer_experts), max(0, room - chunks))
+    u = max(0, n_experts - cache)
+    m = min(cache - pins, u)
+    return (4 * u + 2 * m) * row, (3 * u + 3 * m) * row
 
 
 def _place(needs: TierNeeds, cuda: bool, host_parts: tuple[str, ...] = ()) -> TierNeeds:
@@ -302,6 +332,9 @@ def add_cli(sub) -> None:
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--host-cache-experts", type=int, help="disk tier: experts cached in host memory (default: a "
                                                           "quarter)")
+    p.add_argument("--pin-fraction", type=float, default=0.25,
+                   help="disk tier, trained experts: the fraction of each layer's experts pinned in the host cache "
+                        "(OffloadConfig.pin_fraction; fewer records turn over between the sweeps)")
     p.add_argument("--json", help="also write the estimate to this file")
     p.set_defaults(func=run_cli)
 
@@ -319,7 +352,7 @@ def run_cli(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     w = Workload(method=args.method, expert_storage=args.expert_storage, dtype=dtype, batch_size=args.batch_size,
                  seq_len=args.seq_len, lora_r=args.lora_r, host_cache_experts=args.host_cache_experts,
-                 device=args.device)
+                 pin_fraction=args.pin_fraction, device=args.device)
     gb = 1e9
     est = estimate(config, w, device_budget=int(args.gpu_memory * gb) if args.gpu_memory else None,
                    host_budget=int(args.host_memory * gb) if args.host_memory else None)
@@ -351,7 +384,9 @@ def render(est: Estimate) -> str:
                      f"{gib(t.h2d_bytes_per_step):>16}{gib(t.disk_read_bytes_per_step):>16}"
                      f"{gib(t.disk_write_bytes_per_step):>17}")
     lines += ["", f"mode='auto' picks: {est.auto} ({est.auto_reason})",
-              f"disk tier host cache: {est.host_cache_experts} experts; process overhead (~0.5 GiB) not included"]
+              f"disk tier host cache: {est.host_cache_experts} experts; process overhead (~0.5 GiB) not included",
+              "host figures are what the process holds: glibc's malloc keeps freed memory beyond them unless it "
+              "returns it (the jobs' --malloc return; docs/jobs.md)"]
     return "\n".join(lines)
 
 

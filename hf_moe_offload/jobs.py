@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from .data import gpt2_tokenizer
 from .routing import freeze_routers, keep_load_balancing_loss
 from .errors import UserError, add_debug_flag
-from .host_allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, retain_freed_memory
+from .host_allocator import MMAP_THRESHOLD, POLICIES, RETURN_MMAP_THRESHOLD, TRIM_THRESHOLD, set_policy
 from .hub import RECORD_FILE, push_to_hub, write_model_card
 from .models.moe_gpt import MOE_GPT_PRESETS, MoEGPTConfig
 from .offload import OffloadConfig, enable_expert_offload, get_offload_engine
@@ -152,10 +152,13 @@ def add_training_arguments(p: argparse.ArgumentParser, output_dir: str, steps: i
     g.add_argument("--resume", nargs="?", const=RESUME_LATEST, default=None, metavar="PATH",
                    help="continue from a checkpoint written with --save-steps: PATH, or without PATH the latest "
                         "complete one in --output-dir (experts, optimizer, scheduler, data position and RNG restored)")
-    g.add_argument("--malloc-retain", action=argparse.BooleanOptionalAction, default=True,
-                   help="raise glibc malloc's mmap and trim thresholds for this process, so that each step reuses "
-                        "the memory the last one freed instead of faulting in fresh pages (Linux/glibc; an "
-                        "environment's MALLOC_*_ settings win; hf_moe_offload.host_allocator)")
+    g.add_argument("--malloc", default="retain", choices=POLICIES,
+                   help="glibc malloc's policy for this process: retain (each step reuses the memory the last one "
+                        "freed: fewer page faults), return (freed blocks of 1 MiB and more go back to the kernel: the "
+                        "peak RSS is what the process holds, as `hf-moe-offload estimate` counts; for runs sized to "
+                        "the host's memory), glibc (its defaults). Linux/glibc; an environment's MALLOC_*_ settings "
+                        "win (hf_moe_offload.host_allocator)")
+    g.add_argument("--no-malloc-retain", dest="malloc", action="store_const", const="glibc", help=argparse.SUPPRESS)
     add_debug_flag(g, subcommand=True)
     g.add_argument("--short", action="store_true", help="a smoke run of a few steps on a slice of the data (tests)")
     h = p.add_argument_group("hub")
@@ -165,11 +168,16 @@ def add_training_arguments(p: argparse.ArgumentParser, output_dir: str, steps: i
 
 
 def tune_host_memory(args: argparse.Namespace) -> None:
-    """Process-wide settings of a job, before it allocates its model and data: glibc malloc's thresholds
-    (`--malloc-retain`, `host_allocator.retain_freed_memory`)."""
-    if getattr(args, "malloc_retain", False) and retain_freed_memory():
-        logger.info("malloc: blocks up to %d MiB from the heap; up to %d MiB of freed heap kept for reuse",
-                    MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
+    """Process-wide settings of a job, before it allocates its model and data: glibc malloc's policy (`--malloc`,
+    `host_allocator.set_policy`)."""
+    policy = getattr(args, "malloc", "glibc")
+    if set_policy(policy):
+        if policy == "retain":
+            logger.info("malloc: blocks up to %d MiB from the heap; up to %d MiB of freed heap kept for reuse",
+                        MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
+        else:
+            logger.info("malloc: blocks from %d MiB up are returned to the kernel when freed",
+                        RETURN_MMAP_THRESHOLD >> 20)
 
 
 def world() -> tuple[int, int]:

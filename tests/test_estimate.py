@@ -34,14 +34,15 @@ def _within(measured: float, estimated: float, rel: float = 0.10) -> None:
     assert estimated > 0 and abs(measured - estimated) <= rel * estimated, (measured, estimated)
 
 
-def _run(config, method: str, tier: str, storage: str, tmp_path, cache: int | None = None, steps: int = 2):
+def _run(config, method: str, tier: str, storage: str, tmp_path, cache: int | None = None, steps: int = 2,
+         pin_fraction: float = 0.0):
     """Train `steps` steps (the last one measured) -> (engine, its stats' deltas over the last step)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
     frozen = method != "full"
     engine = enable_expert_offload(model, OffloadConfig(
         mode=tier, offload_dir=str(tmp_path / "experts"), train_experts=not frozen, expert_storage=storage,
-        host_cache_experts=cache, prefetch_depth=2, mmap_weights=False if tier == "disk" else None, pin_fraction=0.0))
+        host_cache_experts=cache, prefetch_depth=2, mmap_weights=False if tier == "disk" else None, pin_fraction=pin_fraction))
     if frozen:
         for p in model.parameters():
             p.requires_grad_(False)
@@ -67,29 +68,48 @@ def _run(config, method: str, tier: str, storage: str, tmp_path, cache: int | No
     return engine, step
 
 
-def _workload(method, storage, device="cpu", cache=None):
+def _workload(method, storage, device="cpu", cache=None, pin_fraction=0.0):
     return Workload(method=method, expert_storage=storage, dtype=torch.float32, batch_size=BATCH, seq_len=SEQ,
-                    host_cache_experts=cache, device=device)
+                    host_cache_experts=cache, device=device, pin_fraction=pin_fraction)
 
 
-@pytest.mark.parametrize("method,storage", [("lora", "nf4"), ("lora", "int8"), ("lora", "auto"), ("full", "auto")])
-def test_the_store_and_the_disk_traffic_agree_with_the_estimate(method, storage, tmp_path):
+@pytest.mark.parametrize("method,storage,cache,pin_fraction", [
+    ("lora", "nf4", 6, 0.0), ("lora", "int8", 6, 0.0), ("lora", "auto", 6, 0.0),
+    # trained experts: the cache's turnover between the sweeps depends on its size and the pins
+    ("full", "auto", 4, 0.0), ("full", "auto", 6, 0.0), ("full", "auto", 8, 0.0), ("full", "auto", 12, 0.0),
+    ("full", "auto", 6, 0.25), ("full", "auto", 8, 1.0)])
+def test_the_store_and_the_disk_traffic_agree_with_the_estimate(method, storage, cache, pin_fraction, tmp_path):
     config = _config()
-    est = estimate(config, _workload(method, storage, cache=6), device_budget=1 << 40, host_budget=1 << 40)
-    engine, step = _run(config, method, "disk", storage, tmp_path, cache=6)
+    est = estimate(config, _workload(method, storage, cache=cache, pin_fraction=pin_fraction),
+                   device_budget=1 << 40, host_budget=1 << 40)
+    # The estimate is the steady state: pins are chosen from the first step's counts and settle in the second
+    engine, step = _run(config, method, "disk", storage, tmp_path, cache=cache, pin_fraction=pin_fraction,
+                        steps=3 if pin_fraction else 2)
     disk = est.tiers["disk"]
     files = [os.path.join(engine.store.dir, f) for f in os.listdir(engine.store.dir) if f.endswith(".bin")]
     _within(sum(os.path.getsize(f) for f in files), disk.disk_bytes)
     assert est.expert_record_bytes == engine.store.record_bytes()
+    _within(step["disk_read_bytes"], disk.disk_read_bytes_per_step)
     if method == "full":
-        # Trained experts: the estimate is ES-MoE's minimum (4 rows read, 3 written per uncached expert); the engine
-        # moves more with small caches (an evicted gradient row goes to disk and back; chunks held from backward to
-        # their step take cache slots): measured 1.2-1.5x the reads and 1.3-2x the writes here. A bound, not 10%.
-        assert disk.disk_read_bytes_per_step <= step["disk_read_bytes"] <= 1.5 * disk.disk_read_bytes_per_step
-        assert disk.disk_write_bytes_per_step <= step["disk_write_bytes"] <= 2 * disk.disk_write_bytes_per_step
+        _within(step["disk_write_bytes"], disk.disk_write_bytes_per_step)
     else:
-        _within(step["disk_read_bytes"], disk.disk_read_bytes_per_step)
         assert step["disk_write_bytes"] == 0 == disk.disk_write_bytes_per_step
+
+
+@pytest.mark.parametrize("cache,pin_fraction", [(6, 0.0), (8, 0.25), (12, 1.0)])
+def test_trained_experts_disk_traffic_on_a_device_agrees_with_the_estimate(cache, pin_fraction, tmp_path):
+    """On a device (simulated) the slab's two chunks take the cache's room instead of the staging block's. Equal to
+    the estimate in repeated runs here; but a record the copy stream still holds when a read ahead needs its slot
+    makes the cache evict another, so the bytes depend on the uploads' timing (one run in ~30 under a loaded CPU
+    read more than 10% over): within 10% below, 25% above."""
+    config = _config()
+    est = estimate(config, _workload("full", "auto", device="cuda", cache=cache, pin_fraction=pin_fraction),
+                   device_budget=1 << 40, host_budget=1 << 40)
+    with use_runtime(SimulatedRuntime(seed=2, max_delay=0.0005)):
+        _, step = _run(config, "full", "disk", "auto", tmp_path, cache=cache, pin_fraction=pin_fraction, steps=3)
+    disk = est.tiers["disk"]
+    assert 0.9 * disk.disk_read_bytes_per_step <= step["disk_read_bytes"] <= 1.25 * disk.disk_read_bytes_per_step
+    assert 0.9 * disk.disk_write_bytes_per_step <= step["disk_write_bytes"] <= 1.25 * disk.disk_write_bytes_per_step
 
 
 @pytest.mark.parametrize("method,storage", [("lora", "nf4"), ("full", "auto")])

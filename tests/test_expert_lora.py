@@ -25,6 +25,8 @@ import sys
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from hf_moe_offload import MoEGPTConfig, MoEGPTForCausalLM, OffloadConfig, disable_expert_offload, enable_expert_offload
 from hf_moe_offload.offload.stand_ins import is_stand_in
@@ -176,6 +178,40 @@ def test_lora_expert_by_expert_equals_the_grouped_pass(family, tmp_path, monkeyp
     b.loss.backward()
     torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=0)
     _assert_close_relative(_adapter_grads(grouped), _adapter_grads(per_expert), 1e-5)
+
+
+class _NewTensorShapes(TorchDispatchMode):
+    """The shapes of the tensors the ops run under it make (not views, not in-place results)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        schema = func._schema
+        if not schema.name.endswith("_") and not any(r.alias_info is not None for r in schema.returns):
+            self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["expert-by-expert", "chunks-of-2"])
+def test_the_backward_makes_each_factor_gradient_once_per_layer(staged, tmp_path):
+    """Streaming expert by expert (or in chunks), the adapters' gradients are added per chunk into one gradient per
+    factor and layer: the backward makes no tensor of a whole factor's shape per chunk (differentiating by the whole
+    factors had autograd's select backward make zeros of that shape and an add for every expert: O(experts^2) bytes
+    per layer). Qwen3-MoE, 6 experts, the disk tier."""
+    _, streamed, engine = _pair("qwen3_moe", "disk", tmp_path, layers=1, staged=staged)
+    layer = engine.layers[0]
+    x = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(3))
+    loss = streamed(x, labels=x).loss
+    factors = {tuple(t.shape) for t in layer._lora.tensors()}
+    assert len(factors) >= 2 and layer.num_experts == 6
+    with _NewTensorShapes() as made:
+        loss.backward()
+    whole = sum(1 for shape in made.shapes if shape in factors)
+    # one per factor (4 factors: two matrices x first/second), and peft's own reshape of each from lora_A/lora_B
+    assert whole <= 2 * len(layer._lora.tensors()), whole
 
 
 def test_frozen_offloaded_experts_leave_stand_ins_that_refuse_a_merge(tmp_path):

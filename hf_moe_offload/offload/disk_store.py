@@ -410,7 +410,6 @@ class DiskExpertStore(ExpertStore):
     def acquire(self, key, rows=None):
         want = self._rows(rows)
         with self._lock:
-            self.eviction.advance(key)
             entry = self._entries.get(key)
             if entry is not None and entry.state is CACHED:
                 self.stats.cache_hits += 1
@@ -427,6 +426,10 @@ class DiskExpertStore(ExpertStore):
                         self._add_rows(key, entry, missing)
                         continue
                     entry.refs += 1
+                    # The schedule moves on once the record is held: advanced before a wait for its load, the
+                    # loaded record would sit idle with its next use a step away, the first victim of a prefetch
+                    # (read twice per sweep at small caches)
+                    self.eviction.advance(key)
                     self._entries.move_to_end(key)
                     return entry.record
                 else:

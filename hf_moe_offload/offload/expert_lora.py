@@ -70,25 +70,37 @@ class ExpertLora:
         """Every factor: the inputs whose gradients the layer's backward returns."""
         return [t for terms in self.terms.values() for term in terms for t in (term.first, term.second)]
 
-    def linear(self, base: Callable, names: list[str], tensors: list[torch.Tensor], experts: list[int],
-               grouped: bool, num_experts: int) -> Callable:
-        """`base` (the chunk's linear) with each adapted weight's low-rank term added. `tensors` are the chunk's
-        expert tensors in layout order (`names`), recognised by identity when the expert function passes them to its
-        linear; `experts`: the chunk's experts, whose (k, ...) factor blocks a grouped chunk takes (one expert's
-        factors otherwise)."""
-        index = None  # the chunk's experts, made once on the factors' device where they are a subset
+    def chunk(self, experts: list[int], grouped: bool, num_experts: int, leaves: bool) -> "ChunkLora":
+        """The terms of a chunk's experts: (k, ...) factor blocks of a grouped chunk, one expert's factors otherwise.
+        With `leaves` the blocks are detached leaves for the chunk's graph to be differentiated by (ChunkLora)."""
+        everyone = grouped and experts == list(range(num_experts))
+        index = None if not grouped or everyone else torch.tensor(experts, device=self.tensors()[0].device)
 
         def pick(factor: torch.Tensor) -> torch.Tensor:
-            nonlocal index
-            if not grouped:
-                return factor[experts[0]]
-            if experts == list(range(num_experts)):
-                return factor
-            if index is None:
-                index = torch.tensor(experts, device=factor.device)
-            return factor.index_select(0, index)
+            block = factor if everyone else factor.index_select(0, index) if grouped else factor[experts[0]]
+            return block.detach().requires_grad_(True) if leaves else block
 
-        by_weight = {id(t): [(pick(term.first), pick(term.second), term.scaling) for term in self.terms[name]]
+        terms = {name: [LoraTerm(pick(t.first), pick(t.second), t.scaling, t.transposed) for t in terms]
+                 for name, terms in self.terms.items()}
+        return ChunkLora(terms, None if everyone else index if grouped else experts[0])
+
+
+class ChunkLora(ExpertLora):
+    """One chunk's LoRA terms. Its factor blocks, as leaves, are what the chunk's graph is differentiated by, and
+    `accumulate` adds their gradients into the layer's whole factor gradients in place. Differentiating by the layer's
+    factors themselves would have autograd's select/index backward make a zero tensor of a whole factor's shape per
+    chunk and add it: per expert streamed one at a time, O(experts) memory traffic each, so O(experts^2) per layer
+    (at Qwen3-30B-A3B's shape ~25 MB of fresh zeros per expert, most of a step's page faults)."""
+
+    def __init__(self, terms: dict[str, list[LoraTerm]], where):
+        super().__init__(terms)
+        self.where = where  # the experts' place in the layer's factors: an index, a (k,) index tensor, None: all
+
+    def linear(self, base: Callable, names: list[str], tensors: list[torch.Tensor]) -> Callable:
+        """`base` (the chunk's linear) with each adapted weight's low-rank term added. `tensors` are the chunk's
+        expert tensors in layout order (`names`), recognised by identity when the expert function passes them to its
+        linear."""
+        by_weight = {id(t): [(term.first, term.second, term.scaling) for term in self.terms[name]]
                      for name, t in zip(names, tensors) if name in self.terms}
 
         def adapted(x, w, b=None, *rest):
@@ -98,6 +110,22 @@ class ExpertLora:
             return y
 
         return adapted
+
+    def accumulate(self, grads, layer_factors: list[torch.Tensor], into: list) -> None:
+        """Add the gradients of this chunk's factor blocks (`tensors()` order; None: unused) into `into`, the
+        layer's factor gradients (a zero tensor shaped as `layer_factors[j]` is made at the first)."""
+        for j, g in enumerate(grads):
+            if g is None:
+                continue
+            if self.where is None:  # every expert: the blocks are the whole factors
+                into[j] = g if into[j] is None else into[j].add_(g)
+                continue
+            if into[j] is None:
+                into[j] = torch.zeros_like(layer_factors[j])
+            if isinstance(self.where, torch.Tensor):
+                into[j].index_add_(0, self.where, g)
+            else:
+                into[j][self.where] += g
 
 
 def active_expert_lora(outer: nn.Module, module: nn.Module) -> ExpertLora | None:
@@ -137,4 +165,4 @@ def expert_target_parameters(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-__all__ = ["ExpertLora", "LoraTerm", "active_expert_lora", "expert_target_parameters"]
+__all__ = ["ChunkLora", "ExpertLora", "LoraTerm", "active_expert_lora", "expert_target_parameters"]

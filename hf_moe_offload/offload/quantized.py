@@ -41,6 +41,11 @@ def _bnb():
     return bnb_f
 
 
+# Parameters per dequantization call on the CPU (`ExpertQuantization.decode`): a multiple of NF4_BLOCK whose fp32
+# temporaries stay under glibc's 1 MiB mmap threshold of `host_allocator.return_freed_memory`.
+DECODE_SLICE = 1 << 17
+
+
 def _align(n: int, to: int = 16) -> int:
     return -(-n // to) * to
 
@@ -102,22 +107,39 @@ class ExpertQuantization:
 
     def decode(self, row: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """One expert's flat weights in `dtype` from its (nbytes,) uint8 `row`, on the row's device (into `out`, a
-        (numel,) tensor, where given): bitsandbytes' dequantization, then a cast where its output dtype differs."""
+        (numel,) tensor, where given): bitsandbytes' dequantization, then a cast where its output dtype differs.
+        On the CPU a slice of `DECODE_SLICE` parameters at a time (blocks and rows are independent, so the values
+        are the same): the library's temporaries then stay small and recycle in malloc's heap, where a whole
+        expert's would be a fresh mapping per call, page-faulted in, once freed memory is returned to the kernel
+        (`host_allocator.return_freed_memory`)."""
         F = _bnb()
         data, scales = self._split(row)
+        whole = row.device.type != "cpu"
         if self.storage == "nf4":
-            state = F.QuantState(absmax=scales, shape=torch.Size([self.padded]), code=_nf4_code(row.device),
-                                 blocksize=NF4_BLOCK, quant_type="nf4", dtype=dtype)
-            values = F.dequantize_4bit(data.view(-1, 1), state).view(-1)[: self.numel]
-            if out is None:
-                return values
-            return out.copy_(values)
+            code, step = _nf4_code(row.device), self.padded if whole else DECODE_SLICE
+            for a in range(0, self.padded, step):
+                b = min(a + step, self.padded)
+                state = F.QuantState(absmax=scales[a // NF4_BLOCK : b // NF4_BLOCK], shape=torch.Size([b - a]),
+                                     code=code, blocksize=NF4_BLOCK, quant_type="nf4", dtype=dtype)
+                values = F.dequantize_4bit(data[a // 2 : b // 2].view(-1, 1), state).view(-1)
+                end = min(b, self.numel)
+                if out is None and whole:
+                    return values[: self.numel]
+                if out is None:
+                    out = torch.empty(self.numel, dtype=dtype, device=row.device)
+                out[a:end].copy_(values[: end - a])
+            return out
         if out is None:
             out = torch.empty(self.numel, dtype=dtype, device=row.device)
         offset, r = 0, 0
         for (rows, cols) in self.matrices:
-            codes = data[offset : offset + rows * cols].view(torch.int8).view(rows, cols)
-            out[offset : offset + rows * cols].view(rows, cols).copy_(F.int8_vectorwise_dequant(codes, scales[r : r + rows]))
+            step = rows if whole else max(1, DECODE_SLICE // cols)
+            for i in range(0, rows, step):
+                n = min(step, rows - i)
+                begin = offset + i * cols
+                codes = data[begin : begin + n * cols].view(torch.int8).view(n, cols)
+                out[begin : begin + n * cols].view(n, cols).copy_(
+                    F.int8_vectorwise_dequant(codes, scales[r + i : r + i + n]))
             offset += rows * cols
             r += rows
         return out

@@ -24,7 +24,7 @@ from ..models.moe_gpt.moe_ops import dropout_active, grouped_expert_counts
 from ..precision import autocast_state, compute_dtype, restore_autocast
 from ..rng import get_rng, rng_devices, set_rng
 from ..layouts import ExpertLayout
-from .expert_lora import ExpertLora, active_expert_lora
+from .expert_lora import ChunkLora, ExpertLora, active_expert_lora
 from .store import WEIGHTS, ExpertKey
 
 if TYPE_CHECKING:
@@ -239,14 +239,18 @@ class OffloadedExpertsLayer:
                                              else self.layout.views(rows))
         return views
 
+    def _chunk_lora(self, plan: ChunkPlan, chunk: list[Segment], leaves: bool) -> ChunkLora | None:
+        if plan.lora is None:
+            return None
+        return plan.lora.chunk([e for e, _, _ in chunk], plan.grouped, self.num_experts, leaves)
+
     def _compute(self, xs: torch.Tensor, chunk: list[Segment], tensors: list[torch.Tensor], grouped: bool,
-                 lora: ExpertLora | None) -> torch.Tensor:
+                 lora: ChunkLora | None) -> torch.Tensor:
         adapt = None
         if lora is not None:
-            experts = [e for e, _, _ in chunk]
 
             def adapt(linear):
-                return lora.linear(linear, self.layout.names(), tensors, experts, grouped, self.num_experts)
+                return lora.linear(linear, self.layout.names(), tensors)
         if grouped:
             return self.layout.grouped_forward(xs, [n for _, _, n in chunk], tensors, adapt)
         return self.layout.forward(xs, tensors, adapt)
@@ -257,29 +261,37 @@ class OffloadedExpertsLayer:
         activation (T_M) saved as a resident model saves it, the weights not (`_kept_graph`)."""
         grouped = plan.grouped
         if graphs is None:
-            return self._compute(xs, chunk, self._tensors(rows, xs, grouped), grouped, plan.lora)
+            lora = self._chunk_lora(plan, chunk, leaves=False)
+            return self._compute(xs, chunk, self._tensors(rows, xs, grouped), grouped, lora)
         leaves = [t.detach().requires_grad_(True) for t in self._tensors(rows, xs, grouped)]
-        graphs.append(_kept_graph(lambda inputs: self._compute(inputs, chunk, leaves, grouped, plan.lora), xs, leaves,
-                                  rows))
+        lora = self._chunk_lora(plan, chunk, leaves=True)
+        graphs.append((*_kept_graph(lambda inputs: self._compute(inputs, chunk, leaves, grouped, lora), xs, leaves,
+                                    rows), lora))
         return graphs[-1][2].detach()
 
-    def _differentiate(self, ys, xs, leaves: list, gy, shared: tuple, g_shared: list) -> tuple:
+    def _differentiate(self, ys, xs, leaves: list, gy, params: tuple, g_params: list, lora: ChunkLora | None,
+                       factors: list, g_lora: list) -> tuple:
         """One autograd pass over a chunk's forward graph -> (the input gradient, the expert tensors' gradients in
-        layout order, none when the experts are frozen); the `shared` parameters' gradients are added into
-        `g_shared`."""
+        layout order, none when the experts are frozen); the shared `params`' gradients are added into `g_params`,
+        the chunk's LoRA factor blocks' into the gradients `g_lora` of the layer's `factors` (ChunkLora.accumulate)."""
         train = self.engine.train_experts
-        grads = torch.autograd.grad(ys, [xs, *(leaves if train else []), *shared], gy.to(ys.dtype),
-                                    allow_unused=bool(shared))
-        for j, g in enumerate(grads[len(grads) - len(shared):]):
+        extra = [*params, *(lora.tensors() if lora is not None else [])]
+        grads = torch.autograd.grad(ys, [xs, *(leaves if train else []), *extra], gy.to(ys.dtype),
+                                    allow_unused=bool(extra))
+        tail = grads[len(grads) - len(extra):]
+        for j, g in enumerate(tail[: len(params)]):
             if g is not None:
-                g_shared[j] = g if g_shared[j] is None else g_shared[j] + g
+                g_params[j] = g if g_params[j] is None else g_params[j] + g
+        if lora is not None:
+            lora.accumulate(tail[len(params):], factors, g_lora)
         return grads[0], grads[1 : 1 + len(leaves)] if train else ()
 
     # --- the path: forward and backward ---
     def run_forward(self, x: torch.Tensor, plan: ChunkPlan, rng_states: list | None,
                     graphs: list | None = None) -> torch.Tensor:
         """`rng_states`: a list to record each chunk's RNG state in (for the recompute; None: no backward follows).
-        `graphs`: a list to keep each chunk's forward graph in, (input leaf, weight leaves, output, holder), instead."""
+        `graphs`: a list to keep each chunk's forward graph in, (input leaf, weight leaves, output, holder, its
+        ChunkLora), instead."""
         engine = self.engine
         chunks = plan.chunks
         y = None  # in the experts' output dtype (autocast: bf16), like the resident experts' torch.cat
@@ -309,7 +321,9 @@ class OffloadedExpertsLayer:
         recomputed from the weights streamed again (under the chunk's RNG state where the forward recorded one)."""
         engine = self.engine
         gx = torch.zeros_like(x)
-        g_shared = [None] * len(shared)
+        factors = plan.lora.tensors() if plan.lora is not None else []  # the last of `shared`
+        params = shared[: len(shared) - len(factors)]
+        g_params, g_lora = [None] * len(params), [None] * len(factors)
         order = list(reversed(range(len(plan.chunks))))
         stream = engine.stream_chunks(self.layer, plan.source, [plan.chunks[c] for c in order], "backward")
         with contextlib.closing(stream):
@@ -317,18 +331,20 @@ class OffloadedExpertsLayer:
                 try:
                     lo, hi = span(chunk)
                     if graphs:
-                        xs, leaves, ys, holder = graphs[c]
+                        xs, leaves, ys, holder, lora = graphs[c]
                         holder[0] = rows  # the kept graph's saved weights are these (see _kept_graph)
                         graphs[c] = None  # freed once used, as autograd frees a resident model's saved tensors
                     else:
                         leaves = [t.detach().requires_grad_(True) for t in self._tensors(rows, x, plan.grouped)]
+                        lora = self._chunk_lora(plan, chunk, leaves=True)
                         xs = x[lo:hi].detach().requires_grad_(True)
                         with torch.enable_grad(), torch.random.fork_rng(devices=rng_devices(x.device),
                                                                         enabled=bool(rng_states)):
                             if rng_states:
                                 set_rng(x.device, rng_states[c])
-                            ys = self._compute(xs, chunk, leaves, plan.grouped, plan.lora)
-                    gx[lo:hi], expert_grads = self._differentiate(ys, xs, leaves, gy[lo:hi], shared, g_shared)
+                            ys = self._compute(xs, chunk, leaves, plan.grouped, lora)
+                    gx[lo:hi], expert_grads = self._differentiate(ys, xs, leaves, gy[lo:hi], params, g_params, lora,
+                                                                  factors, g_lora)
                 except BaseException:
                     for (e, _, _), record in zip(chunk, records):
                         engine.release_record((self.layer, e), record)
@@ -337,7 +353,7 @@ class OffloadedExpertsLayer:
                     expert_grads = tuple(g.unsqueeze(0) for g in expert_grads)
                 engine.chunk_grads_arrived(self.layer, chunk, records, expert_grads)
         engine.layer_backward_done(self.layer)
-        return gx, g_shared
+        return gx, [*g_params, *g_lora]
 
     def forget_buffers(self) -> None:
         """The store was replaced: drop the views made of its buffers."""
