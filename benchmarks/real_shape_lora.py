@@ -171,8 +171,9 @@ def main() -> None:
     store_files = sum(os.path.getsize(os.path.join(args.offload_dir, f)) for f in os.listdir(args.offload_dir)
                       if f.endswith(".bin"))
     out = {
-        "args": vars(args), "malloc_policy_set": malloc_set, "experts": est.num_experts, "expert_params": est.expert_params,
-        "lora_trainable": trainable, "fill_s": fill_s, "step_s": times, "step_system_s": system, "step_minor_faults": faults, "losses": losses,
+        "args": vars(args), "malloc_policy_set": malloc_set, "experts": est.num_experts,
+        "expert_params": est.expert_params, "lora_trainable": trainable, "fill_s": fill_s, "step_s": times,
+        "step_system_s": system, "step_minor_faults": faults, "losses": losses,
         "disk_read_bytes_per_step": reads, "peak_rss_over_baseline_bytes": peak, "rss_after_trim_bytes": trimmed, "experts_routed_last_step": used,
         "live_tensor_bytes_after_last_step": live,
         "store_file_bytes": store_files,

@@ -216,8 +216,9 @@ def _trained_disk_traffic(w: Workload, n_experts: int, layer_experts: int, layer
     holds different records at the two turnarounds: the m = min(C - pins, u) records the backward starts with (the
     forward's last) hold only their weights and read their two moments (2 rows each), and the m records the backward
     leaves dirty are hit by the next forward and then written back (3 rows each) to make room for its reads, where
-    the minimum would keep them. Pins stay (ES-MoE §4.3), so m shrinks with them: at most `pin_fraction` of each layer's experts, within the room the engine
-    leaves beside the reads ahead and the staged chunks (engine.pin_limit, _bind_staging, _bind_slab)."""
+    the minimum would keep them. Pins stay (ES-MoE §4.3), so m shrinks with them: at most `pin_fraction` of each
+    layer's experts, within the room the engine leaves beside the reads ahead and the staged chunks (engine.pin_limit,
+    _bind_staging, _bind_slab)."""
     depth = max(0, min(w.prefetch_depth, cache - 2))
     room = cache - depth - 1
     if w.device == "cuda":  # the slab's two chunks of up to a layer's experts

@@ -42,7 +42,8 @@ def _run(config, method: str, tier: str, storage: str, tmp_path, cache: int | No
     frozen = method != "full"
     engine = enable_expert_offload(model, OffloadConfig(
         mode=tier, offload_dir=str(tmp_path / "experts"), train_experts=not frozen, expert_storage=storage,
-        host_cache_experts=cache, prefetch_depth=2, mmap_weights=False if tier == "disk" else None, pin_fraction=pin_fraction))
+        host_cache_experts=cache, prefetch_depth=2, mmap_weights=False if tier == "disk" else None,
+        pin_fraction=pin_fraction))
     if frozen:
         for p in model.parameters():
             p.requires_grad_(False)
