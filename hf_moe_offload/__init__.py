@@ -28,6 +28,7 @@ from .offload import (
 from .offload.checkpoint import load_offloaded_pretrained
 from .offload.expert_lora import expert_target_parameters
 from .offload.saving import save_merged_lora, save_offloaded_pretrained
+from .adapter_export import export_per_expert_adapter, import_per_expert_adapter
 from .lm_loss import ChunkedLossTrainer, chunked_causal_lm_loss
 from .trainer import OffloadTrainer
 from .optim import ExpertAwareOptimizer, ExpertOptimizer, ExpertOptimizerCallback, latest_complete_checkpoint
@@ -59,6 +60,8 @@ __all__ = [
     "save_offloaded_pretrained",
     "save_merged_lora",
     "expert_target_parameters",
+    "export_per_expert_adapter",
+    "import_per_expert_adapter",
     "load_offloaded_pretrained",
     "ExpertOptimizer",
     "ExpertAwareOptimizer",
