@@ -31,6 +31,7 @@ in the heap, and at Qwen3-30B-A3B's shape the peak grew 25% past the figure over
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -44,6 +45,8 @@ from .offload.engine import OffloadEngine
 from .offload.planner import ADAM_BYTES_PER_PARAM, MemoryEstimate, choose_tier, detect_budgets
 from .offload.quantized import EXPERT_STORAGES, QUANTIZED_STORAGES, store_quantization
 from .offload.store import ROW_GAP_BYTES
+from .time_model import (GPUS, DecodeTime, Rates, StepFlops, StepTime, decode_time, model_shape, resolve_rates,
+                         step_flops, step_time)
 
 METHODS = ("full", "lora", "lora-experts")
 GiB = 2**30
@@ -61,8 +64,10 @@ class Workload:
     lora_r: int = 8
     host_cache_experts: int | None = None  # disk tier; None: a quarter of the experts (enable_expert_offload's)
     prefetch_depth: int = 2
-    pin_fraction: float = 0.25  # OffloadConfig's: experts per layer kept in the disk tier's cache for good
+    pin_fraction: float = 0.25  # OffloadConfig's: experts per layer kept resident (ES-MoE §4.3)
     device: str = "cuda"  # where the model computes: cuda (experts uploaded) or cpu
+    gradient_checkpointing: bool = False  # transformers' activation checkpointing of the decoder layers
+    micro_batches: int = 1  # per accumulation window (the host Adam steps once per window)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -71,6 +76,8 @@ class Workload:
             raise UserError(f"expert storage must be one of {', '.join(EXPERT_STORAGES)}; got {self.expert_storage!r}")
         if self.expert_storage in QUANTIZED_STORAGES and self.method == "full":
             raise UserError(f"--expert-storage {self.expert_storage} keeps frozen experts: use a LoRA method")
+        if self.batch_size < 1 or self.seq_len < 1 or self.micro_batches < 1:
+            raise UserError("batch size, sequence length and micro-batches must be at least 1")
 
     @property
     def frozen_experts(self) -> bool:
@@ -90,6 +97,9 @@ class TierNeeds:
     disk_read_bytes_per_step: int = 0
     disk_write_bytes_per_step: int = 0
     parts: dict[str, int] = field(default_factory=dict)  # what the figures are made of
+    # the largest batch (sequences of seq_len) whose device figure fits the budget: without / with checkpointing
+    largest_batch: dict[str, int] = field(default_factory=dict)
+    time: StepTime | None = None  # on a GPU, where rates are given
 
 
 @dataclass
@@ -107,10 +117,18 @@ class Estimate:
     auto: str
     auto_reason: str
     workload: Workload
+    flops: StepFlops | None = None  # one micro-batch's, as the offloaded tiers run it
+    device_pins: int = 0  # trained experts whose state stays on the GPU (ES-MoE §4.3), in the estimate's budget
+    rates: Rates | None = None
+    decode: list[DecodeTime] = field(default_factory=list)
+    device_budget: int = 0
 
     def as_dict(self) -> dict:
         out = asdict(self)
         out["workload"]["dtype"] = str(self.workload.dtype).removeprefix("torch.")
+        if self.flops is not None:
+            out["flops"] = {"forward": self.flops.forward, "backward": self.flops.backward,
+                            "recompute": self.flops.recompute, "total": self.flops.total, "parts": self.flops.parts}
         return out
 
 
@@ -123,9 +141,11 @@ def meta_model(config):
         return AutoModelForCausalLM.from_config(config)
 
 
-def estimate(config, workload: Workload, device_budget: int | None = None, host_budget: int | None = None) -> Estimate:
+def estimate(config, workload: Workload, device_budget: int | None = None, host_budget: int | None = None,
+             rates: Rates | None = None) -> Estimate:
     """Every tier's needs for `workload` on the model of `config`, and the tier `mode="auto"` picks within the
-    budgets (default: this machine's free memory; the device's is the host's where it computes on the CPU)."""
+    budgets (default: this machine's free memory; the device's is the host's where it computes on the CPU). With
+    `rates` (a GPU's, `time_model.resolve_rates`) and a workload on cuda, each tier's predicted step time too."""
     from .moe_path import experts_layers
 
     w = workload
@@ -136,12 +156,18 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     layouts = [layout for _, _, layout in found]
     p = layouts[0].numel
     n_experts = sum(lay.num_experts for lay in layouts)
+    layers = len(layouts)
+    layer_experts = layouts[0].num_experts
     expert_params = n_experts * p
     non_expert = sum(t.numel() for t in model.parameters()) - expert_params
-    lora, lora_on_experts = _lora_params(model, w) if w.frozen_experts else (0, 0)
+    shape = model_shape(model, config, layouts[0], layers)  # (before peft wraps the model below)
+    lora, lora_on_experts, lora_dense, lora_expert = _lora_params(model, w) if w.frozen_experts else (0, 0, [], [])
     item = w.dtype.itemsize
     quantization = (store_quantization(w.expert_storage, w.dtype, [t.shape for t in layouts[0].tensors])
                     if w.frozen_experts else None)
+    cuda = w.device == "cuda"
+    host_budget = host_budget or detect_budgets(torch.device("cpu"))[1]
+    device_budget = device_budget or (host_budget if not cuda else _cuda_free())
 
     # One expert in the store (api._build_store's rules)
     if not w.frozen_experts:
@@ -154,7 +180,7 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     copy = p * item if not w.frozen_experts and w.dtype != torch.float32 else 0
     store = n_experts * (record + copy)
     # the host tier's layer blocks leave ROW_GAP_BYTES after each row (offload/store.py: cache-set spacing)
-    host_store = store + len(layouts) * (4 if not w.frozen_experts else 1) * ROW_GAP_BYTES
+    host_store = store + layers * (4 if not w.frozen_experts else 1) * ROW_GAP_BYTES
     cache = w.host_cache_experts or default_cache_experts(n_experts, w.prefetch_depth)
     cache = min(cache, n_experts)
 
@@ -163,48 +189,152 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     # LoRA on streamed experts: each forward takes the adapters' factors once, in the model's dtype, as inputs of the
     # experts' pass (offload/expert_lora.py: LoraTerm.of), kept until the next forward
     lora_factors = lora_on_experts * item
-    acts = _activation_bytes(config, model, w, item, len(layouts), n_experts,
-                             keeps_expert_graphs=w.device == "cpu" and quantization is None)
-    cuda = w.device == "cuda"
+    keeps_graphs = not cuda and quantization is None  # OffloadConfig.keep_activations' default
+    acts = _activation_bytes(config, model, w, item, layers, n_experts, keeps_expert_graphs=keeps_graphs)
     upload = quantization.nbytes if quantization is not None else p * item  # one expert's upload
-    layer_experts = layouts[0].num_experts
-    slab = 2 * layer_experts * p * item if cuda else 0  # two blocks of a layer's experts (offload/slab.py)
     staging = OffloadEngine.STAGE_MAX * p * item if not cuda else 0  # the disk tier's staging block on the CPU
 
     resident_experts = expert_params * (4 * item if not w.frozen_experts else item)
     tiers: dict[str, TierNeeds] = {}
     tiers["device"] = _place(TierNeeds("device", 0, 0, 0, parts={
         "experts (resident)": resident_experts, "rest of the model": rest, "activations": acts}), cuda)
-    # Forward and backward each upload every expert, but the forward's last two chunks (a layer each by default),
-    # which the slab's two blocks still hold when the backward starts
-    steps_h2d = (2 * n_experts - min(n_experts, 2 * layer_experts)) * upload if cuda else 0
-    d2h = n_experts * p * item if cuda and not w.frozen_experts else 0
-    host = TierNeeds("host", 0, 0, 0, h2d_bytes_per_step=steps_h2d, d2h_bytes_per_step=d2h, parts={
-        "expert store": host_store, "rest of the model": rest, "activations": acts,
-        **({"LoRA factors (streamed pass)": lora_factors} if lora_factors else {}),
-        **({"slab": slab} if cuda else {})})
-    tiers["host"] = _place(host, cuda, host_parts=("expert store",))
-    if w.frozen_experts:
-        reads, writes = 2 * max(0, n_experts - cache) * record, 0
-    else:
-        reads, writes = _trained_disk_traffic(w, n_experts, layer_experts, len(layouts), cache, row=4 * p)
-    cache_bytes = cache * (record + copy)
-    disk = TierNeeds("disk", 0, 0, n_experts * record, h2d_bytes_per_step=steps_h2d, d2h_bytes_per_step=d2h,
-                     disk_read_bytes_per_step=reads, disk_write_bytes_per_step=writes, parts={
-                         "host cache": cache_bytes, "rest of the model": rest, "activations": acts,
-                         **({"LoRA factors (streamed pass)": lora_factors} if lora_factors else {}),
-                         **({"slab": slab} if cuda else {"staging block": staging})})
-    tiers["disk"] = _place(disk, cuda, host_parts=("host cache",))
+    pins = 0
+    for tier in ("host", "disk"):
+        disk = tier == "disk"
+        stream = _Stream.of(w, layer_experts, layers, p, item, cache if disk else None, device_budget)
+        pins = stream.device_pins if tier == "host" else pins
+        parts = {("host cache" if disk else "expert store"): cache * (record + copy) if disk else host_store,
+                 "rest of the model": rest, "activations": acts}
+        if lora_factors:
+            parts["LoRA factors (streamed pass)"] = lora_factors
+        if cuda:
+            parts["slab"] = stream.slab_bytes
+            if stream.device_pins:
+                parts["device pins (state)"] = stream.device_pins * p * (ADAM_BYTES_PER_PARAM + (copy // p))
+        elif disk:
+            parts["staging block"] = staging
+        needs = TierNeeds(tier, 0, 0, n_experts * record if disk else 0, parts=parts)
+        if cuda:
+            needs.h2d_bytes_per_step = int(stream.uploads(w.gradient_checkpointing) * upload)
+            needs.d2h_bytes_per_step = (n_experts - stream.device_pins) * p * item if not w.frozen_experts else 0
+        if disk:
+            if w.frozen_experts:
+                sweeps = 3 if w.gradient_checkpointing else 2  # forward, the checkpoint's recompute, backward
+                needs.disk_read_bytes_per_step = sweeps * max(0, n_experts - cache) * record
+            else:
+                needs.disk_read_bytes_per_step, needs.disk_write_bytes_per_step = _trained_disk_traffic(
+                    w, n_experts, layer_experts, layers, cache, row=4 * p)
+        tiers[tier] = _place(needs, cuda, host_parts=("host cache" if disk else "expert store",))
 
-    host_budget = host_budget or detect_budgets(torch.device("cpu"))[1]
-    device_budget = device_budget or (host_budget if not cuda else _cuda_free())
+    for needs in tiers.values():
+        needs.largest_batch = _largest_batch(config, model, w, item, layers, n_experts, keeps_graphs, needs,
+                                             device_budget)
+
     est = MemoryEstimate(expert_params, non_expert, n_experts, acts,
                          ADAM_BYTES_PER_PARAM if not w.frozen_experts else record / p)
     auto, why = choose_tier(est, device_budget, host_budget)
     if auto == "device" and quantization is not None:  # the quantized format is the store's (OffloadConfig)
         auto, why = "host", f"{w.expert_storage} experts live in the offloaded store; " + why
-    return Estimate(getattr(config, "model_type", "?"), expert_params, non_expert, lora, n_experts, len(layouts), p,
-                    record, cache, tiers, auto, why, w)
+    over = tiers[auto].device_bytes - HEADROOM * device_budget
+    if cuda and over > 0:
+        fits = tiers[auto].largest_batch
+        why += (f"; but it needs {tiers[auto].device_bytes / GiB:.2f} GiB on the GPU, over the budget: "
+                + (f"the largest batch that fits is {fits['without checkpointing']} without activation checkpointing"
+                   f" and {fits['with checkpointing']} with it" if fits else "lower the batch")
+                + (" (--gradient-checkpointing)" if not w.gradient_checkpointing else ""))
+
+    flops = step_flops(shape, w.batch_size, w.seq_len, train_experts=not w.frozen_experts,
+                       train_rest=not w.frozen_experts, lora_dense=lora_dense, lora_expert=lora_expert,
+                       lora_r=w.lora_r, experts_recompute=not keeps_graphs,
+                       checkpointing=w.gradient_checkpointing)
+    decode = []
+    if rates is not None and cuda:
+        tokens = w.batch_size * w.seq_len
+        for needs in tiers.values():
+            resident = needs.tier == "device"
+            adam = 0 if resident or w.frozen_experts else (n_experts - pins) * p
+            # the disk tier's reads: per micro-batch for frozen experts, per window for trained ones (their steps)
+            disk = needs.disk_read_bytes_per_step + needs.disk_write_bytes_per_step
+            step_fl = flops if not resident else step_flops(
+                shape, w.batch_size, w.seq_len, train_experts=not w.frozen_experts, train_rest=not w.frozen_experts,
+                lora_dense=lora_dense, lora_expert=lora_expert, lora_r=w.lora_r, experts_recompute=False,
+                checkpointing=w.gradient_checkpointing)
+            needs.time = step_time(step_fl, tokens, rates, h2d=needs.h2d_bytes_per_step,
+                                   d2h=needs.d2h_bytes_per_step, host_adam_params=adam,
+                                   micro_batches=w.micro_batches, disk_bytes=disk)
+        decode = [decode_time(shape, upload, item, rates, hit) for hit in (0.0, 0.5)]
+    return Estimate(getattr(config, "model_type", "?"), expert_params, non_expert, lora, n_experts, layers, p,
+                    record, cache, tiers, auto, why, w, flops=flops, device_pins=pins, rates=rates, decode=decode,
+                    device_budget=device_budget)
+
+
+HEADROOM = 0.9  # of a budget a plan may fill (planner.choose_tier's)
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """How an offloaded tier streams the experts on a GPU, as the engine binds it (engine._bind_slab,
+    _bind_device_pins, pin_limit): the slab's experts per chunk and the trained experts whose state stays on the
+    device."""
+
+    layer_experts: int
+    layers: int
+    chunk: int  # the slab's k; 0: no slab (expert by expert through the stager, nothing reused)
+    device_pins: int
+    slab_bytes: int
+
+    @classmethod
+    def of(cls, w: Workload, layer_experts: int, layers: int, p: int, item: int, cache: int | None,
+           device_budget: int) -> _Stream:
+        if w.device != "cuda":
+            return cls(layer_experts, layers, 0, 0, 0)
+        budget = device_budget // 4  # the engine's default: a quarter of the device memory free at bind
+        k = min(layer_experts, budget // (2 * p * item))
+        depth = w.prefetch_depth if cache is None else max(0, min(w.prefetch_depth, cache - 2))
+        if cache is not None:
+            k = min(k, (cache - depth - 1) // 2)
+        k = k if k >= 2 else 0
+        slab = 2 * k * p * item
+        pins = 0
+        if k and not w.frozen_experts and w.pin_fraction:
+            pins = layers * math.ceil(w.pin_fraction * layer_experts)
+            if cache is not None:
+                pins = min(pins, max(0, cache - depth - 1 - 2 * k))
+            per_pin = p * (ADAM_BYTES_PER_PARAM + (item if item != 4 else 0))
+            pins = min(pins, max(0, budget - slab) // per_pin)
+        return cls(layer_experts, layers, k, pins, slab)
+
+    def uploads(self, checkpointing: bool) -> float:
+        """Experts uploaded per step, every expert routed: the forward's, the checkpoint's recompute's, and the
+        backward's but those the slab's two blocks still hold where the backward starts (the forward's last two
+        chunks; with checkpointing, each layer's backward follows that layer's recompute, whose last two chunks it
+        reuses: ES-MoE §4.1's reverse order)."""
+        per_layer = self.layer_experts - self.device_pins / self.layers  # the pins are spread over the layers
+        total = per_layer * self.layers
+        if not self.chunk:
+            return (3 if checkpointing else 2) * total
+        k = self.chunk
+        rest = per_layer % k if per_layer > k else 0
+        last_two = min(per_layer, k + (rest or k))  # a layer's last two chunks
+        if checkpointing:
+            return 2 * total + (total - self.layers * last_two)
+        held = last_two if per_layer > k else min(total, 2 * per_layer)  # a chunk is a layer at most
+        return 2 * total - held
+
+
+def _largest_batch(config, model, w: Workload, item: int, layers: int, n_experts: int, keeps_graphs: bool,
+                   needs: TierNeeds, device_budget: int) -> dict[str, int]:
+    """The largest batch of `w.seq_len`-token sequences whose device figure fits the budget, without and with
+    activation checkpointing: the activations grow with the batch, the rest does not."""
+    if w.device != "cuda":
+        return {}
+    fixed = needs.device_bytes - needs.parts["activations"]
+    out = {}
+    for label, ckpt in (("without checkpointing", False), ("with checkpointing", True)):
+        one = dataclasses.replace(w, batch_size=1, gradient_checkpointing=ckpt)
+        per_sequence = _activation_bytes(config, model, one, item, layers, n_experts, keeps_graphs)
+        out[label] = max(0, int((HEADROOM * device_budget - fixed) // per_sequence))
+    return out
 
 
 def _trained_disk_traffic(w: Workload, n_experts: int, layer_experts: int, layers: int, cache: int,
@@ -250,9 +380,10 @@ def _cuda_free() -> int:
     raise UserError("no GPU here to read its free memory from: give --gpu-memory GB (or --device cpu)")
 
 
-def _lora_params(model, w: Workload) -> tuple[int, int]:
+def _lora_params(model, w: Workload) -> tuple[int, int, list[tuple[int, int]], list[tuple[int, int]]]:
     """peft's trainable parameters for the method (the jobs' targets), counted on the meta model (peft builds its
-    adapters there): (all of them, those on the experts' tensors)."""
+    adapters there): (all of them, those on the experts' tensors, (in, out) of each adapted dense matrix of one
+    decoder layer stack, (in, out) of each adapted matrix of one expert)."""
     from peft import LoraConfig, get_peft_model
 
     from .jobs import LORA_ATTENTION  # what `--method lora` adapts
@@ -263,17 +394,26 @@ def _lora_params(model, w: Workload) -> tuple[int, int]:
     modules = [m for m in LORA_ATTENTION if m in names]
     parameters = expert_target_parameters(model) if w.method == "lora-experts" else []
     if not modules and not parameters:
-        return 0, 0
+        return 0, 0, [], []
     experts = {name for name, _ in find_experts_modules(model)}
     peft_model = get_peft_model(model, LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=modules,
                                                   target_parameters=parameters or None))
     total = on_experts = 0
+    dense: list[tuple[int, int]] = []
     for name, t in peft_model.named_parameters():
         if t.requires_grad:
             total += t.numel()
             # peft's wrappers sit at the experts module's place: base_model.model.<experts module path>.lora_*
             on_experts += t.numel() * any(f".{e}." in name for e in experts)
-    return total, on_experts
+    for name, module in peft_model.named_modules():
+        if hasattr(module, "in_features") and hasattr(module, "lora_A") and not any(f".{e}" in name for e in experts):
+            dense.append((module.in_features, module.out_features))
+    # one expert's adapted matrices: the 3-D tensors' per-expert shapes (E, out, in) or transposed; r (in + out) either
+    # way
+    first = find_experts_modules(model)[0][1]
+    suffixes = {p.rsplit(".", 1)[-1] for p in parameters}
+    on_expert = [tuple(getattr(first, n).shape[1:]) for n in sorted(suffixes) if hasattr(first, n)]
+    return total, on_experts, dense, on_expert
 
 
 def _activation_bytes(config, model, w: Workload, item: int, moe_layers: int, num_experts: int,
@@ -290,7 +430,8 @@ def _activation_bytes(config, model, w: Workload, item: int, moe_layers: int, nu
       from unquantized weights, `OffloadConfig.keep_activations`) their gate/up and activation outputs, 3 k I item;
       a dense layer's FFN the same for its width;
 
-    plus the logits in fp32 with their log-softmax and gradient, 3 V 4. (At Qwen3-30B-A3B's shape, 4 layers, what
+    plus the logits in fp32 with their log-softmax and gradient, 3 V 4. With activation checkpointing, each decoder
+    layer keeps its input (h item) and one layer's activations exist at a time, in its recompute. (At Qwen3-30B-A3B's shape, 4 layers, what
     autograd saved beyond the parameters was less than this counts; the process's RSS grew more, by glibc keeping
     freed memory: benchmarks/RESULTS.md, real_shape_lora.)"""
     tokens = w.batch_size * w.seq_len
@@ -310,8 +451,12 @@ def _activation_bytes(config, model, w: Workload, item: int, moe_layers: int, nu
                                                                           else 0)
     dense = 3 * dense_inter * item
     layers = config.num_hidden_layers
+    logits = 3 * tokens * config.vocab_size * 4
+    if w.gradient_checkpointing:
+        # each layer keeps its input only; the backward recomputes one layer's activations at a time
+        return tokens * (layers * h * item + per_layer + (moe if moe_layers else dense)) + logits
     per_token = layers * per_layer + moe_layers * moe + (layers - moe_layers) * dense
-    return tokens * per_token + 3 * tokens * config.vocab_size * 4
+    return tokens * per_token + logits
 
 
 # --- CLI ---
@@ -326,7 +471,8 @@ def add_cli(sub) -> None:
                    help="frozen experts' storage (LoRA methods): auto/bf16 the model's dtype, int8, nf4")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="the model's dtype")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where the model computes")
-    p.add_argument("--gpu-memory", type=float, help="GB of GPU memory available (default: this GPU's free memory)")
+    p.add_argument("--gpu-memory", type=float, help="GB of GPU memory available (default: --gpu's memory, else this "
+                                                    "GPU's free memory)")
     p.add_argument("--host-memory", type=float, help="GB of host memory available (default: this machine's)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=512)
@@ -336,6 +482,20 @@ def add_cli(sub) -> None:
     p.add_argument("--pin-fraction", type=float, default=0.25,
                    help="disk tier, trained experts: the fraction of each layer's experts pinned in the host cache "
                         "(OffloadConfig.pin_fraction; fewer records turn over between the sweeps)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="transformers' activation checkpointing: each decoder layer keeps its input only and "
+                        "recomputes the rest in the backward (less device memory, one more forward)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches per optimizer step (gradient accumulation): the host Adam steps once per window")
+    time = p.add_argument_group("time model (on a GPU; docs/estimate.md)")
+    time.add_argument("--gpu", choices=sorted(GPUS), help="the GPU, for its rates and memory (default: h100's rates, "
+                                                          "this GPU's free memory)")
+    time.add_argument("--gpu-tflops", type=float, help="dense bf16 TFLOPS of the GPU (default: the --gpu table's)")
+    time.add_argument("--gpu-efficiency", type=float, help="the fraction of it a training step reaches (default 0.4)")
+    time.add_argument("--pcie-gbps", type=float, help="GB/s of pinned copies per direction (default: the table's)")
+    time.add_argument("--host-adam-gps", type=float,
+                      help="G parameters/s the host Adam steps (default: measured here by a 1 s probe)")
+    time.add_argument("--disk-gbps", type=float, help="GB/s the disk tier reads and writes (default 3)")
     p.add_argument("--json", help="also write the estimate to this file")
     p.set_defaults(func=run_cli)
 
@@ -353,10 +513,14 @@ def run_cli(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     w = Workload(method=args.method, expert_storage=args.expert_storage, dtype=dtype, batch_size=args.batch_size,
                  seq_len=args.seq_len, lora_r=args.lora_r, host_cache_experts=args.host_cache_experts,
-                 pin_fraction=args.pin_fraction, device=args.device)
+                 pin_fraction=args.pin_fraction, device=args.device,
+                 gradient_checkpointing=args.gradient_checkpointing, micro_batches=args.micro_batches)
     gb = 1e9
-    est = estimate(config, w, device_budget=int(args.gpu_memory * gb) if args.gpu_memory else None,
-                   host_budget=int(args.host_memory * gb) if args.host_memory else None)
+    gpu_memory = args.gpu_memory or (GPUS[args.gpu].memory_gb if args.gpu else None)
+    rates = (resolve_rates(args.gpu, args.gpu_tflops, args.gpu_efficiency, args.pcie_gbps, args.host_adam_gps,
+                           args.disk_gbps) if args.device == "cuda" else None)
+    est = estimate(config, w, device_budget=int(gpu_memory * gb) if gpu_memory else None,
+                   host_budget=int(args.host_memory * gb) if args.host_memory else None, rates=rates)
     print(render(est))
     if args.json:
         with open(args.json, "w") as f:
@@ -375,17 +539,49 @@ def render(est: Estimate) -> str:
         + (f"{w.expert_storage}" if w.expert_storage in QUANTIZED_STORAGES else
            ("fp32 state (weights, grad, Adam)" if not w.frozen_experts else str(w.dtype).removeprefix("torch.")))
         + f" ({est.expert_record_bytes / 2**20:.2f} MiB per expert), model {str(w.dtype).removeprefix('torch.')}, "
-        f"batch {w.batch_size} x {w.seq_len} tokens, computing on {w.device}",
+        f"batch {w.batch_size} x {w.seq_len} tokens"
+        + (f" x {w.micro_batches} micro-batches" if w.micro_batches > 1 else "")
+        + (", activation checkpointing" if w.gradient_checkpointing else "") + f", computing on {w.device}",
         "",
-        f"{'tier':<8}{'device':>14}{'host':>14}{'disk':>14}{'upload/step':>16}{'disk read/step':>16}"
-        f"{'disk write/step':>17}",
+        f"{'tier':<8}{'device':>14}{'host':>14}{'disk':>14}{'upload/step':>16}{'download/step':>16}"
+        f"{'disk read/step':>16}{'disk write/step':>17}",
     ]
     for t in est.tiers.values():
         lines.append(f"{t.tier:<8}{gib(t.device_bytes):>14}{gib(t.host_bytes):>14}{gib(t.disk_bytes):>14}"
-                     f"{gib(t.h2d_bytes_per_step):>16}{gib(t.disk_read_bytes_per_step):>16}"
-                     f"{gib(t.disk_write_bytes_per_step):>17}")
-    lines += ["", f"mode='auto' picks: {est.auto} ({est.auto_reason})",
-              f"disk tier host cache: {est.host_cache_experts} experts; process overhead (~0.5 GiB) not included",
+                     f"{gib(t.h2d_bytes_per_step):>16}{gib(t.d2h_bytes_per_step):>16}"
+                     f"{gib(t.disk_read_bytes_per_step):>16}{gib(t.disk_write_bytes_per_step):>17}")
+    lines += ["", f"mode='auto' picks: {est.auto} ({est.auto_reason})"]
+    if w.device == "cuda":
+        lines.append(f"largest batch (x {w.seq_len} tokens) within {est.device_budget / 1e9:.0f} GB of GPU memory: "
+                     + ", ".join(f"{t.tier} {t.largest_batch['without checkpointing']} without / "
+                                 f"{t.largest_batch['with checkpointing']} with activation checkpointing"
+                                 for t in est.tiers.values()))
+    if est.flops is not None:
+        fl = est.flops
+        lines.append(f"FLOPs per micro-batch (offloaded tiers): {fl.total / 1e12:,.1f} T (forward {fl.forward / 1e12:,.1f}"
+                     f", backward {fl.backward / 1e12:,.1f}, recompute {fl.recompute / 1e12:,.1f})")
+    if est.rates is not None:
+        r = est.rates
+        lines += ["", f"time model: {r.gpu} at {r.gpu_tflops:g} TFLOPS x {r.efficiency:g}, PCIe {r.pcie_gbps:g} GB/s "
+                      f"per direction, host Adam {r.host_adam_gps:.2f} G params/s ({r.host_adam_source}), disk "
+                      f"{r.disk_gbps:g} GB/s; seconds per optimizer step (the largest floor binds):",
+                  f"{'tier':<8}{'GPU':>9}{'link':>9}{'host Adam':>11}{'disk':>9}{'step':>9}{'tokens/s':>11}  binds"
+                  f"{'':<12}link hidden at"]
+        for t in est.tiers.values():
+            s = t.time
+            f = s.floors
+            hidden = f"{s.link_hidden_at_tokens:,} tokens/micro-batch" if s.link_hidden_at_tokens else "-"
+            lines.append(f"{t.tier:<8}{f['GPU compute']:>9.2f}{f['PCIe link']:>9.2f}{f['host Adam']:>11.2f}"
+                         f"{f.get('disk', 0.0):>9.2f}{s.window_s:>9.2f}{s.tokens_per_s:>11,.0f}  {s.binding:<17}"
+                         f"{hidden}")
+        host = est.tiers["host"].time
+        if host.adam_hidden_at_tokens:
+            lines.append(f"the host Adam hides behind the GPU at {host.adam_hidden_at_tokens:,} tokens per optimizer "
+                         "step (more micro-batches per step: --micro-batches)")
+        lines.append("decoding (batch 1, offloaded experts uploaded as routed): " + "; ".join(
+            f"device-cache hit {d.cache_hit:.0%}: {d.upload_bytes_per_token / 1e6:,.0f} MB/token, "
+            f"~{d.tokens_per_s:,.1f} tokens/s" for d in est.decode))
+    lines += [f"disk tier host cache: {est.host_cache_experts} experts; process overhead (~0.5 GiB) not included",
               "host figures are what the process holds: glibc's malloc keeps freed memory beyond them unless it "
               "returns it (the jobs' --malloc return; docs/jobs.md)"]
     return "\n".join(lines)

@@ -493,3 +493,34 @@ def test_evaluating_between_backward_and_step_on_a_device(autocast, clip):
         else:
             assert_within_adam_drift(model, reference, 1e-2, 3, outliers=0.1)
         experts.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_timing_a_step_with_the_step_barrier_leaves_the_device_pins_in_place(tier, tmp_path):
+    """A loop that waits at every step (to time or log it) with `engine.step_barrier()` moves no pinned expert's
+    state once the pins are placed: only the routed experts go up and their gradients down. `synchronize()` (saves,
+    loads) sends the pins' whole state home and the next forward brings it back: the contrast shows what is counted."""
+    model = _qwen3(16, layers=2)
+    with use_runtime(SimulatedRuntime(seed=4, max_delay=0.0005)):
+        engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "experts"),
+                                                            host_cache_experts=16, pin_fraction=0.25))
+        opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                   ExpertOptimizer(engine, lr=1e-3))
+        gen = torch.Generator().manual_seed(2)
+
+        def step(barrier) -> int:
+            before = engine.stats.pin_move_bytes
+            ids = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            barrier()
+            return engine.stats.pin_move_bytes - before
+
+        for _ in range(3):  # the pins are chosen from the first step's counts and come up at the next forward
+            step(engine.step_barrier)
+        assert engine.device_pins is not None and len(engine.device_pins) > 0
+        moved = [step(engine.step_barrier) for _ in range(3)]
+        assert moved == [0, 0, 0]
+        with_synchronize = [step(engine.synchronize) for _ in range(2)]
+        assert all(m > 0 for m in with_synchronize), with_synchronize

@@ -161,3 +161,179 @@ def test_the_cli_prints_every_tier_from_a_config_json(tmp_path, capsys):
     assert (tmp_path / "est.json").exists()
     assert main(["estimate", str(tmp_path / "nowhere")]) == 2
     assert main(["estimate", str(tmp_path / "model"), "--method", "full", "--expert-storage", "nf4"]) == 2
+
+
+# --- the time model's inputs: bytes and FLOPs per step (time_model.py) ---
+def _measured_step(config, method: str, tier: str, tmp_path, *, dtype=torch.float32, storage: str = "auto",
+                   checkpointing: bool = False, pin_fraction: float = 0.0, cache: int | None = None,
+                   simulated: bool = True, count_flops: bool = False, steps: int = 3):
+    """Train `steps` steps as the estimate's workload describes; the last one measured: (its stats' byte deltas,
+    the FLOPs torch's FlopCounterMode counted in its forward and backward)."""
+    from contextlib import nullcontext
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_moe_offload.jobs import LORA_ATTENTION
+    from hf_moe_offload.offload.expert_lora import expert_target_parameters
+
+    torch.manual_seed(0)
+    runtime = use_runtime(SimulatedRuntime(seed=2, max_delay=0.0005)) if simulated else nullcontext()
+    with runtime:
+        model = AutoModelForCausalLM.from_config(config, experts_implementation="eager", attn_implementation="eager",
+                                                 dtype=dtype)
+        frozen = method != "full"
+        targets = expert_target_parameters(model) if method == "lora-experts" else None
+        engine = enable_expert_offload(model, OffloadConfig(
+            mode=tier, offload_dir=str(tmp_path / "experts"), train_experts=not frozen, expert_storage=storage,
+            host_cache_experts=cache, prefetch_depth=2, mmap_weights=False if tier == "disk" else None,
+            pin_fraction=pin_fraction))
+        if frozen:
+            for p in model.parameters():
+                p.requires_grad_(False)
+            names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+            model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16,
+                                                     target_modules=[m for m in LORA_ATTENTION if m in names],
+                                                     target_parameters=targets))
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        else:
+            opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                       ExpertOptimizer(engine, lr=1e-3))
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        g = torch.Generator().manual_seed(1)
+        keys = ("h2d_bytes", "d2h_bytes", "disk_read_bytes")
+        flops = FlopCounterMode(display=False)
+        for step in range(steps):
+            last = step == steps - 1
+            if last:
+                engine.step_barrier()
+                before = {k: getattr(engine.stats, k) for k in keys}
+            x = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
+            with flops if last and count_flops else nullcontext():
+                model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        engine.step_barrier()
+        moved = {k: getattr(engine.stats, k) - v for k, v in before.items()}
+        assert sum(1 for c in engine.stats.tokens_per_expert.values() for n in c if n) == len(engine.store)
+        engine.synchronize()
+    if not count_flops:
+        return moved, None
+    # peft forms each adapted expert tensor's W + scaling * B A (torch.baddbmm) at every forward; on the stand-ins of
+    # offloaded experts that runs on the meta device (offload/stand_ins.py): no arithmetic, but the counter counts it
+    meta = flops.get_flop_counts()["Global"].get(torch.ops.aten.baddbmm, 0) if method == "lora-experts" else 0
+    return moved, flops.get_total_flops() - meta
+
+
+@pytest.mark.parametrize("method,tier,dtype,storage,checkpointing,pin_fraction,cache", [
+    ("full", "host", torch.float32, "auto", False, 0.25, None),  # device pins: their experts stay up
+    ("full", "host", torch.bfloat16, "auto", True, 0.25, None),
+    ("full", "disk", torch.float32, "auto", True, 0.0, 8),  # the cache bounds the slab's chunks (2 experts)
+    ("full", "disk", torch.bfloat16, "auto", False, 0.0, 8),
+    ("full", "disk", torch.float32, "auto", False, 0.0, None),  # a cache of 4: no slab, expert by expert
+    ("lora", "host", torch.bfloat16, "auto", True, 0.25, None),
+    ("lora", "disk", torch.float32, "nf4", False, 0.25, 6),
+    ("lora-experts", "host", torch.float32, "nf4", True, 0.25, None),
+], ids=lambda v: str(v).removeprefix("torch."))
+def test_bytes_per_step_agree_with_a_simulated_device_run(method, tier, dtype, storage, checkpointing,
+                                                           pin_fraction, cache, tmp_path):
+    """Uploads (the forward's, the checkpoint recompute's, the backward's but what the slab still holds), the
+    trained experts' gradients down, and the disk tier's reads of frozen experts: within 5% of a simulated-device
+    run of the same shape, measured at the third step (the pins are placed)."""
+    config = _config()
+    w = Workload(method=method, expert_storage=storage, dtype=dtype, batch_size=BATCH, seq_len=SEQ, lora_r=8,
+                 host_cache_experts=cache, device="cuda", pin_fraction=pin_fraction,
+                 gradient_checkpointing=checkpointing)
+    est = estimate(config, w, device_budget=1 << 40, host_budget=1 << 40).tiers[tier]
+    moved, _ = _measured_step(config, method, tier, tmp_path, dtype=dtype, storage=storage,
+                              checkpointing=checkpointing, pin_fraction=pin_fraction, cache=cache)
+    _within(moved["h2d_bytes"], est.h2d_bytes_per_step, rel=0.05)
+    if method == "full":
+        _within(moved["d2h_bytes"], est.d2h_bytes_per_step, rel=0.05)
+    else:
+        assert moved["d2h_bytes"] == 0 == est.d2h_bytes_per_step
+        if tier == "disk":
+            _within(moved["disk_read_bytes"], est.disk_read_bytes_per_step, rel=0.05)
+
+
+def _grouped_mm_flops():
+    """torch's FlopCounterMode has no formula for `_grouped_mm` (the streamed experts' grouped GEMM): 2 x the output's
+    elements x the contraction, whatever the operand ranks (2-D x 3-D: tokens x out x in; 2-D x 2-D into (G, in,
+    out): the weight gradient, contracting the tokens)."""
+    from torch.utils.flop_counter import register_flop_formula
+
+    if getattr(_grouped_mm_flops, "done", False):
+        return
+    @register_flop_formula(torch.ops.aten._grouped_mm)
+    def _flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
+        return 2 * out_shape[-2] * out_shape[-1] * a_shape[-1]
+
+    _grouped_mm_flops.done = True
+
+
+@pytest.mark.parametrize("method,simulated,checkpointing", [
+    ("full", False, False), ("full", False, True), ("full", True, False), ("full", True, True),
+    ("lora", False, False), ("lora", True, True), ("lora-experts", False, False), ("lora-experts", True, True),
+])
+def test_flops_per_step_agree_with_torchs_flop_counter(method, simulated, checkpointing, tmp_path):
+    """The estimate's FLOPs of one micro-batch (forward, backward, the engine's expert recompute on a device, the
+    checkpoint's recompute) within 5% of what torch's FlopCounterMode counts in the same step, host tier (4 layers,
+    eager attention: the S x S products run as counted matmuls)."""
+    _grouped_mm_flops()
+    config = _config()
+    config.num_hidden_layers = 4
+    w = Workload(method=method, expert_storage="auto", dtype=torch.float32, batch_size=BATCH, seq_len=SEQ, lora_r=8,
+                 device="cuda" if simulated else "cpu", gradient_checkpointing=checkpointing, pin_fraction=0.0)
+    est = estimate(config, w, device_budget=1 << 40, host_budget=1 << 40)
+    _, counted = _measured_step(config, method, "host", tmp_path, checkpointing=checkpointing, simulated=simulated,
+                                count_flops=True, steps=2)
+    _within(counted, est.flops.total, rel=0.05)
+
+
+def test_the_step_time_is_the_largest_floor_and_says_which_binds():
+    """On a GPU from the table: the floors follow from the counted work and the rates (no timing here), the step is
+    the largest, and the tokens at which the link hides behind compute make the two floors equal."""
+    from hf_moe_offload.time_model import GPUS, resolve_rates
+
+    config = _config()
+    rates = resolve_rates("h100", host_adam_gps=1.0)
+    assert rates.gpu_tflops == GPUS["h100"].bf16_tflops and rates.host_adam_source == "given"
+    for method, micro in (("full", 1), ("full", 4), ("lora-experts", 1)):
+        w = Workload(method=method, expert_storage="nf4" if method != "full" else "auto", batch_size=BATCH,
+                     seq_len=SEQ, device="cuda", micro_batches=micro)
+        est = estimate(config, w, device_budget=80 << 30, host_budget=64 << 30, rates=rates)
+        host = est.tiers["host"]
+        t = host.time
+        assert t.floors["GPU compute"] == pytest.approx(micro * est.flops.total / rates.flops_per_s)
+        assert t.floors["PCIe link"] == pytest.approx(
+            micro * max(host.h2d_bytes_per_step, host.d2h_bytes_per_step) / (rates.pcie_gbps * 1e9))
+        stepped = (est.num_experts - est.device_pins) * est.params_per_expert if method == "full" else 0
+        assert t.floors["host Adam"] == pytest.approx(stepped / 1e9)
+        assert t.window_s == max(t.floors.values()) and t.floors[t.binding] == t.window_s
+        assert t.tokens_per_s == pytest.approx(micro * BATCH * SEQ / t.window_s)
+        per_token = est.flops.total / rates.flops_per_s / (BATCH * SEQ)
+        link = max(host.h2d_bytes_per_step, host.d2h_bytes_per_step) / (rates.pcie_gbps * 1e9)
+        assert t.link_hidden_at_tokens == pytest.approx(link / per_token, rel=1e-6, abs=1)
+        assert est.decode[0].upload_bytes_per_token == pytest.approx(2 * est.decode[1].upload_bytes_per_token, abs=2)
+
+
+def test_mode_auto_says_when_the_device_figure_exceeds_the_budget_and_checkpointing_raises_the_batch():
+    config = _config()
+    budget = 16 << 20
+    w = Workload(method="full", batch_size=64, seq_len=SEQ, device="cuda")
+    est = estimate(config, w, device_budget=budget, host_budget=1 << 40)
+    host = est.tiers[est.auto]
+    assert host.device_bytes > 0.9 * budget and "over the budget" in est.auto_reason
+    fits = host.largest_batch
+    assert fits["with checkpointing"] > fits["without checkpointing"] >= 1
+    for ckpt, label in ((False, "without checkpointing"), (True, "with checkpointing")):
+        n = fits[label]
+        at = estimate(config, Workload(method="full", batch_size=n, seq_len=SEQ, device="cuda",
+                                       gradient_checkpointing=ckpt), device_budget=budget, host_budget=1 << 40)
+        over = estimate(config, Workload(method="full", batch_size=n + 1, seq_len=SEQ, device="cuda",
+                                         gradient_checkpointing=ckpt), device_budget=budget, host_budget=1 << 40)
+        assert at.tiers[est.auto].device_bytes <= 0.9 * budget < over.tiers[est.auto].device_bytes
+    ok = estimate(config, Workload(method="full", batch_size=fits["with checkpointing"], seq_len=SEQ, device="cuda",
+                                   gradient_checkpointing=True), device_budget=budget, host_budget=1 << 40)
+    assert "over the budget" not in ok.auto_reason

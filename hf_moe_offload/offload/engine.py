@@ -974,10 +974,20 @@ class OffloadEngine:
 
     def synchronize(self) -> None:
         """Make the store current: every expert update, gradient download and record release in flight done, and the
-        device-pinned experts' state back in it (what saves, loads and readers of the store need; the next window's
-        pin choice moves them up again)."""
+        device-pinned experts' state back in it (what saves, loads and readers of the store need; their next training
+        forward moves them up again). Not for timing or logging a step: that is `step_barrier`, which leaves the
+        pins on the device (sending them home and back every step moves 16 bytes per pinned parameter twice)."""
         self.release_device_pins()
         self.wait_in_flight()
+
+    def step_barrier(self) -> None:
+        """The barrier to time or log a training step at: everything the step started is done (expert updates,
+        gradient downloads, record releases, and the device's compute and copy streams), and the device-pinned
+        experts stay where they are (ES-MoE §4.3). Saves, loads and readers of the store use `synchronize`."""
+        self.wait_in_flight()
+        if self.runtime is not None and self.runtime.asynchronous:
+            self.wait_for_uploads()
+            self.runtime.record().synchronize()
 
     def wait_for_uploads(self) -> None:
         """The host waits for every upload enqueued so far (the stager's and the slab's copy streams): before an
@@ -991,7 +1001,8 @@ class OffloadEngine:
             self.runtime.record(self.slab.stream).synchronize()
 
     def wait_in_flight(self) -> None:
-        """Wait for every expert update, gradient download and record release in flight (device pins stay)."""
+        """Wait for every expert update, gradient download and record release in flight (device pins stay; the
+        device's streams are not waited for: `step_barrier` also waits for them)."""
         while self._host_jobs:
             self._host_jobs.popleft().result()
         self._grad_jobs.clear()
@@ -1077,6 +1088,11 @@ class ResidentEngine:
 
     def synchronize(self) -> None:
         pass
+
+    def step_barrier(self) -> None:
+        """The resident experts have nothing in flight on the host: the device's work is all there is to wait for."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
 
     def update_pins(self) -> None:
         pass
