@@ -261,22 +261,3 @@ def test_dequantized_experts_are_not_kept_between_uses(tmp_path):
     # nor does a training forward keep its graphs (they would hold every dequantized expert until the backward)
     x = torch.randn(3, 4)
     assert engine.keep_activations and not any(layer.keeps_activations(x) for layer in engine.layers)
-
-
-@pytest.mark.parametrize("method", ["mxfp4", "fp8"])
-def test_a_checkpoint_stored_quantized_is_refused_with_the_way_out(method, tmp_path):
-    """gpt-oss's MXFP4 release, FP8 releases: their experts are packed blocks and scales that bitsandbytes does not
-    read; loading one into the store stops before building anything, naming the format and what to do."""
-    import json
-
-    from hf_moe_offload.errors import CheckpointError
-    from hf_moe_offload.offload.checkpoint import load_offloaded_pretrained
-
-    _model("gpt_oss").save_pretrained(tmp_path / "ckpt")
-    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": method}
-    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=f"stored quantized \\({method}.*dequantize"):
-        load_offloaded_pretrained(str(tmp_path / "ckpt"), OffloadConfig(
-            mode="disk", offload_dir=str(tmp_path / "experts"), train_experts=False, expert_storage="nf4"))
-    assert not (tmp_path / "experts").exists()

@@ -4,7 +4,8 @@
   fsyncs and renames it, so a crash or a full disk never leaves a half-written checkpoint under the final name.
 - `save_offloaded_pretrained` (offload/saving.py) / `load_offloaded_pretrained`: a transformers-compatible sharded checkpoint
   (`model-*.safetensors` + `model.safetensors.index.json` + config + remote code) written and read expert by expert,
-  so a model whose experts exceed host RAM loads straight into the disk tier.
+  so a model whose experts exceed host RAM loads straight into the disk tier. Checkpoints released in MXFP4 or
+  fine-grained FP8 are dequantized expert by expert on the way in (offload/prequantized.py).
 - `save_expert_state` / `load_expert_state`: fp32 master weights and Adam moments of every expert plus step counts,
   for Trainer checkpoints (`expert_state.safetensors`).
 """
@@ -16,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import zlib
 from collections.abc import Iterator
 
@@ -26,7 +28,8 @@ from tqdm.auto import tqdm
 from ..errors import CheckpointError
 from .api import enable_expert_offload
 from .config import OffloadConfig
-from .hub_layout import plan_checkpoint
+from .hub_layout import TensorsView, plan_checkpoint
+from .prequantized import dequantizing_quantizer, method_name
 from .safetensors_io import (
     INDEX_FILE,
     SafetensorsReader,
@@ -153,6 +156,12 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
     model's dtype (default fp32); with `OffloadConfig(train_experts=False)` a bf16/fp16 model's store keeps the
     experts in that dtype only. `device`: where the model computes (its non-expert weights move there; the experts
     are uploaded as they are needed); default `OffloadConfig.device`, else the CPU.
+
+    A checkpoint released quantized, MXFP4 (gpt-oss) or fine-grained FP8 (DeepSeek-V3/R1, Qwen3/GLM -FP8),
+    is dequantized to `dtype` by transformers' own conversion ops as it streams, one expert at a time (non-expert
+    weights whole), as `from_pretrained(path, quantization_config=<its config>(dequantize=True))` would; the model's
+    config then carries no `quantization_config`, so a save writes a plain checkpoint. Other formats raise
+    CheckpointError (offload/prequantized.py).
     """
     if device is not None:
         offload_config = dataclasses.replace(offload_config, device=device)
@@ -165,7 +174,9 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
     # First: a missing folder or shard is named before anything is built.
     files = _CheckpointFiles(_checkpoint_files(path))
     config = AutoConfig.from_pretrained(path, **config_kwargs)
-    _refuse_prequantized(path, config)
+    quantizer = dequantizing_quantizer(path, config)
+    if quantizer is not None:  # the model holds dequantized weights, as transformers leaves it with dequantize=True
+        del config.quantization_config
     with init_empty_weights():
         model = model_class.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
     engine = enable_expert_offload(model, offload_config, _initialize=False)
@@ -173,34 +184,23 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
     # Keys in the layout transformers saves (per-expert tensors, renamed modules) map onto the model through
     # transformers' own conversion rules for the family (hub_layout.py); our own saves map one to one.
     own = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-    plan = plan_checkpoint(model, files.files, own | set(expert_names))
+    plan = plan_checkpoint(model, files.files, own | set(expert_names), hf_quantizer=quantizer)
     missing = [k for k in expert_names if not plan.covers(k)]
     if missing:
         raise CheckpointError(f"{path} lacks expert tensors {missing[:3]}...; is it a checkpoint of this model?")
-    for layer in tqdm(engine.layers, desc="loading experts", unit="layer"):
-        _load_expert_layer(model, engine, layer, expert_names, plan, files)
+    # The conversion ops look the target tensor up for its dtype: offloaded experts are shown to them as meta tensors.
+    view = TensorsView(model, {full: engine.layers[l].meta[n] for full, (l, n) in expert_names.items()})
+    what = (f"dequantizing {method_name(quantizer.quantization_config.quant_method)} experts" if quantizer
+            else "loading experts")
+    with tqdm(total=sum(layer.layout.num_experts for layer in engine.layers), desc=what, unit="expert") as bar:
+        for layer in engine.layers:
+            _load_expert_layer(view, engine, layer, expert_names, plan, files, bar)
     engine.store.flush()
-    unused = _load_non_expert_weights(model, path, plan, files, own, expert_names)
+    unused = _load_non_expert_weights(model, path, plan, files, own, expert_names, view)
     if unused:
         logger.info("%s: checkpoint tensors not used by %s: %s", path, type(model).__name__, unused)
     model.eval()
     return model.to(offload_config.device) if offload_config.device is not None else model
-
-
-def _refuse_prequantized(path: str, config) -> None:
-    """A checkpoint stored quantized (`quantization_config`: gpt-oss's MXFP4, FP8 releases, GPTQ/AWQ, ...) holds
-    packed blocks and scales where the store reads full-width expert tensors; bitsandbytes, which quantizes the store
-    (offload/quantized.py), reads none of those formats. Say so and how to get a checkpoint the store reads."""
-    quant = getattr(config, "quantization_config", None)
-    if not quant:
-        return
-    method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
-    raise CheckpointError(
-        f"{path} is stored quantized ({method}, its config's quantization_config): the offload store reads "
-        "full-width (bf16/fp32) expert tensors and quantizes them itself with bitsandbytes (OffloadConfig("
-        "expert_storage='nf4' or 'int8')), which cannot read the checkpoint's format. Use the bf16 release of the "
-        "model, or dequantize once with transformers (from_pretrained(path, quantization_config=<its config class>("
-        "dequantize=True)) then save_pretrained) and load that folder")
 
 
 class _CheckpointFiles:
@@ -220,31 +220,41 @@ class _CheckpointFiles:
         return self.reader(key).get(key)
 
 
-def _load_expert_layer(model: nn.Module, engine, layer, expert_names: dict, plan, files: _CheckpointFiles) -> None:
+def _load_expert_layer(view: TensorsView, engine, layer, expert_names: dict, plan, files: _CheckpointFiles,
+                       bar: tqdm) -> None:
     """One MoE layer's experts into the store, one expert at a time; fused (E, ...) tensors are CRC-checked over
     their slices."""
     fulls = {n: full for full, (l, n) in expert_names.items() if l == layer.layer}
     flat = torch.empty(layer.layout.numel)
     fused = {full: plan.direct[full] for full in fulls.values() if full in plan.direct}
-    crcs = dict.fromkeys(fused.values(), 0)  # over the slices in order = the CRC32 of the whole tensor
+    converted = {full: plan.converted[full] for full in fulls.values() if full in plan.converted}
+    # over the slices in order = the CRC32 of the whole tensor
+    crcs = dict.fromkeys([*fused.values(), *(k for c in converted.values() for k in c.keys.values())], 0)
+
+    def read_slice(key: str, e: int) -> torch.Tensor:
+        piece = files.reader(key).get(key, e)
+        crcs[key] = zlib.crc32(tensor_bytes(piece), crcs[key])
+        return piece
+
     for e in range(layer.layout.num_experts):
         tensors = []
         for n in layer.layout.names():
             full = fulls[n]
             if full in fused:  # one (E, ...) tensor: read expert e's slice
-                key = fused[full]
-                piece = files.reader(key).get(key, e)
-                crcs[key] = zlib.crc32(tensor_bytes(piece), crcs[key])
-            else:  # one tensor per expert and projection: fuse expert e's alone
-                piece = plan.per_expert[full].expert(e, files.read_whole, model)
+                piece = read_slice(fused[full], e)
+            elif full in converted:  # (E, ...) quantized tensors (MXFP4 blocks and scales): e's slices, dequantized
+                piece = converted[full].expert(e, read_slice, view)
+            else:  # one tensor per expert and projection: fuse (and dequantize) expert e's alone
+                piece = plan.per_expert[full].expert(e, files.read_whole, view)
             tensors.append(piece.float())
         engine.store.write_param((layer.layer, e), layer.layout.pack(tensors, flat))
+        bar.update(1)
     for key, crc in crcs.items():
         files.reader(key).check_crc(key, crc)
 
 
 def _load_non_expert_weights(model: nn.Module, path: str, plan, files: _CheckpointFiles, own: set[str],
-                             expert_names: dict) -> list[str]:
+                             expert_names: dict, view: TensorsView) -> list[str]:
     """The non-expert weights into the (empty-initialised) model; returns the checkpoint keys left unused.
 
     As from_pretrained does, a checkpoint of another head of the same base model loads: tensors outside the base
@@ -258,15 +268,22 @@ def _load_non_expert_weights(model: nn.Module, path: str, plan, files: _Checkpoi
     def is_head(name: str) -> bool:
         return base_prefix is not None and not name.startswith(base_prefix)
 
+    # Tensors the model's class declares it does not hold (DeepSeek-V3's multi-token-prediction layer 61, GLM-4.5's
+    # layer 92): left unused, as from_pretrained leaves them.
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    ignored = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
     unused = [t for t in plan.per_expert if t not in expert_names]
-    for name, key in plan.direct.items():
+    sources = {**plan.direct, **plan.converted}  # a converted one (an FP8 weight) is dequantized from its sources
+    for name, source in sources.items():
         if name in expert_names:
             continue
-        if name not in own and is_head(name):
+        key = source if isinstance(source, str) else min(source.keys.values())
+        if (name not in own and is_head(name)) or (ignored is not None and ignored.search(name) is not None):
             unused.append(key)
             continue
+        value = files.read_whole(source) if isinstance(source, str) else source.whole(files.read_whole, view)
         try:
-            set_module_tensor_to_device(model, name, "cpu", value=files.read_whole(key))
+            set_module_tensor_to_device(model, name, "cpu", value=value)
         except (AttributeError, KeyError) as err:
             raise CheckpointError(f"{path}: tensor {key} does not belong to this model ({err})") from err
     model.tie_weights()
