@@ -5,7 +5,7 @@ A family is every model type whose modeling file decorates an experts class with
 experts signature `experts(hidden_states, top_k_index, top_k_weights)` that hf_moe_offload serves). Its tiny model is
 a generic shrink of the default config: every size-like field the config has is set small, dropouts and router noise
 to 0. Composite configs (vision-language, audio: sub-configs) and configs the shrink cannot satisfy are skipped, with
-the reason.
+the reason. A model type without a causal-LM head can be built as its base model (`causal_lm=False`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import importlib.util
 from functools import cache
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -78,15 +78,15 @@ class Unshrinkable(Exception):
     """The family cannot be built tiny by the generic recipe (the reason is the message)."""
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, causal_lm: bool = True):
     """The family's tiny config: a fresh copy on every call (callers change fields: a vocabulary, a context), of the
-    one built and checked once."""
-    return copy.deepcopy(_checked_config(model_type))
+    one built and checked once (with its causal LM, or with its base model where `causal_lm` is False)."""
+    return copy.deepcopy(_checked_config(model_type, causal_lm))
 
 
 @cache
-def _checked_config(model_type: str):
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+def _checked_config(model_type: str, causal_lm: bool = True):
+    if causal_lm and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise Unshrinkable("no causal-LM head in transformers")
     default = AutoConfig.for_model(model_type)
     if getattr(default, "sub_configs", None):
@@ -104,7 +104,7 @@ def _checked_config(model_type: str):
             overrides[k] = 0
     try:
         cfg = AutoConfig.for_model(model_type, **overrides)
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = (AutoModelForCausalLM if causal_lm else AutoModel).from_config(cfg)
         ids = torch.zeros(1, 4, dtype=torch.long)
         with torch.no_grad():
             model(ids)
@@ -115,17 +115,18 @@ def _checked_config(model_type: str):
     return cfg
 
 
-def tiny_model(model_type: str, seed: int = 0, **overrides):
-    """The family's tiny causal LM, fp32, eager experts, random weights (seeded), in train mode. `overrides` set
-    config fields (only those the family's config has: e.g. num_experts=7 reaches num_local_experts too)."""
-    config = tiny_config(model_type)
+def tiny_model(model_type: str, seed: int = 0, causal_lm: bool = True, **overrides):
+    """The family's tiny causal LM (its base model, `AutoModel`, where `causal_lm` is False: the families without a
+    causal-LM head), fp32, eager experts, random weights (seeded), in train mode. `overrides` set config fields (only
+    those the family's config has: e.g. num_experts=7 reaches num_local_experts too)."""
+    config = tiny_config(model_type, causal_lm)
     aliases = {"num_experts": ("num_experts", "num_local_experts", "n_routed_experts")}
     for key, value in overrides.items():
         for name in aliases.get(key, (key,)):
             if hasattr(config, name):
                 setattr(config, name, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    model = (AutoModelForCausalLM if causal_lm else AutoModel).from_config(config, experts_implementation="eager")
     with torch.no_grad():  # some families initialise experts to zero (or leave them empty): give every tensor values
         for p in model.parameters():
             if p.dim() >= 2:

@@ -34,10 +34,10 @@ from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
 from hf_moe_offload.runtime import use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
 
+from lora_cases import LR, adapter_grads, assert_close_relative, assert_streamed_lora_equals_resident, lora_model
 from moe_families import tiny_model
 from numerics import assert_within_adam_drift
 
-LR = 1e-2
 FAMILIES = ["moe_gpt", "qwen3_moe", "mixtral", "gpt_oss"]
 
 
@@ -57,9 +57,7 @@ def _targets(family: str) -> list[str]:
 
 
 def _lora(family: str, model, seed: int = 1):
-    torch.manual_seed(seed)  # init_lora_weights=False: lora_B random too, so the adapters change the output
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=_targets(family),
-                                            init_lora_weights=False))
+    return lora_model(model, _targets(family), seed=seed)
 
 
 def _pair(family: str, tier: str, tmp_path, layers: int = 2, staged: bool = True, **config):
@@ -88,18 +86,6 @@ def _train(model, steps: int, seed: int) -> torch.Generator:
     return g
 
 
-def _adapter_grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _assert_close_relative(a: dict, b: dict, rtol: float) -> None:
-    assert a.keys() == b.keys() and a
-    for name in a:
-        scale = a[name].abs().max().clamp_min(1e-12)
-        err = (a[name] - b[name]).abs().max() / scale
-        assert err <= rtol, f"{name}: {err:.2e} of its largest element"
-
-
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("family", FAMILIES)
@@ -107,30 +93,7 @@ def test_lora_on_streamed_experts_equals_lora_on_resident_experts(family, tier, 
     # Under autocast one MoE layer: a second layer's router sees the first's outputs, whose bf16 rounding differs
     # between the two paths, and a near tie there picks other experts for a token (gpt-oss: 4% of the logits).
     resident, streamed, engine = _pair(family, tier, tmp_path, layers=1 if autocast else 2)
-    stored = {k: engine.store.read_param(k).clone() for k in engine.store.keys()}
-    trainable = [n for n, p in streamed.named_parameters() if p.requires_grad]
-    assert trainable == [n for n, p in resident.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable)
-    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=LR) for m in (resident, streamed)]
-    g = torch.Generator().manual_seed(7)
-    for step in range(3):
-        x = torch.randint(0, 96, (2, 11), generator=g)  # fresh inputs every step
-        outs = []
-        for model, opt in zip((resident, streamed), opts):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out = model(x, labels=x)
-            out.loss.backward()
-            outs.append(out)
-        if step == 0:
-            atol = 5e-2 if autocast else 1e-5
-            torch.testing.assert_close(outs[1].logits.float(), outs[0].logits.float(), atol=atol, rtol=0)
-            _assert_close_relative(_adapter_grads(resident), _adapter_grads(streamed), 5e-2 if autocast else 1e-5)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    assert_within_adam_drift(streamed, resident, LR, 3, weight_decay=0.01,
-                             outliers=0.1 if autocast else 0.01)
-    assert all(torch.equal(engine.store.read_param(k), v) for k, v in stored.items())  # the base, bit for bit
+    assert_streamed_lora_equals_resident(resident, streamed, engine, autocast, steps=3)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
@@ -177,7 +140,7 @@ def test_lora_expert_by_expert_equals_the_grouped_pass(family, tmp_path, monkeyp
     b = per_expert(x, labels=x)
     b.loss.backward()
     torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=0)
-    _assert_close_relative(_adapter_grads(grouped), _adapter_grads(per_expert), 1e-5)
+    assert_close_relative(adapter_grads(grouped), adapter_grads(per_expert), 1e-5)
 
 
 class _NewTensorShapes(TorchDispatchMode):
@@ -355,4 +318,4 @@ def test_lora_on_streamed_experts_under_mpmoe_partitions(strategy, tmp_path):
     for out in outs:
         out.loss.backward()
     torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-5, rtol=0)
-    _assert_close_relative(_adapter_grads(resident), _adapter_grads(streamed), 1e-5)
+    assert_close_relative(adapter_grads(resident), adapter_grads(streamed), 1e-5)
