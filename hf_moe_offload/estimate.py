@@ -337,6 +337,14 @@ def _largest_batch(config, model, w: Workload, item: int, layers: int, n_experts
     return out
 
 
+def needs_checkpointing(config, workload: Workload, tier: str, device_budget: int) -> bool:
+    """Whether `tier`'s device figure for `workload` exceeds the budget without activation checkpointing and fits
+    with it (the jobs' `--gradient-checkpointing auto`)."""
+    without = dataclasses.replace(workload, gradient_checkpointing=False)
+    est = estimate(config, without, device_budget=device_budget, host_budget=1 << 50)
+    return est.tiers[tier].device_bytes > HEADROOM * device_budget
+
+
 def _trained_disk_traffic(w: Workload, n_experts: int, layer_experts: int, layers: int, cache: int,
                           row: int) -> tuple[int, int]:
     """Bytes the disk tier reads and writes per step for trained experts, every expert used. ES-MoE's minimum
@@ -587,4 +595,4 @@ def render(est: Estimate) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Estimate", "TierNeeds", "Workload", "estimate", "meta_model", "render"]
+__all__ = ["Estimate", "TierNeeds", "Workload", "estimate", "meta_model", "needs_checkpointing", "render"]

@@ -142,6 +142,11 @@ def add_training_arguments(p: argparse.ArgumentParser, output_dir: str, steps: i
     g.add_argument("--precision", default="fp32", choices=PRECISIONS,
                    help="bf16/fp16 autocast with fp32 master weights (fp16 needs a GPU; its loss scaling covers the "
                         "expert steps)")
+    g.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"),
+                   help="transformers' activation checkpointing: each decoder layer keeps its input only and "
+                        "recomputes the rest in the backward (the streamed experts are uploaded again for it). auto: "
+                        "on a GPU, on where `hf-moe-offload estimate` puts the batch's device figure over 90%% of the "
+                        "free memory without it")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--logging-steps", type=int, default=logging_steps)
     g.add_argument("--eval-steps", type=int, default=eval_steps, help="default: 4 evaluations per run")
@@ -322,6 +327,37 @@ def prepare_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, 
         model = model_class.from_config(preset_config(args, tokenizer, **overrides))
     engine = enable_expert_offload(model, cfg, tokens_per_batch=tokens_per_batch)
     return _ready_for_training(model, args), engine
+
+
+def checkpoint_activations(args: argparse.Namespace, targs: TrainingArguments, model: nn.Module, engine) -> bool:
+    """Resolve `--gradient-checkpointing` once, for the model as built (before LoRA wraps it), and hand it to the
+    Trainer (which turns it on at `train()`, non-reentrant)."""
+    choice = getattr(args, "gradient_checkpointing", "off")
+    if choice == "auto":
+        on = False
+        if torch.cuda.is_available():
+            from .estimate import needs_checkpointing
+
+            free = torch.cuda.mem_get_info()[0]
+            on = needs_checkpointing(model.config, _workload(args, model), engine.mode if engine else "device", free)
+    else:
+        on = choice == "on"
+    targs.gradient_checkpointing = on
+    if on:
+        targs.gradient_checkpointing_kwargs = {"use_reentrant": False}
+    logger.info("activation checkpointing: %s (--gradient-checkpointing %s)", "on" if on else "off", choice)
+    return on
+
+
+def _workload(args: argparse.Namespace, model: nn.Module):
+    from .estimate import Workload
+
+    experts = "lora-experts" if "experts" in getattr(args, "lora_targets", ()) else "lora"
+    return Workload(method="full" if getattr(args, "method", "full") == "full" else experts,
+                    expert_storage=getattr(args, "expert_storage", "auto"), dtype=next(model.parameters()).dtype
+                    if args.precision == "fp32" else torch.bfloat16, batch_size=args.batch_size,
+                    seq_len=args.block_size, lora_r=getattr(args, "lora_r", 8), device="cuda",
+                    micro_batches=args.grad_accum)
 
 
 def _ready_for_training(model: nn.Module, args: argparse.Namespace) -> nn.Module:

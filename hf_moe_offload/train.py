@@ -95,6 +95,7 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
     args.train_experts = args.method == "full"  # LoRA: offloaded experts frozen, stored as weights only
     jobs.check_expert_storage(args)
     model, engine = jobs.prepare_model(args, tokenizer, tokens_per_batch=args.batch_size * args.block_size)
+    checkpointing = jobs.checkpoint_activations(args, targs, model, engine)
     lora_desc = None
     if args.method == "lora":
         from peft import TaskType
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
         "model": describe_model(model),
         "base_model": args.model_path,
         "offload": jobs.offload_summary(engine, args),
+        "gradient_checkpointing": checkpointing,
         "pipelining": jobs.pipelining_summary(pipelined),
         "parallel": parallel,
         "data": {

@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, engine = jobs.prepare_model(args, tokenizer, model_class=AutoModelForSequenceClassification,
                                        config_overrides=overrides)
     model.config.pad_token_id = tokenizer.pad_token_id
+    jobs.checkpoint_activations(args, targs, model, engine)
     lora_desc = None
     if args.method == "lora":
         from peft import TaskType

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -40,6 +41,7 @@ def test_main_job_prints_figures_and_saves_a_loadable_model(run_dir):
     assert history[-1] < history[0]  # the loss goes down
     # experts really lived on disk behind a cache smaller than the experts
     assert metrics["offload"]["mode"] == "disk" and metrics["offload"]["host_cache_fraction"] < 1, metrics["offload"]
+    assert metrics["gradient_checkpointing"] is False  # --gradient-checkpointing auto without a GPU
     for name in ("README.md", "expert_load.png", "tokenizer.json", "model.safetensors.index.json"):
         assert (out / name).exists(), name
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -185,3 +187,30 @@ def test_lm_nll_per_sequence_equals_the_batched_cross_entropy():
     assert out[:, 1].tolist() == [8.0, 5.0, 8.0]
     metrics = perplexity_metrics(type("P", (), {"predictions": np.asarray(out)})())
     assert metrics["perplexity"] == pytest.approx(math.exp(float(nll[mask].mean())), rel=1e-6)
+
+
+def test_main_job_with_activation_checkpointing_on_the_disk_tier(tmp_path):
+    """`--gradient-checkpointing on`: the Trainer recomputes every decoder layer in the backward while the experts
+    stream from the disk tier, and the run records the choice (`auto`, the default, on a machine without a GPU leaves
+    it off: test_main_job_prints_figures_and_saves_a_loadable_model)."""
+    from hf_moe_offload.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--short", "--steps", "2", "--max-eval-blocks", "4", "--num-experts", "4",
+                 "--gradient-checkpointing", "on", "--output-dir", str(out)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["gradient_checkpointing"] is True and math.isfinite(metrics["metrics"]["eval_loss"])
+
+
+def test_auto_checkpointing_turns_on_where_the_batch_would_not_fit_the_device_without_it():
+    """`needs_checkpointing` (the jobs' `--gradient-checkpointing auto` on a GPU): off where the batch fits, on where
+    the estimate's device figure without checkpointing exceeds 90% of the budget."""
+    from hf_moe_offload.estimate import Workload, estimate, needs_checkpointing
+    from hf_moe_offload.models.moe_gpt import MoEGPTConfig
+
+    config = MoEGPTConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_experts=8,
+                          max_position_embeddings=256, intermediate_size=256)
+    w = Workload(method="full", batch_size=8, seq_len=256, device="cuda")
+    need = estimate(config, w, device_budget=1 << 40, host_budget=1 << 40).tiers["host"].device_bytes
+    assert not needs_checkpointing(config, w, "host", int(need / 0.8))
+    assert needs_checkpointing(config, w, "host", int(need / 0.95))
