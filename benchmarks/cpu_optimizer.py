@@ -221,7 +221,7 @@ def overlap(num_experts: int, steps: int, tier: str) -> dict:
             model(x, labels=x).loss.backward()
             opt.step()
             opt.zero_grad()
-        engine.synchronize()
+        engine.step_barrier()
         times[mode] = (time.perf_counter() - t0) / (steps - 1)
         experts.close()
     return {"tier": tier, "experts_per_layer": num_experts, "overlapped_step_s": times["overlapped"],

@@ -301,6 +301,9 @@ def main() -> None:
                     "uploaded and cache hit rates do); writes generate-simulated.json")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--rounds", type=int, default=7, help="rounds of every variant (not with --quick)")
+    ap.add_argument("--variants", default=None, help="';'-separated subset of the variants (the resident model and "
+                    "the ratios' base always run), e.g. 'ours host, device cache 0;ours disk, device cache 0'")
+    ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/generate[-cuda|-simulated].json)")
     ap.add_argument("--analyze", action="store_true", help="instead of timing: the pre-gating guess and the decode "
                     "cache policy replayed on one decode's routing trace, against simpler guesses and LRU / Belady")
     args = ap.parse_args()
@@ -313,6 +316,12 @@ def main() -> None:
     on_device = device.type == "cuda" or args.device_variants
     variants = DEVICE_VARIANTS if on_device else CPU_VARIANTS
     base = "accelerate cpu" if on_device else "accelerate disk"
+    if args.variants:
+        chosen = [v.strip() for v in args.variants.split(";") if v.strip()]
+        unknown = [v for v in chosen if v not in variants]
+        if unknown:
+            ap.error(f"--variants: unknown {unknown}; these run here: {variants}")
+        variants = [v for v in variants if v in {"resident", base, *chosen}]
     batches = [int(b) for b in args.batch.split(",")]
     results = []
     with tempfile.TemporaryDirectory() as work:
@@ -361,7 +370,7 @@ def main() -> None:
         name = name.replace(".json", "-cuda.json")
     elif args.device_variants:
         name = name.replace(".json", "-simulated.json")
-    with open(os.path.join(HERE, name), "w") as f:
+    with open(args.out or os.path.join(HERE, name), "w") as f:
         json.dump({"args": vars(args), "total_experts": total_experts, "new_tokens": new_tokens, "rounds": rounds,
                    "machine": platform.platform(), "device": str(device),
                    "batches": {str(batch): rows for batch, rows in results}}, f, indent=1)

@@ -69,7 +69,7 @@ def step(model, opt, engine, x) -> None:
         if engine is not None:
             engine.zero_grad()
     if engine is not None:
-        engine.wait_in_flight()  # (`synchronize` would also send the device-pinned experts home every step)
+        engine.step_barrier()  # (`synchronize` would also send the device-pinned experts home every step)
     torch.cuda.synchronize()
 
 

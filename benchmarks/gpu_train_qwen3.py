@@ -96,7 +96,7 @@ class Variant:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             if self.engine is not None:
-                self.engine.wait_in_flight()  # (`synchronize` would also send the device pins home)
+                self.engine.step_barrier()  # (`synchronize` would also send the device pins home)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return float(loss.detach())
@@ -229,11 +229,35 @@ def table(args, tokens: int, device: torch.device) -> dict:
     floors = {"resident_step_s": base_t, "host_adam_s": adam_s, "host_adam_params_per_s": adam_rate,
               "transfer_s": transfer_floor, "h2d_GB_per_s": bandwidth / 1e9 if bandwidth else None}
     largest = max(v for k, v in floors.items() if k in ("resident_step_s", "host_adam_s", "transfer_s") and v)
-    for row in rows.values():
+    predicted = predicted_steps(base.config, batch, seq, device, adam_rate, bandwidth)
+    for name, row in rows.items():
         if "step_s" in row:
             row["x_largest_floor"] = row["step_s"] / largest
+            if name in predicted:  # `hf-moe-offload estimate`'s time model with this run's link and host Adam rates
+                row["predicted_step_s"] = predicted[name]
+                row["measured_x_predicted"] = row["step_s"] / predicted[name]
     return {"tokens_per_step": batch * seq, "batch": batch, "seq": seq, "expert_params": expert_params,
             "floors": floors, "rows": list(rows.values())}
+
+
+def predicted_steps(config, batch: int, seq: int, device: torch.device, adam_rate: float,
+                    bandwidth: float | None) -> dict[str, float]:
+    """The step `hf_moe_offload.estimate` predicts for the resident model and for ours with and without pins, on the
+    GPU's row of its table (compute rate) with the link and host Adam rates this run measured."""
+    from hf_moe_offload.estimate import Workload, estimate
+    from hf_moe_offload.time_model import gpu_key, resolve_rates
+
+    key = gpu_key(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if key is None:
+        return {}
+    rates = resolve_rates(key, host_adam_gps=adam_rate / 1e9, pcie_gbps=bandwidth / 1e9 if bandwidth else None)
+    free = torch.cuda.mem_get_info(device)[0]
+    out = {}
+    for name, tier, pins in (("resident", "device", 0.25), ("host", "host", 0.0), ("host-pin", "host", 0.25)):
+        w = Workload(method="full", dtype=torch.bfloat16, batch_size=batch, seq_len=seq, device="cuda",
+                     pin_fraction=pins)
+        out[name] = estimate(config, w, device_budget=free, host_budget=1 << 50, rates=rates).tiers[tier].time.window_s
+    return out
 
 
 def print_table(result: dict, title: str) -> None:
@@ -243,7 +267,7 @@ def print_table(result: dict, title: str) -> None:
     cols = [("variant", ">10", None), ("step_s", ">7", ".3f"), ("x_resident", ">10", ".2f"),
             ("x_largest_floor", ">15", ".2f"), ("gpu_busy", ">8", ".2f"), ("peak_gpu_GB", ">11", ".1f"),
             ("h2d_GB", ">7", ".2f"), ("h2d_over_floor", ">14", ".2f"), ("d2h_GB", ">7", ".2f"),
-            ("host_adam_s", ">11", ".3f")]
+            ("host_adam_s", ">11", ".3f"), ("predicted_step_s", ">16", ".3f")]
     print(" ".join(format(c, f) for c, f, _ in cols))
     for row in result["rows"]:
         if "error" in row:

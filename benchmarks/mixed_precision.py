@@ -61,7 +61,7 @@ def timed_steps(model, opt, engine, precision: str, batches) -> tuple[float, int
         opt.step()
         opt.zero_grad()
     if engine is not None:
-        engine.synchronize()
+        engine.step_barrier()
     return (time.perf_counter() - t0) / len(batches), fp32_gemms
 
 

@@ -93,7 +93,7 @@ def ready_to_train(base, batches, mode: str, cache: int, **config):
                                    ExpertOptimizer(engine, lr=1e-3))
     train_steps(model, opt, batches[:1])
     if engine is not None:
-        engine.synchronize()
+        engine.step_barrier()
         engine.stats.reset()
     return model, opt, engine
 
@@ -107,7 +107,7 @@ def interleaved(runs: dict, batches, rounds: int, before=lambda name: None) -> d
             before(name)
             wall, system, faults, user = train_steps(model, opt, batches)
             if engine is not None:
-                engine.synchronize()
+                engine.step_barrier()
             out[name].append((wall / len(batches), system, faults, user))
     return out
 

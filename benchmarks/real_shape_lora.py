@@ -151,7 +151,7 @@ def main() -> None:
         stage("backward")
         opt.step()
         opt.zero_grad()
-        engine.synchronize()
+        engine.step_barrier()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)

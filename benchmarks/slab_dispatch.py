@@ -56,7 +56,7 @@ def count(experts: int, slab: bool, top_k: int = 2, rows_per_expert: int = 16) -
         before = rt.copies
         with GemmCounter() as mode:
             model(input_ids=x, labels=x).loss.backward()
-        engine.synchronize()
+        engine.step_barrier()
         assert (engine.slab is not None) == slab
         layers = len(engine.layers)
         return {"experts": experts, "path": "slab" if slab else "per-expert", "tokens": tokens,

@@ -243,6 +243,12 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
                    f" and {fits['with checkpointing']} with it" if fits else "lower the batch")
                 + (" (--gradient-checkpointing)" if not w.gradient_checkpointing else ""))
 
+    host_over = tiers[auto].host_bytes - HEADROOM * host_budget
+    if auto == "disk" and host_over > 0:
+        per_record = record + copy
+        room = max(0, cache - math.ceil(host_over / per_record))
+        why += (f"; its host figure ({tiers[auto].host_bytes / GiB:.2f} GiB) exceeds {HEADROOM:.0%} of host memory: "
+                f"a host cache of at most {room} experts fits (--host-cache-experts)")
     flops = step_flops(shape, w.batch_size, w.seq_len, train_experts=not w.frozen_experts,
                        train_rest=not w.frozen_experts, lora_dense=lora_dense, lora_expert=lora_expert,
                        lora_r=w.lora_r, experts_recompute=not keeps_graphs,
@@ -368,7 +374,10 @@ def _trained_disk_traffic(w: Workload, n_experts: int, layer_experts: int, layer
     pins = min(layers * math.ceil(w.pin_fraction * layer_experts), max(0, room - chunks))
     u = max(0, n_experts - cache)
     m = min(cache - pins, u)
-    return (4 * u + 2 * m) * row, (3 * u + 3 * m) * row
+    # Activation checkpointing: the recompute reads each uncached expert's weights once more, at least (a floor: the
+    # cache's turnover around it is not modelled; docs/estimate.md gives what runs measured)
+    recompute = u if w.gradient_checkpointing else 0
+    return (4 * u + 2 * m + recompute) * row, (3 * u + 3 * m) * row
 
 
 def _place(needs: TierNeeds, cuda: bool, host_parts: tuple[str, ...] = ()) -> TierNeeds:

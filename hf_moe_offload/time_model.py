@@ -73,6 +73,16 @@ class Rates:
         return self.gpu_tflops * 1e12 * self.efficiency
 
 
+def gpu_key(device_name: str) -> str | None:
+    """The table's row of a device name as torch reports it (e.g. 'NVIDIA H100 80GB HBM3' -> 'h100'); None if absent."""
+    name = device_name.lower().replace(" ", "")
+    for key in sorted(GPUS, key=len, reverse=True):  # 'h100-pcie' before 'h100'
+        words = key.split("-")
+        if all(w in name for w in words):
+            return key
+    return None
+
+
 def resolve_rates(gpu: str | None = None, gpu_tflops: float | None = None, efficiency: float | None = None,
                   pcie_gbps: float | None = None, host_adam_gps: float | None = None,
                   disk_gbps: float | None = None) -> Rates:
@@ -283,5 +293,5 @@ def decode_time(shape: Shape, upload_bytes_per_expert: int, item: int, rates: Ra
     return DecodeTime(cache_hit, nbytes, link, compute, 1.0 / max(link, compute))
 
 
-__all__ = ["DecodeTime", "GPUS", "Gpu", "Rates", "Shape", "StepFlops", "StepTime", "decode_time", "model_shape",
+__all__ = ["DecodeTime", "GPUS", "Gpu", "gpu_key", "Rates", "Shape", "StepFlops", "StepTime", "decode_time", "model_shape",
            "probe_host_adam", "resolve_rates", "step_flops", "step_time"]

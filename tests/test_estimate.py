@@ -202,7 +202,7 @@ def _measured_step(config, method: str, tier: str, tmp_path, *, dtype=torch.floa
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         g = torch.Generator().manual_seed(1)
-        keys = ("h2d_bytes", "d2h_bytes", "disk_read_bytes")
+        keys = ("h2d_bytes", "d2h_bytes", "disk_read_bytes", "disk_write_bytes")
         flops = FlopCounterMode(display=False)
         for step in range(steps):
             last = step == steps - 1

@@ -86,18 +86,21 @@ def detect_budgets(device: torch.device) -> tuple[int, int]:
 def choose_tier(est: MemoryEstimate, device_budget: int, host_budget: int, headroom: float = 0.9) -> tuple[str, str]:
     """(tier, reason). Device if everything fits, host if experts fit in host memory, disk otherwise."""
     need_device_all = est.expert_state_bytes + est.non_expert_state_bytes + est.activation_bytes
+    share = f"{headroom:.0%} of "
     if need_device_all <= headroom * device_budget:
         return "device", (
-            f"all state ({need_device_all / 2**30:.2f} GiB) fits the device budget ({device_budget / 2**30:.2f} GiB)"
+            f"all state ({need_device_all / 2**30:.2f} GiB) fits {share}the device budget ({device_budget / 2**30:.2f} "
+            "GiB)"
         )
     if est.expert_state_bytes <= headroom * host_budget:
         return "host", (
-            f"all state ({need_device_all / 2**30:.2f} GiB) exceeds the device budget ({device_budget / 2**30:.2f} "
-            f"GiB); the expert state ({est.expert_state_bytes / 2**30:.2f} GiB) fits host memory "
+            f"all state ({need_device_all / 2**30:.2f} GiB) exceeds {share}the device budget ({device_budget / 2**30:.2f} "
+            f"GiB); the expert state ({est.expert_state_bytes / 2**30:.2f} GiB) fits {share}host memory "
             f"({host_budget / 2**30:.2f} GiB)"
         )
     return "disk", (
-        f"expert state ({est.expert_state_bytes / 2**30:.2f} GiB) exceeds host memory ({host_budget / 2**30:.2f} GiB)"
+        f"expert state ({est.expert_state_bytes / 2**30:.2f} GiB) exceeds {share}host memory ({host_budget / 2**30:.2f} "
+        "GiB)"
     )
 
 
