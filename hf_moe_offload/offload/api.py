@@ -25,7 +25,7 @@ from .engine import OffloadEngine, ResidentEngine
 from .inference import PreGate, Router, find_router
 from .stand_ins import stand_in_parameter
 from .quantized import store_quantization
-from .planner import MemoryEstimate, choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
+from .planner import HEADROOM, MemoryEstimate, choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
 from .disk_store import DiskExpertStore
 from .store import STATE_ROWS, ExpertStore, ExpertStoreError, HostExpertStore
 from .telemetry import OffloadStats
@@ -107,7 +107,7 @@ def _resolve_mode(config: OffloadConfig, device: torch.device, est: MemoryEstima
         compute_bytes = (config.compute_dtype.itemsize if config.compute_dtype is not None
                          else next(first_experts.parameters()).element_size())
         need = offloaded_device_bytes(est, resident, compute_bytes)
-        if need > 0.9 * dev_budget:
+        if need > HEADROOM * dev_budget:
             logger.warning(
                 "even offloaded, training needs ~%.2f GiB on %s (non-expert state, activations, %d resident "
                 "expert copies) of %.2f GiB free: lower pin_fraction, prefetch_depth or the batch size",

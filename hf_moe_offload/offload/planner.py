@@ -18,6 +18,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 ADAM_BYTES_PER_PARAM = 16  # fp32 param + grad + exp_avg + exp_avg_sq
+HEADROOM = 0.9  # of a memory budget a plan may fill
 FROZEN_BYTES_PER_PARAM = 4  # frozen experts (LoRA): the weights-only store's fp32 row
 
 
@@ -83,7 +84,8 @@ def detect_budgets(device: torch.device) -> tuple[int, int]:
     return host, host
 
 
-def choose_tier(est: MemoryEstimate, device_budget: int, host_budget: int, headroom: float = 0.9) -> tuple[str, str]:
+def choose_tier(est: MemoryEstimate, device_budget: int, host_budget: int, headroom: float = HEADROOM
+                ) -> tuple[str, str]:
     """(tier, reason). Device if everything fits, host if experts fit in host memory, disk otherwise."""
     need_device_all = est.expert_state_bytes + est.non_expert_state_bytes + est.activation_bytes
     share = f"{headroom:.0%} of "
@@ -111,5 +113,5 @@ def offloaded_device_bytes(est: MemoryEstimate, resident_experts: int, compute_b
     return est.non_expert_state_bytes + est.activation_bytes + resident_experts * per_expert * compute_bytes
 
 
-__all__ = ["MemoryEstimate", "choose_tier", "detect_budgets", "estimate_memory", "local_process_count",
+__all__ = ["HEADROOM", "MemoryEstimate", "choose_tier", "detect_budgets", "estimate_memory", "local_process_count",
            "offloaded_device_bytes"]
