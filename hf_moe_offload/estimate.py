@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -134,10 +133,11 @@ class Estimate:
 
 def meta_model(config):
     """The model of `config` on the meta device (no memory, no weights)."""
-    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with init_empty_weights():
+    # every tensor is made on the meta device, not made on the host and moved there: a real-size model's 3-D expert
+    # tensors (DeepSeek-V3: 30 GB per layer in fp32) are never allocated
+    with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
 
@@ -413,8 +413,9 @@ def _lora_params(model, w: Workload) -> tuple[int, int, list[tuple[int, int]], l
     if not modules and not parameters:
         return 0, 0, [], []
     experts = {name for name, _ in find_experts_modules(model)}
-    peft_model = get_peft_model(model, LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=modules,
-                                                  target_parameters=parameters or None))
+    with torch.device("meta"):  # peft makes and initializes its adapters where the factories default to
+        peft_model = get_peft_model(model, LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=modules,
+                                                      target_parameters=parameters or None))
     total = on_experts = 0
     dense: list[tuple[int, int]] = []
     for name, t in peft_model.named_parameters():
@@ -480,7 +481,9 @@ def _activation_bytes(config, model, w: Workload, item: int, moe_layers: int, nu
 def add_cli(sub) -> None:
     p = sub.add_parser("estimate", help="memory per tier and bytes moved per step, from a model folder or config.json",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="a model folder (its config.json is read; no weights needed) or a config.json")
+    p.add_argument("model", help="a model folder (its config.json is read; no weights needed), a config.json, or a "
+                                 "Hub name (e.g. Qwen/Qwen3-30B-A3B), read offline from the local Hugging Face cache "
+                                 "or the bundled table of public configs (docs/hardware.md)")
     p.add_argument("--method", default="full", choices=METHODS,
                    help="full: every weight trained; lora: adapters on attention, experts frozen; lora-experts: "
                         "adapters on every expert matrix too (docs/lora.md)")
@@ -518,15 +521,9 @@ def add_cli(sub) -> None:
 
 
 def run_cli(args) -> int:
-    from transformers import AutoConfig
+    from .model_shapes import load_config
 
-    from . import models  # noqa: F401  (registers MoE-GPT with the Auto classes)
-
-    path = args.model
-    folder = os.path.dirname(path) if path.endswith(".json") else path
-    if not os.path.isfile(os.path.join(folder, "config.json")) and not os.path.isfile(path):
-        raise UserError(f"{path}: no config.json there (a model folder or a config.json is needed)")
-    config = AutoConfig.from_pretrained(folder)
+    config, source = load_config(args.model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     w = Workload(method=args.method, expert_storage=args.expert_storage, dtype=dtype, batch_size=args.batch_size,
                  seq_len=args.seq_len, lora_r=args.lora_r, host_cache_experts=args.host_cache_experts,
@@ -538,6 +535,7 @@ def run_cli(args) -> int:
                            args.disk_gbps) if args.device == "cuda" else None)
     est = estimate(config, w, device_budget=int(gpu_memory * gb) if gpu_memory else None,
                    host_budget=int(args.host_memory * gb) if args.host_memory else None, rates=rates)
+    print(f"config: {source}")
     print(render(est))
     if args.json:
         with open(args.json, "w") as f:

@@ -160,7 +160,7 @@ def add_cli(sub) -> None:
                    help=f"a saved model folder (default: the main job's output, {DEFAULT_OUTPUT_DIR})")
     p.add_argument("--tokenizer", default=None, help="tokenizer name or folder (default: the model folder's)")
     p.add_argument("--prompt", action="append", help=f"a prompt; repeat for a batch (default: {DEFAULT_PROMPT!r})")
-    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=40, help="tokens generated per prompt")
     p.add_argument("--offload", choices=("disk", "host", "none"), default="disk",
                    help="where the experts live while generating (none: an ordinary resident model)")
     p.add_argument("--offload-dir", default=None, help="disk tier directory (default: a temporary one, removed after)")
@@ -175,11 +175,12 @@ def add_cli(sub) -> None:
     p.add_argument("--device-cache-gb", type=float, default=None,
                    help="GPU memory for a cache of the experts decoding uses most (default: half the memory free "
                         "once the model is there; 0: none)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="the dtype the model is loaded and computes in")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do-sample)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (with --do-sample)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument("--quiet", action="store_true", help="print only the figures")
     p.set_defaults(func=run)
 

@@ -436,7 +436,7 @@ def add_cli(sub) -> None:
     p = sub.add_parser("push", help="upload a saved run folder (model, tokenizer, card, plots) to the Hub")
     p.add_argument("folder", help="output dir of a run (holds config.json, weights, README.md, metrics.json)")
     p.add_argument("repo_id", help="Hub model repo, e.g. your-name/moe-gpt-small")
-    p.add_argument("--private", action="store_true")
+    p.add_argument("--private", action="store_true", help="create the Hub repo private")
     p.set_defaults(func=lambda args: print(push_to_hub(args.folder, args.repo_id, private=args.private)))
 
 

@@ -127,7 +127,8 @@ def add_pipelining_arguments(p: argparse.ArgumentParser, partitions: str = "off"
 def add_training_arguments(p: argparse.ArgumentParser, output_dir: str, steps: int, batch_size: int, lr: float,
                            grad_accum: int = 1, logging_steps: int = 10, eval_steps: int | None = None) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--output-dir", default=output_dir)
+    g.add_argument("--output-dir", default=output_dir,
+                   help="where the model, tokenizer, card, run record and checkpoints are written")
     g.add_argument("--steps", type=int, default=steps, help="optimizer steps")
     g.add_argument("--batch-size", type=int, default=batch_size, help="sequences per device per micro-step")
     g.add_argument("--grad-accum", type=int, default=grad_accum, help="micro-steps per optimizer step")
@@ -136,7 +137,7 @@ def add_training_arguments(p: argparse.ArgumentParser, output_dir: str, steps: i
                         "evaluation holds the logits of a whole batch, tokens x vocabulary floats)")
     g.add_argument("--lr", type=float, default=lr, help="peak learning rate (linear warmup, cosine decay)")
     g.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
-    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's weight decay")
     g.add_argument("--max-grad-norm", type=float, default=1.0,
                    help="global clipping over experts and non-experts (0 disables; then expert steps overlap backward)")
     g.add_argument("--precision", default="fp32", choices=PRECISIONS,
@@ -147,8 +148,8 @@ def add_training_arguments(p: argparse.ArgumentParser, output_dir: str, steps: i
                         "recomputes the rest in the backward (the streamed experts are uploaded again for it). auto: "
                         "on a GPU, on where `hf-moe-offload estimate` puts the batch's device figure over 90%% of the "
                         "free memory without it")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--logging-steps", type=int, default=logging_steps)
+    g.add_argument("--seed", type=int, default=0, help="seed of the initialisation, data order and dropout")
+    g.add_argument("--logging-steps", type=int, default=logging_steps, help="log the loss every n optimizer steps")
     g.add_argument("--eval-steps", type=int, default=eval_steps, help="default: 4 evaluations per run")
     g.add_argument("--save-steps", type=int, default=0,
                    help="also write resumable Trainer checkpoints (with expert optimizer state) every n steps")
@@ -169,7 +170,7 @@ def add_training_arguments(p: argparse.ArgumentParser, output_dir: str, steps: i
     h = p.add_argument_group("hub")
     h.add_argument("--push-to-hub", action="store_true", help="upload model, tokenizer, card and plots at the end")
     h.add_argument("--hub-model-id", default=None, help="Hub repo (default: the output dir's name in your namespace)")
-    h.add_argument("--hub-private", action="store_true")
+    h.add_argument("--hub-private", action="store_true", help="create the Hub repo private")
 
 
 def tune_host_memory(args: argparse.Namespace) -> None:
@@ -420,8 +421,9 @@ def add_method_arguments(p: argparse.ArgumentParser, defaults_note: str) -> None
                    help="comma-separated, for --method lora: attention (attention and dense FFN layers), experts (every "
                         "expert matrix, streamed from the store: peft's target_parameters, docs/lora.md). Default: "
                         "attention")
-    m.add_argument("--lora-r", type=int, default=8)
-    m.add_argument("--lora-alpha", type=int, default=16)
+    m.add_argument("--lora-r", type=int, default=8, help="LoRA rank (peft's r)")
+    m.add_argument("--lora-alpha", type=int, default=16,
+                   help="LoRA scaling numerator (peft's lora_alpha: the update is scaled by alpha / r)")
     m.add_argument("--expert-storage", default="auto", choices=EXPERT_STORAGES,
                    help="how the offloaded store keeps the frozen experts of --method lora: auto/bf16 (the model's "
                         "dtype), int8 or nf4 (bitsandbytes' formats, dequantized per chunk where the experts compute; "

@@ -57,8 +57,10 @@ def add_arguments(p: argparse.ArgumentParser, **defaults) -> None:
                         "Wikipedia sample shipped in the gensim wheel (offline)")
     g.add_argument("--dataset-config", default=d.get("dataset_config"), help="e.g. wikitext-103-raw-v1")
     g.add_argument("--train-file", nargs="+", default=None, help="local .txt/.json(l)/.csv files instead of --dataset")
-    g.add_argument("--validation-file", nargs="+", default=None)
-    g.add_argument("--text-column", default="text")
+    g.add_argument("--validation-file", nargs="+", default=None,
+                   help="local evaluation files, as --train-file (default: the dataset's validation split, else a "
+                        "seeded slice of the training data)")
+    g.add_argument("--text-column", default="text", help="the column of the dataset or files that holds the text")
     g.add_argument("--max-train-blocks", type=int, default=None, help="use at most this many training sequences")
     g.add_argument("--max-eval-blocks", type=int, default=d["max_eval_blocks"],
                    help="evaluation sequences (periodic and final evaluation use the same ones)")

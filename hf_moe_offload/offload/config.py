@@ -30,8 +30,15 @@ class OffloadConfig:
     host_cache_bytes: int | None = field(default=None, metadata={"help": "disk tier: host cache bound in bytes"})
     host_cache_experts: int | None = field(default=None, metadata={"help": "disk tier: host cache bound in experts"})
     # --- budgets for mode="auto" (detected when None) ---
-    device_budget_bytes: int | None = None
-    host_budget_bytes: int | None = None
+    device_budget_bytes: int | None = field(default=None, metadata={
+        "help": "device memory in bytes that mode='auto' plans with and, on a GPU, that the slab's two chunks and the "
+                "pinned experts' state may take together. None (default): detected (mode='auto': the device memory "
+                "free, the host's available memory on a CPU-only machine; the slab and the pins: a quarter of the "
+                "memory free when the first forward binds the device)"})
+    host_budget_bytes: int | None = field(default=None, metadata={
+        "help": "host memory in bytes that mode='auto' plans with (the host tier where the expert state fits in 90% "
+                "of it, else the disk tier). None (default): the memory available, shared by the processes of the job "
+                "on this machine"})
     # --- streaming ---
     prefetch_depth: int = field(default=2, metadata={"help": "experts uploaded/read ahead of the one computing"})
     io_threads: int = field(default=2, metadata={"help": "background threads for disk reads and write-backs"})
@@ -51,7 +58,7 @@ class OffloadConfig:
                 "store is filled and dequantized per chunk where the experts compute (offload/quantized.py); the "
                 "quantized formats need an offloaded tier (host or disk)"})
     keep_activations: bool | None = field(default=None, metadata={
-        "help": "keep each expert's middle activation for backward instead of recomputing it (issue 14); the "
+        "help": "keep each expert's middle activation for backward instead of recomputing it; the "
                 "weights are not kept but taken from the backward's stream. None (default): keep where the experts "
                 "compute on the CPU (host and disk tier), where it costs what the resident model saves; recompute on "
                 "a device (ES-MoE keeps only the expert inputs there). The disk tier recomputes where the forward "
@@ -60,7 +67,7 @@ class OffloadConfig:
                 "recompute"})
     stage_experts: int | None = field(default=None, metadata={
         "help": "experts per chunk of a training call's stream, uploaded or copied into one block and run as one "
-                "grouped GEMM per matmul (issues 14, 35). The host tier on the CPU with quantized experts: None = 8 "
+                "grouped GEMM per matmul. The host tier on the CPU with quantized experts: None = 8 "
                 "(dequantized into the block). On a GPU (host or disk tier): None (default) = a whole "
                 "layer's experts, bounded by device_budget_bytes (else a quarter of the free device memory) for the "
                 "slab's two blocks and, on the disk tier, by the host cache. On the CPU (disk tier): None = where the "
@@ -99,7 +106,11 @@ class OffloadConfig:
                 "record) computes an expert that is not in the cache straight from its memory-mapped file instead of "
                 "copying it into the cache (the page cache is the host's cache; its checksum is still matched on "
                 "first use). None (default): on where it applies; False: read through the cache, as on a GPU"})
-    device: str | torch.device | None = None
+    device: str | torch.device | None = field(default=None, metadata={
+        "help": "where the model computes: mode='auto' plans with this device's memory, load_offloaded_pretrained "
+                "moves the model there, and the first forward's inputs must be on it. None (default): the budgets "
+                "are the current GPU's where there is one, else the CPU's, and the experts compute wherever the "
+                "first forward's inputs are"})
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto",) + TIERS:
