@@ -1,5 +1,6 @@
 """`hf-moe-offload train`: the main job. Trains an MoE-GPT whose experts live on disk behind a host cache smaller
-than the experts, with `transformers.Trainer` and the expert-wise CPU optimizer.
+than the experts, with `ChunkedLossTrainer` (an `OffloadTrainer`: transformers' `Trainer` whose saves stream the
+experts) and the expert-wise CPU optimizer.
 
 With no arguments (offline, a few minutes on a 2-core CPU):
 - data: the English Wikipedia sample shipped in the `gensim` wheel (~106 articles, ~0.7 M tokens; 5% of the
