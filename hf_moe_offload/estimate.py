@@ -494,9 +494,9 @@ def add_cli(sub) -> None:
     p.add_argument("--gpu-memory", type=float, help="GB of GPU memory available (default: --gpu's memory, else this "
                                                     "GPU's free memory)")
     p.add_argument("--host-memory", type=float, help="GB of host memory available (default: this machine's)")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--lora-r", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (LoRA methods)")
     p.add_argument("--host-cache-experts", type=int, help="disk tier: experts cached in host memory (default: a "
                                                           "quarter)")
     p.add_argument("--pin-fraction", type=float, default=0.25,
