@@ -158,13 +158,13 @@ def test_lora_experts_harness(tmp_path):
     assert all(r["disk_read_mib_per_step"] > 0 for v, r in rows.items() if v.startswith("disk"))
 
 
-def test_the_gpu_check_fits_its_device_window():
-    """benchmarks/gpu_check.sh runs on a lent GPU for at most 8 minutes of device time, installs included: its
+def test_the_gpu_session_fits_its_device_window():
+    """benchmarks/gpu_session.sh runs on a lent GPU for at most 8 minutes of device time, installs included: its
     steps' limits add up to at most 420 s, each step names its limit, and the script parses."""
     import re
     import subprocess
 
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_check.sh")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_session.sh")
     text = open(script).read()
     limits = [int(m.group(2)) for m in re.finditer(r"^\s*step (\S+) (\d+) ", text, re.M)]
     assert len(limits) >= 4 and sum(limits) <= 420, limits

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU claim in one run of at most 8 minutes of device time, installs included, steps in priority order.
 #
-#   bash benchmarks/gpu_check.sh prepare   # here, with the package index: the wheels the GPU machine lacks -> .whl/
-#   bash benchmarks/gpu_check.sh           # on the lent GPU machine (the device tool: carry [".whl"]); $OUT
+#   bash benchmarks/gpu_session.sh prepare   # here, with the package index: the wheels the GPU machine lacks -> .whl/
+#   bash benchmarks/gpu_session.sh           # on the lent GPU machine (the device tool: carry [".whl"]); $OUT
 #                                            # receives each step's log, JSON and summary line as the step ends
 #
 # The GPU machine has python3 with torch (CUDA), transformers, accelerate and peft, but no network and no datasets
@@ -36,7 +36,7 @@ if [ "${1:-}" = "prepare" ]; then
   exit 0
 fi
 
-OUT=${OUT:-/tmp/gpu_check}
+OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
 START=$SECONDS
 BUDGET=${GPU_SESSION_BUDGET_S:-460}
