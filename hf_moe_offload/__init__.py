@@ -3,6 +3,10 @@
 Importing the package registers MoE-GPT with transformers' Auto classes.
 """
 
+# First, before anything imports peft (transformers' Trainer does), which imports bitsandbytes: importing `quiet`
+# drops the one warning bitsandbytes logs at import on a CPU without the optional `kernels` package.
+from . import quiet  # noqa: F401
+
 from transformers import (
     AutoConfig,
     AutoModel,

@@ -267,7 +267,9 @@ def _meta_peft_model(model: nn.Module, config: dict) -> nn.Module:
     """peft's model of the adapter `config` over the meta `model`: where peft puts each LoRA tensor, its shapes."""
     from peft import get_peft_model
 
-    with torch.device("meta"):
+    from .quiet import peft_wrapping
+
+    with torch.device("meta"), peft_wrapping():
         return get_peft_model(model, _lora_config(config))
 
 

@@ -406,6 +406,7 @@ def _lora_params(model, w: Workload) -> tuple[int, int, list[tuple[int, int]], l
     from .jobs import LORA_ATTENTION  # what `--method lora` adapts
     from .moe_path import find_experts_modules
     from .offload.expert_lora import expert_target_parameters
+    from .quiet import peft_wrapping
 
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     modules = [m for m in LORA_ATTENTION if m in names]
@@ -413,7 +414,7 @@ def _lora_params(model, w: Workload) -> tuple[int, int, list[tuple[int, int]], l
     if not modules and not parameters:
         return 0, 0, [], []
     experts = {name for name, _ in find_experts_modules(model)}
-    with torch.device("meta"):  # peft makes and initializes its adapters where the factories default to
+    with torch.device("meta"), peft_wrapping():  # peft makes its adapters where the factories default to
         peft_model = get_peft_model(model, LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=modules,
                                                       target_parameters=parameters or None))
     total = on_experts = 0
