@@ -108,9 +108,9 @@ def test_the_quick_start_script_runs_on_a_tiny_checkpoint(tiny_release, tmp_path
 # Such blocks are compiled, so that a syntax error or a stray placeholder is still caught.
 NOT_RUN = re.compile(r"^<!--\s*(gpu-only|not-run:\s*(\S.*?))\s*-->\s*$")
 
-# Pages written by a generator (`python -m hf_moe_offload.<module> docs/<page>`): their blocks run like any other,
-# but a marker has to come from the generator, never from an edit of the page.
-GENERATED = {"reference.md", "hardware.md", "support.md"}
+# Pages written by a generator (docs/reference.md, docs/hardware.md, docs/support.md: `python -m
+# hf_moe_offload.<module> docs/<page>`) are read like the others: their blocks run, and a marker on one can only come
+# from the generator, since their own tests regenerate them and compare.
 
 # What the test changes in a block before running it, so that it runs in seconds in a temporary folder: the docs
 # write the paths and step counts of a real run.
@@ -180,7 +180,6 @@ def test_blocks_not_run_say_why_and_compile():
         for line, source, reason in python_blocks(page):
             compile(source, f"{page}:{line}", "exec")
             if reason is not None:
-                assert os.path.basename(page) not in GENERATED, (page, line)
                 marked.append((os.path.relpath(page, ROOT), line, reason))
     assert marked, "no block is marked as not run: the marker pattern no longer matches the pages"
     assert all(len(reason) > 8 for _, _, reason in marked), marked
@@ -205,7 +204,6 @@ def test_every_python_block_of_the_docs_runs(tiny_release, tmp_path):
     (tmp_path / "pages.json").write_text(json.dumps(spec))
     res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "run_doc_pages.py"),
                           str(tmp_path / "pages.json")], env=ENV, capture_output=True, text=True, timeout=900)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-6000:]
+    assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-2000:]
     ran = [line for line in res.stdout.splitlines() if line.startswith("PAGE ") and line.endswith(" ok")]
-    assert len(ran) == len(spec), out[-6000:]
+    assert len(ran) == len(spec), res.stdout[-8000:]

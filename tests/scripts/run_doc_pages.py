@@ -8,8 +8,8 @@ The heavy imports (torch, transformers, peft, datasets, accelerate, the package)
 runs in a child forked from this process, so pages share the import time but no Python state. This process runs no
 tensor operation before forking: a forked child starts with no thread pool of its parent's to inherit.
 
-Prints one line per page, `PAGE <path> ok` or `PAGE <path> FAILED`, the failure's traceback (line numbers are the
-page's own) before it; exits 1 if any page failed.
+Prints one line per page, `PAGE <path> ok` or `PAGE <path> FAILED`, then each failure's traceback (line numbers are
+the page's own) at the end, after whatever the pages printed; exits 1 if any page failed.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import json
 import os
 import sys
 import traceback
+
+TRACEBACK = "page-traceback.txt"  # written in the page's folder by a page that fails
 
 
 def run_page(page: dict) -> None:
@@ -50,7 +52,8 @@ def main(spec_path: str) -> int:
             try:
                 run_page(page)
             except BaseException:
-                traceback.print_exc()
+                with open(os.path.join(page["cwd"], TRACEBACK), "w", encoding="utf-8") as f:
+                    f.write(traceback.format_exc())
                 code = 1
             sys.stdout.flush()
             sys.stderr.flush()
@@ -59,7 +62,11 @@ def main(spec_path: str) -> int:
         ok = os.waitstatus_to_exitcode(status) == 0
         print(f"PAGE {page['page']} {'ok' if ok else 'FAILED'}", flush=True)
         if not ok:
-            failed.append(page["page"])
+            failed.append(page)
+    for page in failed:
+        path = os.path.join(page["cwd"], TRACEBACK)
+        why = open(path, encoding="utf-8").read() if os.path.exists(path) else "killed, or exited without a traceback"
+        print(f"\n{page['page']} FAILED:\n{why}", flush=True)
     return 1 if failed else 0
 
 
