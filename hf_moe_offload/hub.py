@@ -45,14 +45,16 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
     `active_params` counts what one token runs through: every non-expert parameter plus `top_k` experts in each MoE
     layer (embeddings included, as usual for total counts; the tied output projection is counted once).
     """
-    from .moe_path import experts_layers
+    from .moe_path import experts_layers, unwrapped_name
 
     model = _unwrap(model)
     cfg = model.config
     per_layer = []
+    names = []
     expert_param_ids = set()
-    for _name, module, layout in experts_layers(model):
+    for name, module, layout in experts_layers(model):
         per_layer.append((layout.num_experts, layout.numel))
+        names.append(unwrapped_name(name))
         expert_param_ids |= {id(p) for p in module.parameters(recurse=False)}
     non_expert = sum(p.numel() for p in model.parameters() if id(p) not in expert_param_ids)
     expert_total = sum(e * n for e, n in per_layer)
@@ -68,7 +70,8 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
         "vocab_size": getattr(cfg, "vocab_size", None),
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
         "moe_layers": len(per_layer),
-        "moe_layer_indices": list(getattr(cfg, "moe_layer_indices", [])),
+        "moe_layer_indices": moe_layer_indices(names),
+        "moe_layer_names": names,
         "num_experts": per_layer[0][0] if per_layer else 0,
         "num_experts_per_tok": top_k,
         "params_per_expert": per_layer[0][1] if per_layer else 0,
@@ -78,6 +81,20 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
         "active_params": active,
         "num_labels": getattr(cfg, "num_labels", None) if "SequenceClassification" in type(model).__name__ else None,
     }
+
+
+_LAYER_NUMBER = re.compile(r"\.(\d+)(?:\.|$)")
+
+
+def moe_layer_indices(names: list[str]) -> list[int]:
+    """The decoder-layer index of each experts module, from its name (`model.layers.3.mlp.experts` -> 3: the first
+    number in the name, the position in the model's layer list); [] when a name holds no number or two experts
+    modules share one (an encoder and a decoder stack), where the names themselves say more."""
+    found = [_LAYER_NUMBER.search(n) for n in names]
+    if not all(found):
+        return []
+    indices = [int(m.group(1)) for m in found]
+    return indices if len(set(indices)) == len(indices) else []
 
 
 # --- rendering ---
@@ -199,9 +216,99 @@ def _card_summary(record: dict) -> str:
     return summary
 
 
+# --- what the run trained and froze, where the experts lived ---
+EXPERT_WISE = "expert-wise CPU optimizer"
+
+
+def run_experts(record: dict) -> dict[str, Any]:
+    """How the run treated its experts: `record["training"]["experts"]` (`jobs.experts_summary`); for a record written
+    without it, what the jobs do: trained with `--method full` (by the expert-wise CPU optimizer when offloaded, by the
+    Trainer's optimizer when resident), frozen with `--method lora`."""
+    train = record.get("training") or {}
+    if train.get("experts"):
+        return train["experts"]
+    off = record.get("offload") or {}
+    tier = off.get("mode") or "device"
+    trained = train.get("method", "full") == "full"
+    stored = off.get("expert_state_rows")
+    storage = train.get("expert_storage") if train.get("expert_storage", "auto") != "auto" else None
+    return {"trained": trained,
+            "stepped_by": (EXPERT_WISE if tier in ("host", "disk") else "Trainer's optimizer") if trained else None,
+            "storage": storage or (stored.split()[0] if stored else "n/a"), "stored": stored, "tier": tier}
+
+
+def _tier_phrase(record: dict) -> str:
+    """Where the experts lived: the offload tier, in words."""
+    off = record.get("offload") or {}
+    mode = off.get("mode") or "device"
+    chosen = " (chosen by `--offload auto`)" if off.get("requested_mode") == "auto" else ""
+    if mode == "disk":
+        return (f"experts on the disk tier{chosen}, files behind a host cache of {off.get('host_cache_experts')} "
+                "experts, streamed to the compute device expert by expert (ES-MoE §4.1)")
+    if mode == "host":
+        return (f"experts in host memory (host tier{chosen}), streamed to the compute device expert by expert "
+                "(ES-MoE §4.1)")
+    return f"experts resident on the compute device{chosen} (not offloaded)"
+
+
+def _experts_phrase(experts: dict) -> str:
+    """What happened to the experts' weights: who stepped them, or how they were kept frozen."""
+    if not experts.get("trained"):
+        return f"frozen, stored as {experts.get('storage')}, never stepped"
+    if experts.get("stepped_by") == EXPERT_WISE:
+        return f"trained, stepped by the {EXPERT_WISE} on the host (ES-MoE §4.1)"
+    return "trained, stepped with the other parameters by the Trainer's AdamW"
+
+
+def _checkpointing_phrase(record: dict) -> str:
+    on = record.get("gradient_checkpointing")
+    if on is None:
+        return "not recorded"
+    return ("on: transformers' activation checkpointing (non-reentrant), each decoder layer recomputed in the backward"
+            if on else "off")
+
+
+def _card_method_values(record: dict) -> dict[str, str]:
+    """Card fields for what the run did: the technique line under the title, and the training table's method,
+    trained, frozen, experts, activation-checkpointing and tier rows."""
+    train = record.get("training") or {}
+    method = train.get("method", "full")
+    experts = run_experts(record)
+    routers = " but the routers" if train.get("routers_frozen") else ""
+    if method == "lora":
+        name = "LoRA"
+        method_text = f"LoRA ({train.get('lora') or 'adapters'})"
+        head = record.get("task") == "sequence-classification"  # peft trains the new `score` head in full
+        trained = "the LoRA adapters" + (" and the classification head" if head else " only") + " (method row)"
+        frozen = (f"every {'other ' if head else ''}weight of the base model, the experts included (stored as "
+                  f"{experts.get('storage')}: no gradient, no optimizer state)")
+    else:
+        name = "full fine-tuning" if record.get("base_model") else "training from scratch"
+        method_text = (f"{name}, experts included" if record.get("base_model") else f"{name}, all parameters")
+        if experts.get("stepped_by") == EXPERT_WISE:
+            trained = f"every parameter{routers}: the experts by the {EXPERT_WISE}, the rest by the Trainer's AdamW"
+        else:
+            trained = f"every parameter{routers}, the experts included, by the Trainer's AdamW"
+        frozen = "the routers (`--freeze-router`)" if train.get("routers_frozen") else "nothing"
+    if method not in ("full", "lora"):
+        name = method_text = str(method)
+    on = record.get("gradient_checkpointing")
+    checkpointing = "not recorded" if on is None else "on" if on else "off"
+    trainer = f"`{train['trainer']}` (a `transformers.Trainer`)" if train.get("trainer") else "`transformers.Trainer`"
+    return {
+        "technique_line": f"{name}; {_tier_phrase(record)}; experts {_experts_phrase(experts)}; activation "
+                          f"checkpointing {checkpointing}; {trainer}.",
+        "method": method_text + (f"; {train['lm_loss']}" if train.get("lm_loss") else ""),
+        "trained": trained,
+        "frozen": frozen,
+        "experts_treatment": _experts_phrase(experts),
+        "checkpointing": _checkpointing_phrase(record),
+        "tier": _tier_phrase(record),
+    }
+
+
 def _card_offload(record: dict) -> str:
     """The offload section: the tier's table (with the run's telemetry) or a line, then the processes if several."""
-    train = record.get("training", {})
     off = record.get("offload") or {}
     tele = record.get("telemetry") or {}
     if off.get("mode") in ("host", "disk"):
@@ -212,8 +319,7 @@ def _card_offload(record: dict) -> str:
             rows.append(("host cache", f"{off.get('host_cache_experts')} experts ({_fmt(off.get('host_cache_MB'))} MB, "
                                        f"{_fmt(off.get('host_cache_fraction'))} of the experts)"))
         rows += [("prefetch depth / pinned fraction", f"{off.get('prefetch_depth')} / {off.get('pin_fraction')}"),
-                 ("expert optimizer", "expert-wise Adam(W) on the host (`ExpertOptimizerCallback`)"
-                  if train.get("method", "full") == "full" else "experts frozen (LoRA): streamed, never updated")]
+                 ("experts", _experts_phrase(run_experts(record)))]
         if tele:
             rows += [
                 ("disk read / mapped / written", f"{_fmt(tele.get('disk_read_MB'))} MB / "
@@ -275,15 +381,26 @@ def _card_expert_load(record: dict, top_k: int) -> str:
     return "\n".join(lines)
 
 
+def _moe_layers_row(m: dict) -> str:
+    """`2 (layers 1, 3)`; the experts modules' names where their layer indices are not known."""
+    indices, names = m.get("moe_layer_indices") or [], m.get("moe_layer_names") or []
+    if indices:
+        return f"{m.get('moe_layers')} (layers {', '.join(str(i) for i in indices)})"
+    if names:
+        return f"{m.get('moe_layers')} ({', '.join(f'`{n}`' for n in names)})"
+    return str(m.get("moe_layers"))
+
+
 def _card_model_values(m: dict) -> dict[str, str]:
     """Card fields for the model (`{{architecture}}` and the rest in model_cards/): architecture, shape, MoE layers,
     experts, parameter counts, vocabulary/context."""
     top_k = m.get("num_experts_per_tok", 1)
     return {
-        "architecture": f"`{m.get('model_type')}` ({m.get('class')}), pre-norm GPT decoder with MoE FFN layers",
+        "architecture": f"`{m.get('model_type')}` ({m.get('class')})"
+                        + (", pre-norm GPT decoder with MoE FFN layers" if m.get("model_type") == "moe_gpt" else ""),
         "shape": f"{m.get('num_hidden_layers')} / {m.get('hidden_size')} / {m.get('num_attention_heads')} / "
                  f"{m.get('intermediate_size')}",
-        "moe_layers": f"{m.get('moe_layers')} (layers {', '.join(str(i) for i in m.get('moe_layer_indices', []))})",
+        "moe_layers": _moe_layers_row(m),
         "experts": f"{m.get('num_experts')}, top-{top_k} routing, dropless "
                    f"({_fmt_count(m.get('params_per_expert'))} parameters each)",
         "total_params": _fmt_count(m.get("total_params")),
@@ -294,7 +411,8 @@ def _card_model_values(m: dict) -> dict[str, str]:
 
 
 def _card_training_values(record: dict) -> dict[str, str]:
-    """Card fields for the training run: data, tokenizer, method, schedule, optimizer, hardware, runtime, command."""
+    """Card fields for the training run: data, tokenizer, schedule, optimizer, hardware, runtime, command (the method
+    rows: `_card_method_values`)."""
     train = record.get("training", {})
     data = record.get("data", {})
     metrics = record.get("metrics", {})
@@ -304,12 +422,6 @@ def _card_training_values(record: dict) -> dict[str, str]:
         "data": data.get("description", "n/a") + (f"; {data['train_size']}" if data.get("train_size") else "")
                 + (f"; eval: {data['eval_size']}" if data.get("eval_size") else ""),
         "tokenizer": data.get("tokenizer", "n/a"),
-        "method": {"full": "full fine-tuning, experts included" if record.get("base_model") else "training from "
-                   "scratch, all parameters", "lora": f"LoRA ({train.get('lora', '')})"
-                   + (f"; frozen experts stored as {train['expert_storage']}"
-                      if train.get("expert_storage", "auto") != "auto" else "")}.get(train.get("method", "full"),
-                                                                                          train.get("method", "n/a"))
-                  + (f"; {train['lm_loss']}" if train.get("lm_loss") else ""),
         "schedule": f"{train.get('steps')} × {train.get('batch_size')} × {train.get('grad_accum')} × "
                     f"{par.get('world_size', 1)}" + (f" (sequences of {data['block_size']} tokens)"
                                                      if data.get("block_size") else ""),
@@ -340,10 +452,9 @@ def card_values(record: dict) -> dict[str, str]:
         "front_matter_extra": "".join(f"{e}\n" for e in extra),
         "model_name": name,
         "summary": _card_summary(record),
-        "technique_line": "dropless sequential experts, expert offload with pipelined per-expert streaming "
-                          "(ES-MoE §4.1), expert-wise CPU optimizer, `transformers.Trainer`.",
         **_card_model_values(m),
         **_card_training_values(record),
+        **_card_method_values(record),
         "offload": _card_offload(record),
         "pipelining": ("Not used in this run." if not pipe
                        else _table([(k.replace("_", " "), f"`{v}`") for k, v in pipe.items()])),
@@ -442,6 +553,8 @@ def add_cli(sub) -> None:
 
 __all__ = [
     "describe_model",
+    "moe_layer_indices",
+    "run_experts",
     "card_values",
     "render_model_card",
     "write_model_card",

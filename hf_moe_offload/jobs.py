@@ -37,7 +37,7 @@ from .data import gpt2_tokenizer
 from .routing import freeze_routers, keep_load_balancing_loss
 from .errors import UserError, add_debug_flag
 from .host_allocator import MMAP_THRESHOLD, POLICIES, RETURN_MMAP_THRESHOLD, TRIM_THRESHOLD, set_policy
-from .hub import RECORD_FILE, push_to_hub, write_model_card
+from .hub import EXPERT_WISE, RECORD_FILE, push_to_hub, write_model_card
 from .models.moe_gpt import MOE_GPT_PRESETS, MoEGPTConfig
 from .offload import OffloadConfig, enable_expert_offload, get_offload_engine
 from .offload.checkpoint import load_offloaded_pretrained
@@ -45,6 +45,7 @@ from .offload.expert_lora import expert_target_parameters
 from .offload.quantized import EXPERT_STORAGES
 from .offload.saving import save_merged_lora, save_offloaded_pretrained
 from .optim import ExpertOptimizerCallback
+from .quiet import peft_wrapping
 from .run_stats import ExpertLoadCallback, OffloadTotalsCallback, plot_expert_load, plot_training_curves
 
 logger = logging.getLogger(__name__)
@@ -450,7 +451,8 @@ def apply_lora(model: nn.Module, engine, args: argparse.Namespace, task_type) ->
     parameters = expert_target_parameters(model) if "experts" in args.lora_targets else []
     lora = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                       target_modules=modules, target_parameters=parameters or None)
-    model = get_peft_model(model, lora)
+    with peft_wrapping():
+        model = get_peft_model(model, lora)
     freeze_offloaded_experts(engine)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     streamed = ", streamed" if engine is not None and engine.store is not None else ""
@@ -647,6 +649,35 @@ def offload_summary(engine, args: argparse.Namespace) -> dict[str, Any] | None:
     return summary
 
 
+def experts_summary(model: nn.Module, engine, callbacks: list) -> dict[str, Any]:
+    """How the run treated its experts, for the card and metrics.json: trained or frozen, what stepped them (the
+    expert-wise CPU optimizer only when its callback is among the Trainer's `callbacks`), where and how they were
+    stored (`storage`: the per-parameter format of their weights: fp32, bf16, int8, nf4)."""
+    from .moe_path import find_experts_modules
+
+    offloaded = engine is not None and engine.store is not None
+    expert_wise = any(isinstance(c, ExpertOptimizerCallback) for c in callbacks)
+    if offloaded:
+        store = engine.store
+        trained = store.trainable
+        storage = (store.quantization.storage if store.quantization is not None
+                   else "fp32" if trained else _DTYPE_NAMES.get(store.row_dtype, str(store.row_dtype)))
+        stored = _stored_rows(store)
+    else:
+        weights = [p for _, module in find_experts_modules(model) for p in module.parameters(recurse=False)]
+        trained = any(p.requires_grad for p in weights)
+        storage = _DTYPE_NAMES.get(weights[0].dtype, str(weights[0].dtype)) if weights else "n/a"
+        stored = f"{storage} weights, resident"
+    stepped_by = None
+    if trained:
+        stepped_by = EXPERT_WISE if expert_wise else "Trainer's optimizer"
+    return {"trained": trained, "stepped_by": stepped_by, "storage": storage, "stored": stored,
+            "tier": engine.mode if engine is not None else "device"}
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def _stored_rows(store) -> str:
     """What the store keeps per expert, for the card."""
     if store.trainable:
@@ -654,8 +685,7 @@ def _stored_rows(store) -> str:
     q = store.quantization
     if q is not None:
         return f"{q.storage} weights (frozen; bitsandbytes, {q.bytes_per_parameter:.3f} bytes/parameter)"
-    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    return f"{short.get(store.row_dtype, store.row_dtype)} weights (frozen)"
+    return f"{_DTYPE_NAMES.get(store.row_dtype, store.row_dtype)} weights (frozen)"
 
 
 def finish_run(trainer, model: nn.Module, tokenizer: PreTrainedTokenizerBase, record: dict, args: argparse.Namespace,
@@ -677,6 +707,7 @@ def finish_run(trainer, model: nn.Module, tokenizer: PreTrainedTokenizerBase, re
     trainer.accelerator.wait_for_everyone()
     if not main:
         return record
+    record.setdefault("training", {}).setdefault("trainer", type(trainer).__name__)
     record["expert_load"] = load.summary()
     record["expert_load_history"] = load.history
     record["telemetry"] = totals.as_dict() if totals.mode in ("host", "disk") else None
@@ -747,6 +778,7 @@ __all__ = [
     "perplexity_metrics",
     "train_figures",
     "offload_summary",
+    "experts_summary",
     "finish_run",
     "short_run",
     "world",

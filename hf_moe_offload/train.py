@@ -147,7 +147,9 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
             "block_size": args.block_size,
             "tokenizer": _tokenizer_description(args, tokenizer),
         },
-        "training": {"method": args.method, "lora": lora_desc, "expert_storage": args.expert_storage, "steps": args.steps, "batch_size": args.batch_size,
+        "training": {"method": args.method, "lora": lora_desc, "expert_storage": args.expert_storage,
+                     "experts": jobs.experts_summary(model, engine, callbacks), "routers_frozen": args.freeze_router,
+                     "steps": args.steps, "batch_size": args.batch_size,
                      "grad_accum": args.grad_accum, "lr": args.lr, "precision": args.precision, "seed": args.seed,
                      "scheduler": "warmup + cosine", "max_grad_norm": args.max_grad_norm,
                      "lm_loss": trainer.lm_loss_path()},
@@ -186,8 +188,8 @@ def _tokenizer_description(args: argparse.Namespace, tokenizer) -> str:
 
 def _limitations(args: argparse.Namespace, metrics: dict) -> str:
     tokens = metrics.get("train_tokens") or 0
-    text = (f"Trained on {tokens:,} tokens only: this run shows the training pipeline (experts on disk, a host cache "
-            "smaller than the experts, expert-wise CPU optimizer), not a useful language model.")
+    text = (f"Trained on {tokens:,} tokens only: this run shows the training pipeline described above, not a useful "
+            "language model.")
     if tokens > 1e9:
         text = "Evaluate on your own data before use; the perplexity above is on held-out text of the same source."
     return text + " Not instruction-tuned; may reproduce biases of its training text."

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, engine = jobs.prepare_model(args, tokenizer, model_class=AutoModelForSequenceClassification,
                                        config_overrides=overrides)
     model.config.pad_token_id = tokenizer.pad_token_id
-    jobs.checkpoint_activations(args, targs, model, engine)
+    checkpointing = jobs.checkpoint_activations(args, targs, model, engine)
     lora_desc = None
     if args.method == "lora":
         from peft import TaskType
@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": describe_model(model),
         "base_model": args.model_path,
         "offload": jobs.offload_summary(engine, args),
+        "gradient_checkpointing": checkpointing,
         "pipelining": jobs.pipelining_summary(pipelined),
         "parallel": parallel,
         "data": {
@@ -228,7 +229,9 @@ def main(argv: list[str] | None = None) -> dict:
             "tokenizer": type(tokenizer).__name__,
             "columns": {"text": list(text_columns), "label": label_column, "num_labels": num_labels},
         },
-        "training": {"method": args.method, "lora": lora_desc, "expert_storage": args.expert_storage, "steps": args.steps, "batch_size": args.batch_size,
+        "training": {"method": args.method, "lora": lora_desc, "expert_storage": args.expert_storage,
+                     "experts": jobs.experts_summary(model, engine, callbacks), "routers_frozen": args.freeze_router,
+                     "steps": args.steps, "batch_size": args.batch_size,
                      "grad_accum": args.grad_accum, "lr": args.lr, "precision": args.precision, "seed": args.seed,
                      "scheduler": "warmup + cosine", "max_grad_norm": args.max_grad_norm},
         "metrics": metrics,

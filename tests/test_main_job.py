@@ -155,7 +155,7 @@ def test_main_job_with_lora_on_the_streamed_experts(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in n for n, _ in model.named_parameters())
     card = (out / "README.md").read_text()
-    assert "experts frozen (LoRA)" in card and "frozen experts stored as nf4" in card
+    assert "| experts | frozen, stored as nf4, never stepped |" in card and "expert-wise CPU optimizer" not in card
 
 
 def test_main_job_refuses_quantized_storage_of_trained_experts(tmp_path, capsys):
@@ -200,6 +200,17 @@ def test_main_job_with_activation_checkpointing_on_the_disk_tier(tmp_path):
                  "--gradient-checkpointing", "on", "--output-dir", str(out)]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["gradient_checkpointing"] is True and math.isfinite(metrics["metrics"]["eval_loss"])
+    # the card of a full run says what stepped the experts, that checkpointing was on, and the MoE layers
+    card = (out / "README.md").read_text()
+    assert metrics["training"]["experts"]["stepped_by"] == "expert-wise CPU optimizer"
+    assert "| experts | trained, stepped by the expert-wise CPU optimizer on the host" in card
+    assert "| trained | every parameter: the experts by the expert-wise CPU optimizer" in card
+    assert "| frozen | nothing |" in card and "| activation checkpointing | on: " in card
+    from hf_moe_offload.models.moe_gpt import MoEGPTConfig
+
+    layers = MoEGPTConfig.from_pretrained(out).moe_layer_indices
+    assert metrics["model"]["moe_layer_indices"] == layers
+    assert f"| MoE layers | {len(layers)} (layers {', '.join(map(str, layers))}) |" in card
 
 
 def test_auto_checkpointing_turns_on_where_the_batch_would_not_fit_the_device_without_it():
