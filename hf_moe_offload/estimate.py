@@ -41,13 +41,16 @@ import torch
 from .errors import UserError
 from .offload.api import default_cache_experts, weights_only_row_dtype
 from .offload.engine import OffloadEngine
-from .offload.planner import ADAM_BYTES_PER_PARAM, MemoryEstimate, choose_tier, detect_budgets
+from .offload.planner import ADAM_BYTES_PER_PARAM, HEADROOM, MemoryEstimate, choose_tier, detect_budgets
 from .offload.quantized import EXPERT_STORAGES, QUANTIZED_STORAGES, store_quantization
 from .offload.store import ROW_GAP_BYTES
 from .time_model import (GPUS, DecodeTime, Rates, StepFlops, StepTime, decode_time, model_shape, resolve_rates,
                          step_flops, step_time)
 
 METHODS = ("full", "lora", "lora-experts")
+# What `--method lora` adapts (the jobs' attention targets: the names each family gives its attention and MLP
+# projections); `lora-experts` adds every expert tensor (offload/expert_lora.py: expert_target_parameters).
+LORA_ATTENTION = ["q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "fc1", "fc2"]
 GiB = 2**30
 
 
@@ -259,7 +262,8 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
         for needs in tiers.values():
             resident = needs.tier == "device"
             adam = 0 if resident or w.frozen_experts else (n_experts - pins) * p
-            # the disk tier's reads: per micro-batch for frozen experts, per window for trained ones (their steps)
+            # the disk tier's traffic, counted for every micro-batch (trained experts' write-backs come once per window:
+            # with accumulation an upper bound)
             disk = needs.disk_read_bytes_per_step + needs.disk_write_bytes_per_step
             step_fl = flops if not resident else step_flops(
                 shape, w.batch_size, w.seq_len, train_experts=not w.frozen_experts, train_rest=not w.frozen_experts,
@@ -272,9 +276,6 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     return Estimate(getattr(config, "model_type", "?"), expert_params, non_expert, lora, n_experts, layers, p,
                     record, cache, tiers, auto, why, w, flops=flops, device_pins=pins, rates=rates, decode=decode,
                     device_budget=device_budget)
-
-
-HEADROOM = 0.9  # of a budget a plan may fill (planner.choose_tier's)
 
 
 @dataclass(frozen=True)
@@ -403,7 +404,6 @@ def _lora_params(model, w: Workload) -> tuple[int, int, list[tuple[int, int]], l
     decoder layer stack, (in, out) of each adapted matrix of one expert)."""
     from peft import LoraConfig, get_peft_model
 
-    from .jobs import LORA_ATTENTION  # what `--method lora` adapts
     from .moe_path import find_experts_modules
     from .offload.expert_lora import expert_target_parameters
     from .quiet import peft_wrapping

@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from .data import gpt2_tokenizer
 from .routing import freeze_routers, keep_load_balancing_loss
 from .errors import UserError, add_debug_flag
+from .estimate import LORA_ATTENTION, Workload, needs_checkpointing
 from .host_allocator import MMAP_THRESHOLD, POLICIES, RETURN_MMAP_THRESHOLD, TRIM_THRESHOLD, set_policy
 from .hub import EXPERT_WISE, RECORD_FILE, push_to_hub, write_model_card
 from .models.moe_gpt import MOE_GPT_PRESETS, MoEGPTConfig
@@ -338,8 +339,6 @@ def checkpoint_activations(args: argparse.Namespace, targs: TrainingArguments, m
     if choice == "auto":
         on = False
         if torch.cuda.is_available():
-            from .estimate import needs_checkpointing
-
             free = torch.cuda.mem_get_info()[0]
             on = needs_checkpointing(model.config, _workload(args, model), engine.mode if engine else "device", free)
     else:
@@ -352,8 +351,6 @@ def checkpoint_activations(args: argparse.Namespace, targs: TrainingArguments, m
 
 
 def _workload(args: argparse.Namespace, model: nn.Module):
-    from .estimate import Workload
-
     experts = "lora-experts" if "experts" in getattr(args, "lora_targets", ()) else "lora"
     return Workload(method="full" if getattr(args, "method", "full") == "full" else experts,
                     expert_storage=getattr(args, "expert_storage", "auto"), dtype=next(model.parameters()).dtype
@@ -401,7 +398,6 @@ def _load_pretrained(model_class, path: str, flag: str = "--model-path", **kwarg
 
 # LoRA's `--lora-targets attention`: attention projections and dense FFN layers, by the names the families give them
 # (peft matches them as suffixes; names a family lacks are skipped).
-LORA_ATTENTION = ["q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "fc1", "fc2"]
 
 
 def _lora_targets(value: str) -> tuple[str, ...]:
