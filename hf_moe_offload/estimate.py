@@ -1,6 +1,6 @@
 """`hf-moe-offload estimate`: the memory each tier needs and the bytes a training step moves, from a config alone.
 
-Issue 38, item 3. The model is built on the meta device from its `config.json` (no weights read), so every family
+The model is built on the meta device from its `config.json` (no weights read), so every family
 the package serves counts its own parameters: the experts (through the same layouts the store uses), the rest, and,
 for LoRA, peft's own adapters (peft builds them on the meta device too). The accounting:
 

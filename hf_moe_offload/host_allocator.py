@@ -1,4 +1,4 @@
-"""Host memory allocator settings for a training process on the CPU (issue 14, the main job's system time).
+"""Host memory allocator settings for a training process on the CPU (the main job's system time).
 
 PyTorch's CPU tensors come from `malloc`. glibc's malloc serves a large request with a fresh `mmap` (above its mmap
 threshold, which starts at 128 KiB and rises, as such blocks are freed, to at most 32 MiB) and hands the free memory

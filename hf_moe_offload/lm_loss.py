@@ -1,4 +1,4 @@
-"""The causal-LM loss taken a chunk of tokens at a time, for every family (issue 14, item 5).
+"""The causal-LM loss taken a chunk of tokens at a time, for every family.
 
 transformers' causal LMs compute `logits = lm_head(hidden)` for every token and then the cross-entropy: a
 (tokens, vocabulary) tensor, its fp32 copy and its gradient live through the step. With a 151k vocabulary and 8k

@@ -1,4 +1,4 @@
-"""Decoding on a device: the experts decoding uses most, kept in device memory across tokens (issue 37).
+"""Decoding on a device: the experts decoding uses most, kept in device memory across tokens.
 
 A decoded token routes to a few experts per layer, and their uploads are the whole cost of an offloaded decode step
 on a GPU (a Qwen3-MoE-shaped model's token: 128 experts x 3.1 MB in bf16 up). Experts are reused across tokens with

@@ -1,4 +1,4 @@
-"""Pinned experts that live on the device and step there (ES-MoE §4.3; issue 35, item 3).
+"""Pinned experts that live on the device and step there (ES-MoE §4.3).
 
 ES-MoE pins each GPU's most loaded experts of the previous iteration (n_p = 25%) so that they need no I/O. While
 training on an asynchronous device, a pinned expert's whole training state — fp32 weights, gradient and Adam moments

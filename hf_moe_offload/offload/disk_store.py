@@ -63,7 +63,7 @@ class DiskExpertStore(ExpertStore):
 
     Reads go to preallocated (pinned) cache slots with explicit `readinto`, ahead of use via `prefetch` (on the I/O
     threads, which also do the write-backs that make room); dirty rows are written back when evicted and on
-    `flush()`. Only the rows a caller asks for are read and only changed rows are written (issue 14): a forward reads
+    `flush()`. Only the rows a caller asks for are read and only changed rows are written: a forward reads
     an expert's weights, its backward adds the gradient (neither read nor zeroed when it is known to be zero: marked
     stale), its optimizer step reads the moments. Eviction follows the engine's schedule (`set_schedule`: forward in
     order, backward in reverse, then the next forward): the idle record needed furthest in the future goes (Belady's

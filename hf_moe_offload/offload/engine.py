@@ -191,7 +191,7 @@ class OffloadEngine:
         logger.debug("expert offload: computing on %s (runtime %s)", device, self.runtime.name)
 
     def _bind_compute_dtype(self, device: torch.device) -> None:
-        """Issue 35: on a device, under autocast at the first forward, stream copies in the autocast dtype unless
+        """On a device, under autocast at the first forward, stream copies in the autocast dtype unless
         `OffloadConfig.compute_dtype` says otherwise: the same values autocast would cast the fp32 weights to on the
         device (round to nearest), half the bytes up, and gradients down in that dtype (the GEMMs produce them so)."""
         store = self.store
@@ -209,8 +209,7 @@ class OffloadEngine:
         """The experts of a training call computing on the CPU use `compute_threads` intra-op threads (default: one
         fewer than torch's, at least 1): the expert optimizer's steps and the disk tier's reads and write-backs run
         alongside on their own threads (ES-MoE §4.1's overlap), and with every core in the experts' OpenMP teams
-        they wait on each other. On the 2-core box one thread made the host tier 0.95-0.97x resident instead of
-        1.02x and the disk tier with every expert cached 1.16x instead of 1.38x (issue 14, benchmarks/RESULTS.md).
+        they wait on each other (measured faster on both tiers: benchmarks/RESULTS.md, "the experts' threads").
         An asynchronous device computes elsewhere: nothing changes there."""
         before = torch.get_num_threads()
         wanted = self.config.compute_threads if self.config.compute_threads is not None else max(1, before - 1)
@@ -225,12 +224,10 @@ class OffloadEngine:
 
     # A staged chunk's records are held from its backward's stream until the optimizer has stepped them, while the
     # next chunk's are acquired: 2 chunks and the reads ahead, beside the pins, each of which saves an expert's I/O
-    # every step. A grouped call has a fixed cost: on the CPU box chunks of 2 ran slower than one expert at a time,
-    # chunks of 8 fastest of 2 / 4 / 8 (scratch runs, benchmarks/RESULTS.md). Staging pays where most experts are
-    # cached (every expert cached: 0.94x resident staged vs 1.08x one at a time); with a quarter cached it ran no
-    # faster (6-round A/Bs: 1.81 vs 1.84x, 2.42 vs 2.40x) and its chunks took 8-16 slots from the pins (written bytes
-    # 1.24 -> 1.09x the minimum at 32 experts, 1.21 -> 1.05x at 64), so by default a cache of less than half the
-    # experts streams them one at a time.
+    # every step. A grouped call has a fixed cost, so chunks of 8 (the fastest of 2 / 4 / 8 measured); staging pays
+    # where most experts are cached, and with a quarter cached it runs no faster while its chunks take slots from
+    # the pins (more bytes written), so by default a cache of less than half the experts streams them one at a time
+    # (benchmarks/RESULTS.md, "staged chunks on the disk tier").
     STAGE_MAX = 8
 
     def _bind_staging(self) -> None:
@@ -513,7 +510,7 @@ class OffloadEngine:
         which the caller must hand back (`chunk_grads_arrived`, `release_record`: backward). `phase` ("forward" of training,
         "backward", "inference") tells the store what comes next (`_schedule`)."""
         keys = [(layer, e) for e in expert_ids]
-        # Only the rows this phase uses (issue 14): weights; in a training backward `backward_rows`.
+        # Only the rows this phase uses: weights; in a training backward `backward_rows`.
         rows = self.backward_rows(layer) if keep else WEIGHTS
         # A forward computes uncached experts from their mapped files: nothing for it to acquire or release.
         mapping = self.map_files and not keep

@@ -1,10 +1,10 @@
 """The disk tier's expert files: their format and checksums, the directory lock, and memory mapping (ES-MoE §4.1,
-"Offloading experts to SSD"; issue 11: nothing corrupt is ever used).
+"Offloading experts to SSD"; nothing corrupt is ever used).
 
 One file per expert: the (rows, P) record, then a trailer: magic, layer, expert, P, rows, one 64-bit checksum per row.
 The checksums make a flipped or torn byte an error instead of a weight; the key and size catch a file of another
 expert or another model. Rows are read and written on their own (a row's checksum covers that row only). The checksum
-is XXH3-64 (issue 14): every byte the tier moves is hashed on the host's cores, and zlib's CRC32 ran at ~4 GB/s there
+is XXH3-64: every byte the tier moves is hashed on the host's cores, and zlib's CRC32 ran at ~4 GB/s there
 (slower than an NVMe drive), XXH3 at ~60 GB/s (benchmarks/RESULTS.md).
 
 `ExpertFiles` does the I/O of one directory; the cache that decides when (offload/disk_store.py) calls it without its

@@ -5,7 +5,7 @@ ES-MoE pins the experts most loaded in the previous iteration. Each change of a 
 record leaving the cache is written back and the newcomer read; on a device, an upload), while one step's loads are
 noisy (e.g. 16 +- 4 tokens per expert at 64 experts): pinning by the last load alone moved most pins every step and
 saved almost nothing. So the load is averaged over recent steps and a pinned expert keeps its place until another's
-average is `PIN_HYSTERESIS` times its own (issue 14: bytes written per step). Decoding pins by decoding's use scores
+average is `PIN_HYSTERESIS` times its own (bytes written per step). Decoding pins by decoding's use scores
 instead (mixtral-offloading's per-layer expert cache on the GPU), and several processes sharing a store pin what the
 placement says (ES-MoE §4.2-4.3). The engine applies the choice (`OffloadEngine._set_pins`).
 """

@@ -1,6 +1,6 @@
 """Frozen experts kept quantized in the store: 8-bit or 4-bit through bitsandbytes, dequantized where they compute.
 
-Issue 38: frozen experts (LoRA, `OffloadConfig(train_experts=False)`) need only their weights, and those can be kept
+Frozen experts (LoRA, `OffloadConfig(train_experts=False)`) need only their weights, and those can be kept
 in 8 or 4 bits: Qwen3-30B-A3B's 29 B expert parameters are 58 GB in bf16, ~16 GB in NF4. The weights-only store then
 holds each expert as one row of bytes in the library's format, made once when the store is filled (`write_param`:
 the experts come in one at a time, from the model or straight from a checkpoint, so no full-width copy of the model

@@ -1,4 +1,4 @@
-"""Layer-granular streaming on an asynchronous device (a GPU; the simulated device in CI): issue 35.
+"""Layer-granular streaming on an asynchronous device (a GPU; the simulated device in CI).
 
 ES-MoE §4.1 pipelines one expert at a time. On a GPU that is one small GEMM and a dozen launches per expert and matmul
 (a profile on an H200: 470 matmuls and ~2,000 launches per MoE layer, the GPU idle 80% of a host-tier step), so a

@@ -5,13 +5,13 @@ tier, "Offloading experts to SSD"); only experts in flight (and pinned ones, §4
 
 Every expert is one `ExpertRecord`: a (4, P) fp32 buffer whose rows are [param | grad | exp_avg | exp_avg_sq], so one
 expert is one contiguous block in memory and one file on disk. Frozen experts keep the weights row only, in the
-model's dtype or quantized (a row of bitsandbytes' bytes, `offload/quantized.py`; issue 38). Callers see a small interface: `acquire(key, rows)`
+model's dtype or quantized (a row of bitsandbytes' bytes, `offload/quantized.py`). Callers see a small interface: `acquire(key, rows)`
 (blocks until those rows of the record are in host memory and keeps it there), `release(key, dirty, grad_zeroed)`,
 `prefetch(keys, rows)` (the engine knows the forward and reverse-backward order, so reads are issued ahead, never
 page-fault driven), `set_schedule(keys)` (that order, for the disk tier's eviction), `flush()`, and the
 `Mapping`-like `keys()` / `read_param(key)` / `write_param(key, ...)`.
 
-Each phase asks only for the rows it uses (issue 14): forward the weights, backward the weights and the gradient (and
+Each phase asks only for the rows it uses: forward the weights, backward the weights and the gradient (and
 the moments where the optimizer steps the expert in that backward), the expert's optimizer step all four. The disk
 tier reads and writes just those rows, never reads a gradient that is known to be zero (`release(...,
 grad_zeroed=True)` / `clear_grad`) and never writes one back.
@@ -68,7 +68,7 @@ class ExpertRecord:
     `version` counts the updates of this expert (it lives in the store, so it survives an eviction from the disk
     tier's cache): a device copy made at version v is current while the version is still v.
 
-    `grad_stale`: the gradient row holds an old gradient that counts as zero (issue 14: the optimizer step does not
+    `grad_stale`: the gradient row holds an old gradient that counts as zero (the optimizer step does not
     zero it in a separate pass; the next gradient is copied in instead of added). Read the gradient through
     `current_grad()`, add to it through `add_grad()`.
 
@@ -330,7 +330,7 @@ class ExpertStore:
         return []
 
     # Whether the tier has `use_compute_dtype(dtype)`: stream copies in `dtype` from now on, each record getting a
-    # compute copy made from its weights (issue 35: under autocast on a device the uploads carry the autocast dtype by
+    # compute copy made from its weights (under autocast on a device the uploads carry the autocast dtype by
     # default). Called before the engine binds (`bind_runtime` page-locks the DMA sources), only on a store without
     # compute copies. The node-shared stores cannot: their ranks share the weights but would each own the copies.
     switches_compute_dtype = False

@@ -1,4 +1,4 @@
-"""The streamed experts of one MoE layer: one chunked path on every runtime (ES-MoE §4.1, issues 35-36).
+"""The streamed experts of one MoE layer: one chunked path on every runtime (ES-MoE §4.1).
 
 A call's routed experts run in chunks of k: a chunk's weights are made usable where the experts compute (the engine's
 `stream_chunks`: uploaded into a device slab, copied into a host staging block, or read in place) and its rows run as
@@ -36,7 +36,7 @@ Segment = tuple[int, int, int]  # (expert, first row, rows) in the call's expert
 @dataclass(frozen=True)
 class ChunkPlan:
     """How one call runs its experts: `chunks` of segments, each chunk computed at once, its weights from `source`
-    (`OffloadEngine.stream_chunks`): "slab" (a device block of k experts, issue 35), "layer" (the host tier's (E, P)
+    (`OffloadEngine.stream_chunks`): "slab" (a device block of k experts), "layer" (the host tier's (E, P)
     block: one chunk of every expert, those without rows included), "staged" (streamed one by one and copied into the
     host staging block, k = `stage_experts`): one grouped GEMM per matmul over the chunk's (k, P) rows; "expert"
     (streamed one by one, k = 1): the layout's expert function over the expert's (P,) weights. `lora`: the peft

@@ -182,7 +182,7 @@ class GradArrival:
             self.release()
 
     def in_place_of(self, record: ExpertRecord) -> list[torch.Tensor] | None:
-        """The gradient per tensor, to be used instead of landing it (issue 14: the copy into the store's row was
+        """The gradient per tensor, to be used instead of landing it (the copy into the store's row was
         the host tier's largest cost over resident training): where it is autograd's own host tensors in the
         record's dtype and the record's row holds nothing (stale: it counts as zero, so the sum would be this
         gradient). The row stays stale; None: `land` it."""

@@ -163,8 +163,7 @@ class ExpertOptimizer:
         Unset, 0 where the disk tier's experts compute on the CPU, else 2. There the host is the device and the
         store's I/O threads already share the other cores with the compute: the optimizer's workers, stepping each
         expert as its gradient arrives, queued behind the I/O while the backward waited for both (the disk tier with a
-        quarter cached, 2 cores: 1.87x resident stepping on the compute thread, 2.11x on 1 worker, 2.26x on 2;
-        issue 14, benchmarks/RESULTS.md). On a device the workers overlap the device's backward (ES-MoE §4.1)."""
+        quarter cached, 2 cores, 2026-11-25: benchmarks/RESULTS.md). On a device the workers overlap the device's backward (ES-MoE §4.1)."""
         if self.workers_setting is not None:
             return self.workers_setting
         runtime = self.engine.runtime  # None until the first forward binds the engine
@@ -327,7 +326,7 @@ class ExpertOptimizer:
         """Eager, in backward: experts handed over with their records wait in `_ready`, and each job steps every one
         waiting when it starts (up to an even share per worker; inline, all of them at once) in fused calls, so the
         experts a per-expert loop hands over one at a time are stepped together whenever they arrive faster than a
-        worker steps them (issue 14: the fused kernel's per-call cost, an OpenMP fork and join, was 0.6-0.8x torch's
+        worker steps them (the fused kernel's per-call cost, an OpenMP fork and join, was 0.6-0.8x torch's
         fused AdamW one expert per call on 2 cores). Each expert's pending update is its own Future."""
         if not entries:
             return
@@ -385,7 +384,7 @@ class ExpertOptimizer:
                 for _, r, _ in steps:
                     self.store.note_host_write(r)  # no upload may still be reading these weights
                 copied = self._adam_many(steps, lr)
-                for k, h in ready:  # stale, not zeroed in a pass: the next gradient is copied in (issue 14)
+                for k, h in ready:  # stale, not zeroed in a pass: the next gradient is copied in
                     h.record.clear_grad(self.store.lazy_grad_zero)
                     h.grad_zeroed = True
                     self.store.has_grad[k] = False
@@ -522,8 +521,8 @@ class ExpertOptimizer:
         self.engine.wait_for_uploads()  # an evaluation since the backward may have uploads reading host records
         with self._lock:
             # Backward is over: the experts still waiting for a worker go in the order the next forward uses them
-            # (layer 0 first; it arrived last), so that it starts a layer once that layer's experts are stepped
-            # (issue 35). Windows stay in order; an expert is never queued twice.
+            # (layer 0 first; it arrived last), so that it starts a layer once that layer's experts are stepped.
+            # Windows stay in order; an expert is never queued twice.
             self._ready = deque(sorted(self._ready, key=lambda item: (item[2][3], item[0][0])))
         clip_coef = None
         grad_scale = None

@@ -1,4 +1,4 @@
-"""AdamW that writes the compute-dtype copy in the pass that updates the fp32 master (issue 35, item 2).
+"""AdamW that writes the compute-dtype copy in the pass that updates the fp32 master.
 
 Where the store streams bf16/fp16 copies of the experts (the default under autocast on a GPU), every host step must
 also refresh the copy. Done as a second pass (torch's fused AdamW, then `copy.copy_(param)`), the refresh reads the

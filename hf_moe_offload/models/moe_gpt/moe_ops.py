@@ -148,7 +148,7 @@ class _SegmentBias(torch.autograd.Function):
 
 class GroupedLinear:
     """`linear(x, w, b, transposed=False)` for every expert of a layer in one grouped GEMM
-    (`torch.nn.functional.grouped_mm`, issue 14): the rows of x are sorted by expert, `counts[e]` of them for expert
+    (`torch.nn.functional.grouped_mm`): the rows of x are sorted by expert, `counts[e]` of them for expert
     e; w is (E, out, in), or (E, in, out) when `transposed`; b is (E, out). Under autocast it computes in the autocast
     dtype, as `F.linear` would (grouped_mm itself is not autocast-aware)."""
 
