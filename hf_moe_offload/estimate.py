@@ -43,6 +43,8 @@ from .offload.api import default_cache_experts, weights_only_row_dtype
 from .offload.engine import OffloadEngine
 from .offload.planner import ADAM_BYTES_PER_PARAM, HEADROOM, MemoryEstimate, choose_tier, detect_budgets
 from .offload.quantized import EXPERT_STORAGES, QUANTIZED_STORAGES, store_quantization
+from .offload.device_pins import pins_within_budget
+from .offload.slab import default_chunk, slab_nbytes
 from .offload.store import ROW_GAP_BYTES
 from .time_model import (GPUS, DecodeTime, Rates, StepFlops, StepTime, decode_time, model_shape, resolve_rates,
                          step_flops, step_time)
@@ -204,7 +206,7 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     pins = 0
     for tier in ("host", "disk"):
         disk = tier == "disk"
-        stream = _Stream.of(w, layer_experts, layers, p, item, cache if disk else None, device_budget)
+        stream = _Stream.of(w, layer_experts, layers, p, cache if disk else None, device_budget)
         pins = stream.device_pins if tier == "host" else pins
         parts = {("host cache" if disk else "expert store"): cache * (record + copy) if disk else host_store,
                  "rest of the model": rest, "activations": acts}
@@ -291,24 +293,20 @@ class _Stream:
     slab_bytes: int
 
     @classmethod
-    def of(cls, w: Workload, layer_experts: int, layers: int, p: int, item: int, cache: int | None,
+    def of(cls, w: Workload, layer_experts: int, layers: int, p: int, cache: int | None,
            device_budget: int) -> _Stream:
         if w.device != "cuda":
             return cls(layer_experts, layers, 0, 0, 0)
         budget = device_budget // 4  # the engine's default: a quarter of the device memory free at bind
-        k = min(layer_experts, budget // (2 * p * item))
         depth = w.prefetch_depth if cache is None else max(0, min(w.prefetch_depth, cache - 2))
-        if cache is not None:
-            k = min(k, (cache - depth - 1) // 2)
-        k = k if k >= 2 else 0
-        slab = 2 * k * p * item
+        k = default_chunk(layer_experts, p, w.dtype, budget, cache, depth)
+        slab = slab_nbytes(k, p, w.dtype)
         pins = 0
         if k and not w.frozen_experts and w.pin_fraction:
             pins = layers * math.ceil(w.pin_fraction * layer_experts)
-            if cache is not None:
+            if cache is not None:  # engine.pin_limit: the cache's room beside the stream and the slab's chunks
                 pins = min(pins, max(0, cache - depth - 1 - 2 * k))
-            per_pin = p * (ADAM_BYTES_PER_PARAM + (item if item != 4 else 0))
-            pins = min(pins, max(0, budget - slab) // per_pin)
+            pins = pins_within_budget(pins, p, w.dtype, budget, slab)
         return cls(layer_experts, layers, k, pins, slab)
 
     def uploads(self, checkpointing: bool) -> float:

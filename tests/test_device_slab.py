@@ -495,11 +495,14 @@ def test_evaluating_between_backward_and_step_on_a_device(autocast, clip):
         experts.close()
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("tier", ["host", "disk"])
-def test_timing_a_step_with_the_step_barrier_leaves_the_device_pins_in_place(tier, tmp_path):
+def test_timing_a_step_with_the_step_barrier_leaves_the_device_pins_in_place(tier, autocast, tmp_path):
     """A loop that waits at every step (to time or log it) with `engine.step_barrier()` moves no pinned expert's
-    state once the pins are placed: only the routed experts go up and their gradients down. `synchronize()` (saves,
-    loads) sends the pins' whole state home and the next forward brings it back: the contrast shows what is counted."""
+    state once the pins are placed: only the routed experts go up and their gradients down (with bf16 copies under
+    CPU autocast too). `synchronize()` (saves, loads) sends the pins' whole state home and the next forward brings it
+    back: the contrast shows what is counted. The resident engine's barrier (the GPU's synchronize) is a no-op
+    without a GPU, checked last."""
     model = _qwen3(16, layers=2)
     with use_runtime(SimulatedRuntime(seed=4, max_delay=0.0005)):
         engine = enable_expert_offload(model, OffloadConfig(mode=tier, offload_dir=str(tmp_path / "experts"),
@@ -511,7 +514,9 @@ def test_timing_a_step_with_the_step_barrier_leaves_the_device_pins_in_place(tie
         def step(barrier) -> int:
             before = engine.stats.pin_move_bytes
             ids = torch.randint(0, VOCAB, (2, 16), generator=gen)
-            model(input_ids=ids, labels=ids).loss.backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
             opt.step()
             opt.zero_grad()
             barrier()
@@ -524,3 +529,9 @@ def test_timing_a_step_with_the_step_barrier_leaves_the_device_pins_in_place(tie
         assert moved == [0, 0, 0]
         with_synchronize = [step(engine.synchronize) for _ in range(2)]
         assert all(m > 0 for m in with_synchronize), with_synchronize
+        if autocast:  # the streamed copies were the autocast dtype's
+            assert engine.store.compute_dtype == torch.bfloat16
+    from hf_moe_offload.offload.engine import ResidentEngine
+    from hf_moe_offload.offload.telemetry import OffloadStats
+
+    ResidentEngine(OffloadStats()).step_barrier()

@@ -34,23 +34,31 @@ def _within(measured: float, estimated: float, rel: float = 0.10) -> None:
     assert estimated > 0 and abs(measured - estimated) <= rel * estimated, (measured, estimated)
 
 
-def _run(config, method: str, tier: str, storage: str, tmp_path, cache: int | None = None, steps: int = 2,
-         pin_fraction: float = 0.0):
-    """Train `steps` steps (the last one measured) -> (engine, its stats' deltas over the last step)."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+def _offloaded(model, method: str, tier: str, storage: str, tmp_path, cache: int | None, pin_fraction: float,
+               lora: LoraConfig):
+    """`model` with its experts offloaded as the workload says -> (engine, model: peft-wrapped with `lora` for the
+    LoRA methods, optimizer: AdamW on the adapters, or with the expert-wise optimizer for a full fine-tune)."""
     frozen = method != "full"
     engine = enable_expert_offload(model, OffloadConfig(
         mode=tier, offload_dir=str(tmp_path / "experts"), train_experts=not frozen, expert_storage=storage,
         host_cache_experts=cache, prefetch_depth=2, mmap_weights=False if tier == "disk" else None,
         pin_fraction=pin_fraction))
-    if frozen:
-        for p in model.parameters():
-            p.requires_grad_(False)
-        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    else:
-        opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), ExpertOptimizer(engine, lr=1e-3))
+    if not frozen:
+        return engine, model, ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                                   ExpertOptimizer(engine, lr=1e-3))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model = get_peft_model(model, lora)
+    return engine, model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+
+def _run(config, method: str, tier: str, storage: str, tmp_path, cache: int | None = None, steps: int = 2,
+         pin_fraction: float = 0.0):
+    """Train `steps` steps (the last one measured) -> (engine, its stats' deltas over the last step)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    engine, model, opt = _offloaded(model, method, tier, storage, tmp_path, cache, pin_fraction,
+                                    LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     g = torch.Generator().manual_seed(1)
     before = {}
     for step in range(steps):
@@ -173,7 +181,7 @@ def _measured_step(config, method: str, tier: str, tmp_path, *, dtype=torch.floa
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hf_moe_offload.jobs import LORA_ATTENTION
+    from hf_moe_offload.estimate import LORA_ATTENTION
     from hf_moe_offload.offload.expert_lora import expert_target_parameters
 
     torch.manual_seed(0)
@@ -181,23 +189,10 @@ def _measured_step(config, method: str, tier: str, tmp_path, *, dtype=torch.floa
     with runtime:
         model = AutoModelForCausalLM.from_config(config, experts_implementation="eager", attn_implementation="eager",
                                                  dtype=dtype)
-        frozen = method != "full"
-        targets = expert_target_parameters(model) if method == "lora-experts" else None
-        engine = enable_expert_offload(model, OffloadConfig(
-            mode=tier, offload_dir=str(tmp_path / "experts"), train_experts=not frozen, expert_storage=storage,
-            host_cache_experts=cache, prefetch_depth=2, mmap_weights=False if tier == "disk" else None,
-            pin_fraction=pin_fraction))
-        if frozen:
-            for p in model.parameters():
-                p.requires_grad_(False)
-            names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-            model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16,
-                                                     target_modules=[m for m in LORA_ATTENTION if m in names],
-                                                     target_parameters=targets))
-            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        else:
-            opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                       ExpertOptimizer(engine, lr=1e-3))
+        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        lora = LoraConfig(r=8, lora_alpha=16, target_modules=[m for m in LORA_ATTENTION if m in names],
+                          target_parameters=expert_target_parameters(model) if method == "lora-experts" else None)
+        engine, model, opt = _offloaded(model, method, tier, storage, tmp_path, cache, pin_fraction, lora)
         if checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()

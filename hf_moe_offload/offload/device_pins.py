@@ -143,4 +143,14 @@ class DevicePins:
         return self.records[key]
 
 
-__all__ = ["DevicePins"]
+def pins_within_budget(wanted: int, numel: int, compute_dtype: torch.dtype, budget: int | None,
+                       slab_bytes: int) -> int:
+    """How many of `wanted` device pins the device budget holds beside the slab: each keeps its whole training state
+    (fp32 weights, gradient and moments: 16 bytes per parameter) and, under a narrower compute dtype, its copy."""
+    if budget is None:
+        return wanted
+    per_expert = numel * (16 + (compute_dtype.itemsize if compute_dtype != torch.float32 else 0))
+    return min(wanted, max(0, budget - slab_bytes) // per_expert)
+
+
+__all__ = ["DevicePins", "pins_within_budget"]

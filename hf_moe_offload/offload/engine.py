@@ -32,11 +32,11 @@ from torch.utils.hooks import RemovableHandle
 from ..runtime import DeviceRuntime, Event, aligned_nbytes, runtime_for
 from .config import OffloadConfig
 from .device_cache import DeviceExpertCache
-from .device_pins import DevicePins
+from .device_pins import DevicePins, pins_within_budget
 from .inference import DecodeCache, PlacementCostModel, PreGate
 from .pinning import PinChoice
 from ..layouts import ExpertLayout
-from .slab import DeviceSlab
+from .slab import DeviceSlab, default_chunk, slab_nbytes
 from .store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore
 from .streamed import OffloadedExpertsLayer, Segment
 from .telemetry import OffloadStats
@@ -268,13 +268,9 @@ class OffloadEngine:
         bounded by the device memory the slab may take (two blocks of k experts: `OffloadConfig.device_budget_bytes`
         if set, else a quarter of the device memory free at bind) and, on the disk tier, by the host cache (two chunks'
         records beside the reads ahead). Where chunks of two do not fit (unless set), no slab: the per-expert loop."""
-        per_expert = 2 * self.store.numel * self.store.compute_dtype.itemsize
-        k = max(layer.num_experts for layer in self.layers)
         budget = self._device_budget()
-        if budget is not None:
-            k = min(k, budget // per_expert)
-        if self._cache is not None:
-            k = min(k, (self._cache - self.depth - 1) // 2)
+        k = default_chunk(max(layer.num_experts for layer in self.layers), self.store.numel, self.store.compute_dtype,
+                          budget, self._cache, self.depth)
         if self.config.stage_experts is not None:
             if self._cache is not None and 2 * self.config.stage_experts > self._cache - self.depth - 1:
                 raise ValueError(
@@ -282,7 +278,7 @@ class OffloadEngine:
                     f"{2 * self.config.stage_experts + self.depth + 1} experts (two chunks in flight and prefetch_depth="
                     f"{self.depth} reads ahead); the cache holds {self._cache}")
             k = self.config.stage_experts
-        if k < (1 if self.config.stage_experts is not None else 2):
+        if k < 1:
             # No room for two chunks of two: expert by expert through the stager's slots, which hold the records in
             # flight only (a slab of single experts would take two of the disk tier's cache slots from the pins).
             logger.info("expert offload: no room for the slab's two chunks (budget %s bytes, host cache %s experts): "
@@ -309,11 +305,8 @@ class OffloadEngine:
         if self.pin_limit is not None:
             wanted = min(wanted, self.pin_limit)
         dtype = self.store.compute_dtype
-        per_expert = self.store.numel * (16 + (dtype.itemsize if dtype != torch.float32 else 0))
-        budget = self._device_budget()
-        if budget is not None:
-            slab_bytes = 2 * self.slab.experts * self.slab.stride * dtype.itemsize
-            wanted = min(wanted, max(0, budget - slab_bytes) // per_expert)
+        wanted = pins_within_budget(wanted, self.store.numel, dtype, self._device_budget(),
+                                    slab_nbytes(self.slab.experts, self.store.numel, dtype))
         if wanted > 0:
             self.device_pins = DevicePins(self.runtime, self.store, wanted, self.stats)
 

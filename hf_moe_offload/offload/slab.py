@@ -131,6 +131,24 @@ class DeviceSlab:
         self.holding = [[], []]
 
 
+def default_chunk(layer_experts: int, numel: int, dtype: torch.dtype, budget: int | None, cache: int | None,
+                  depth: int) -> int:
+    """The slab's experts per chunk unless `OffloadConfig.stage_experts` says: a whole layer's, bounded by the device
+    memory the slab may take (two blocks) and, on the disk tier, by the host `cache` (two chunks' records beside the
+    `depth` reads ahead); 0 where chunks of two do not fit (expert by expert, through the stager's slots)."""
+    k = layer_experts
+    if budget is not None:
+        k = min(k, budget // (2 * numel * dtype.itemsize))
+    if cache is not None:
+        k = min(k, (cache - depth - 1) // 2)
+    return k if k >= 2 else 0
+
+
+def slab_nbytes(experts: int, numel: int, dtype: torch.dtype) -> int:
+    """Device bytes of a slab of `experts` per chunk: two blocks of aligned rows."""
+    return 2 * experts * aligned_nbytes(numel, dtype)
+
+
 def _runs(sources: list, stride: int) -> list[tuple[int, int]]:
     """[lo, hi) ranges of `sources` whose tensors follow one another in memory with no gap, in a slab whose rows are
     `stride` elements apart (a multi-row copy needs the rows packed alike on both sides)."""
@@ -153,4 +171,4 @@ def _runs(sources: list, stride: int) -> list[tuple[int, int]]:
     return out
 
 
-__all__ = ["DeviceSlab", "StallTimer"]
+__all__ = ["DeviceSlab", "StallTimer", "default_chunk", "slab_nbytes"]
