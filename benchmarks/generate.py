@@ -340,11 +340,14 @@ def main() -> None:
                                [torch.randint(1, config.vocab_size, (1, args.prompt_tokens),
                                               generator=torch.Generator().manual_seed(i)) for i in range(2, batch + 1)])
             for v in variants:  # warm-up: thread pools, first reads, allocator, the device cache's first fill
+                t0 = time.perf_counter()
                 run_once(models[v], prompt, 4)
+                print(f"batch {batch} warm-up {v}: {time.perf_counter() - t0:.1f} s", flush=True)
             runs: dict[str, list[dict]] = {v: [] for v in variants}
-            for _ in range(rounds):
+            for round_ in range(rounds):
                 for v in variants:
                     runs[v].append(run_once(models[v], prompt, new_tokens))
+                    print(f"batch {batch} round {round_} {v}: {runs[v][-1]['decode_tok_s']:.2f} tok/s", flush=True)
             results.append((batch, summarize(runs, variants, base)))
     what = (args.model_path if args.model_path else f"random Qwen3-MoE {args.layers} layers x {args.experts} experts "
             f"(top-{args.top_k}), d={args.hidden}, expert ffn {args.inter}, {args.dtype}")

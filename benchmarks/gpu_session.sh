@@ -6,20 +6,21 @@
 #                                            # receives each step's log, JSON and summary line as the step ends
 #
 # The GPU machine has python3 with torch (CUDA), transformers, accelerate and peft, but no network and no datasets
-# (../shared/ENVIRONMENT.md). Budget (seconds; the limits are upper bounds from the figures we have, to be replaced
-# by what a GPU run measures):
-#   installs from .whl/ ~20; the two JIT builds (DeepSpeed's CPU-Adam ~60, our fused host Adam ~30) run in the
-#   background during step 1, which needs neither;
-#   1 cuda_tests     75  tests/test_cuda.py under TORCH_CUDA_SANITIZER=1 (50 tests took 45 s with -n 8 on an H200,
-#                        2026-11-26)
+# (../shared/ENVIRONMENT.md). Budget (seconds; the limits come from the H200 runs of 2026-11-28, benchmarks/RESULTS.md):
+#   installs from .whl/ 18; the two JIT builds (DeepSpeed's CPU-Adam, our fused host Adam) run in the background
+#   during step 1, which needs neither;
+#   1 cuda_tests    100  tests/test_cuda.py under TORCH_CUDA_SANITIZER=1 (66 tests: 67 s without the sanitizer with
+#                        -n 8; with it, 61 of them in 75 s)
 #   2 train_qwen3   150  Qwen3-MoE shape (16 layers x 64 experts, top-8, d=1024), resident vs DeepSpeed ZeRO-2
-#                        offload vs ours (host tier, defaults), 2k and 16k tokens per step, 2 timed steps, 1 round,
-#                        with `estimate`'s predicted step beside each measured one
-#   3 decode         90  decoding the same family (bf16, batch 1): resident, accelerate's CPU offload, ours host with
-#                        the device cache off and with half the experts, ours disk; 1 round of 16 tokens
-#   4 lora_nf4       90  LoRA on every expert of Qwen3-30B-A3B's shape, nf4 experts on the disk tier, 4 of its 48
-#                        layers (the store is filled and quantized on the host), 2 steps
-# The limits add up to 405 s; with installs ~430 s. A step that cannot finish within what is left of the
+#                        offload vs ours (host tier, defaults) at 16k tokens per step, 2 timed steps, 1 round, with
+#                        `estimate`'s predicted step beside each measured one (the three at 16k: under 150 s; 2k and
+#                        16k together did not fit in 150 s: building the model and each peer dominates)
+#   3 decode        110  decoding the same family at 8 layers (bf16, batch 1): resident, accelerate's CPU offload, ours
+#                        host with the device cache off and with half the experts, ours disk; 1 round of 16 tokens
+#                        (at 16 layers the five loads alone took ~90 s)
+#   4 lora_nf4       60  LoRA on every expert of Qwen3-30B-A3B's shape, nf4 experts on the disk tier, 2 of its 48
+#                        layers (the store is filled and quantized on the host), 2 steps; needs bitsandbytes there
+# The limits add up to 420 s; with installs ~440 s. A step that cannot finish within what is left of the
 # GPU_SESSION_BUDGET_S (default 460 s from the start) is skipped and says so in the summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +42,7 @@ mkdir -p "$OUT"
 START=$SECONDS
 BUDGET=${GPU_SESSION_BUDGET_S:-460}
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:.
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 summary "start $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') installs $((SECONDS - START))s"
 
@@ -77,22 +78,23 @@ BUILDS=$!
 # 1. The CUDA tests (the CPU suites' comparisons on the GPU, the slab, the device pins and cache, quantized uploads)
 #    under the stream sanitizer.
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-step cuda_tests 75 env TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -x -p no:cacheprovider $XDIST tests/test_cuda.py
+step cuda_tests 100 env TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE $XDIST \
+  tests/test_cuda.py
 wait $BUILDS
 summary "builds: $(tr '\n' ' ' < "$OUT/builds.log" | tail -c 200)"
 
-# 2. Training: resident vs DeepSpeed ZeRO-2 offload vs ours (host tier, defaults: pins on the GPU), 2k and 16k tokens.
-step train_qwen3 150 python3 benchmarks/gpu_train_qwen3.py --tokens 2048,16384 --variants resident,ds-zero2,host-pin \
+# 2. Training: resident vs DeepSpeed ZeRO-2 offload vs ours (host tier, defaults: pins on the GPU), 16k tokens.
+step train_qwen3 150 python3 benchmarks/gpu_train_qwen3.py --tokens 16384 --variants resident,ds-zero2,host-pin \
   --steps 2 --rounds 1 --out "$OUT/train_qwen3.json"
 
-# 3. Decoding: resident, accelerate's CPU offload, ours host (device cache off / half the experts), ours disk.
-step decode 90 python3 benchmarks/generate.py --device cuda --layers 16 --experts 64 --hidden 1024 --inter 512 \
+# 3. Decoding (8 layers): resident, accelerate's CPU offload, ours host (device cache off / half the experts), ours disk.
+step decode 110 python3 benchmarks/generate.py --device cuda --layers 8 --experts 64 --hidden 1024 --inter 512 \
   --top-k 8 --dtype bf16 --batch 1 --cache 256 --rounds 1 --new-tokens 16 --prompt-tokens 16 \
   --variants "ours host, device cache 0;ours host, device cache 1/2;ours disk, device cache 0" --out "$OUT/decode.json"
 
 # 4. LoRA on nf4 experts at Qwen3-30B-A3B's shape (needs bitsandbytes on the GPU machine).
 if [ "$HAS_BNB" = 1 ]; then
-  step lora_nf4 90 python3 benchmarks/real_shape_lora.py --device cuda --layers 4 --steps 2 --cache-experts 256 \
+  step lora_nf4 60 python3 benchmarks/real_shape_lora.py --device cuda --layers 2 --steps 2 --cache-experts 256 \
     --offload-dir /tmp/real-shape-experts --out "$OUT/lora_nf4.json"
 else
   summary "lora_nf4 skipped: no bitsandbytes on this machine (its wheel is too large to carry)"

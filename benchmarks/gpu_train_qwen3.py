@@ -204,6 +204,7 @@ def table(args, tokens: int, device: torch.device) -> dict:
                 if variant.experts is not None:
                     adam[name].append(variant.experts.step_seconds)
             times[name].append((time.perf_counter() - t0) / len(batches))
+            print(f"{tokens} tokens, {name}: {times[name][-1]:.3f} s per step", flush=True)
             if device.type == "cuda":
                 peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated())
     adam_s, adam_rate = host_adam_floor(expert_params if not args.quick else min(expert_params, 2**20))
@@ -315,11 +316,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         result.update({"machine": platform.platform(), "device": name, "cpus": os.cpu_count(),
                        "torch": torch.__version__, "gpu_memory_gb": args.gpu_memory_gb, "title": title})
         results.append(result)
+        write(results, args)  # after each size, so that a run stopped at its time limit keeps what it measured
+    return results
+
+
+def write(results: list[dict], args) -> None:
     out = args.out or os.path.join(HERE, "gpu_train_qwen3" + ("" if args.tokens == "2048" else f"_{args.tokens.replace(',', '_')}")
                                    + (f"_cap{args.gpu_memory_gb:g}" if args.gpu_memory_gb else "") + ".json")
     with open(out, "w") as fh:
         json.dump(results, fh, indent=2)
-    return results
 
 
 if __name__ == "__main__":

@@ -58,10 +58,12 @@ class _Timer(BaseStreamer):
 
 def load_for_inference(model_path: str, offload: str, offload_dir: str | None, host_cache_experts: int | None,
                        pregate: bool | None = None, dtype: torch.dtype | None = None, mmap: bool | None = None,
-                       device: str | torch.device | None = None, device_cache_bytes: int | None = None):
+                       device: str | torch.device | None = None, device_cache_bytes: int | None = None,
+                       compute_on_host: bool | None = None):
     """The model at `model_path` with its experts in the `offload` tier ("disk", "host") or resident ("none"), its
-    non-expert weights on `device` (default: a GPU when there is one); `device_cache_bytes`: the offloaded experts'
-    device cache (`OffloadConfig.device_cache_bytes`)."""
+    non-expert weights on `device` (default: a GPU when there is one); `device_cache_bytes` and `compute_on_host`:
+    the offloaded experts' device cache and the host-or-upload choice for a missed expert (`OffloadConfig`'s fields of
+    those names)."""
     device = resolve_device(device)
     if offload == "none":
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
@@ -69,7 +71,7 @@ def load_for_inference(model_path: str, offload: str, offload_dir: str | None, h
     config = OffloadConfig(mode=offload, offload_dir=offload_dir if disk else None,
                            host_cache_experts=host_cache_experts if disk else None,
                            train_experts=False, pregate=pregate, mmap_weights=mmap if disk else None,
-                           device_cache_bytes=device_cache_bytes)
+                           device_cache_bytes=device_cache_bytes, compute_on_host=compute_on_host)
     # Weights only, in the model's dtype: a bf16 model's store holds bf16 experts and nothing else.
     return load_offloaded_pretrained(model_path, config, dtype=dtype, device=device).eval()
 
