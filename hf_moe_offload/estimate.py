@@ -40,10 +40,9 @@ import torch
 
 from .errors import UserError
 from .offload.api import default_cache_experts, weights_only_row_dtype
-from .offload.engine import OffloadEngine
 from .offload.planner import ADAM_BYTES_PER_PARAM, HEADROOM, MemoryEstimate, choose_tier, detect_budgets
 from .offload.quantized import EXPERT_STORAGES, QUANTIZED_STORAGES, store_quantization
-from .offload.device_pins import pins_within_budget
+from .offload.plan import STAGE_MAX, clamp_depth, device_pin_count, pin_room, stage_chunk
 from .offload.slab import default_chunk, slab_nbytes
 from .offload.store import ROW_GAP_BYTES
 from .time_model import (GPUS, DecodeTime, Rates, StepFlops, StepTime, decode_time, model_shape, resolve_rates,
@@ -197,7 +196,7 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     keeps_graphs = not cuda and quantization is None  # OffloadConfig.keep_activations' default
     acts = _activation_bytes(config, model, w, item, layers, n_experts, keeps_expert_graphs=keeps_graphs)
     upload = quantization.nbytes if quantization is not None else p * item  # one expert's upload
-    staging = OffloadEngine.STAGE_MAX * p * item if not cuda else 0  # the disk tier's staging block on the CPU
+    staging = STAGE_MAX * p * item if not cuda else 0  # the disk tier's staging block on the CPU
 
     resident_experts = expert_params * (4 * item if not w.frozen_experts else item)
     tiers: dict[str, TierNeeds] = {}
@@ -282,8 +281,7 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
 
 @dataclass(frozen=True)
 class _Stream:
-    """How an offloaded tier streams the experts on a GPU, as the engine binds it (engine._bind_slab,
-    _bind_device_pins, pin_limit): the slab's experts per chunk and the trained experts whose state stays on the
+    """How an offloaded tier streams the experts on a GPU, as the engine's plan binds it (offload/plan.py): the slab's experts per chunk and the trained experts whose state stays on the
     device."""
 
     layer_experts: int
@@ -298,16 +296,13 @@ class _Stream:
         if w.device != "cuda":
             return cls(layer_experts, layers, 0, 0, 0)
         budget = device_budget // 4  # the engine's default: a quarter of the device memory free at bind
-        depth = w.prefetch_depth if cache is None else max(0, min(w.prefetch_depth, cache - 2))
+        depth = clamp_depth(w.prefetch_depth, cache)
         k = default_chunk(layer_experts, p, w.dtype, budget, cache, depth)
-        slab = slab_nbytes(k, p, w.dtype)
         pins = 0
-        if k and not w.frozen_experts and w.pin_fraction:
-            pins = layers * math.ceil(w.pin_fraction * layer_experts)
-            if cache is not None:  # engine.pin_limit: the cache's room beside the stream and the slab's chunks
-                pins = min(pins, max(0, cache - depth - 1 - 2 * k))
-            pins = pins_within_budget(pins, p, w.dtype, budget, slab)
-        return cls(layer_experts, layers, k, pins, slab)
+        if k and not w.frozen_experts:
+            pins = device_pin_count(w.pin_fraction, [layer_experts] * layers, pin_room(cache, depth, slab_experts=k),
+                                    p, w.dtype, budget, k)
+        return cls(layer_experts, layers, k, pins, slab_nbytes(k, p, w.dtype))
 
     def uploads(self, checkpointing: bool) -> float:
         """Experts uploaded per step, every expert routed: the forward's, the checkpoint's recompute's, and the
@@ -360,17 +355,14 @@ def _trained_disk_traffic(w: Workload, n_experts: int, layer_experts: int, layer
     forward's last) hold only their weights and read their two moments (2 rows each), and the m records the backward
     leaves dirty are hit by the next forward and then written back (3 rows each) to make room for its reads, where
     the minimum would keep them. Pins stay (ES-MoE §4.3), so m shrinks with them: at most `pin_fraction` of each
-    layer's experts, within the room the engine leaves beside the reads ahead and the staged chunks (engine.pin_limit,
-    _bind_staging, _bind_slab)."""
-    depth = max(0, min(w.prefetch_depth, cache - 2))
-    room = cache - depth - 1
+    layer's experts, within the room the engine's plan leaves beside the reads ahead and the staged or slab chunks
+    (offload/plan.py `pin_room`)."""
+    depth = clamp_depth(w.prefetch_depth, cache)
     if w.device == "cuda":  # the slab's two chunks of up to a layer's experts
-        k = min(layer_experts, room // 2)
-        chunks = 2 * k if k >= 2 else 0
+        room = pin_room(cache, depth, slab_experts=default_chunk(layer_experts, 0, w.dtype, None, cache, depth))
     else:  # the staging block's two chunks, where the cache holds half the experts
-        k = min(OffloadEngine.STAGE_MAX, room // 3) if 2 * cache >= n_experts else 1
-        chunks = 2 * k if k > 1 else 0
-    pins = min(layers * math.ceil(w.pin_fraction * layer_experts), max(0, room - chunks))
+        room = pin_room(cache, depth, stage_experts=stage_chunk(cache, depth, n_experts))
+    pins = min(layers * math.ceil(w.pin_fraction * layer_experts), room)
     u = max(0, n_experts - cache)
     m = min(cache - pins, u)
     # Activation checkpointing: the recompute reads each uncached expert's weights once more, at least (a floor: the

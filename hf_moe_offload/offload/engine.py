@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -32,15 +31,16 @@ from torch.utils.hooks import RemovableHandle
 from ..runtime import DeviceRuntime, Event, aligned_nbytes, runtime_for
 from .config import OffloadConfig
 from .device_cache import DeviceExpertCache
-from .device_pins import DevicePins, pins_within_budget
+from .device_pins import DevicePins
 from .inference import DecodeCache, PlacementCostModel, PreGate
 from .pinning import PinChoice
+from .plan import GRADS_IN_PLACE, Machine, OffloadPlan, StoreFacts, clamp_depth, pin_room, resolve_plan
 from ..layouts import ExpertLayout
-from .slab import DeviceSlab, default_chunk, slab_nbytes
+from .slab import DeviceSlab
 from .store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore
 from .streamed import OffloadedExpertsLayer, Segment
 from .telemetry import OffloadStats
-from .transfers import DeviceStager, GradArrival, GradHook, GradRing
+from .transfers import DeviceStager, GradArrival, GradHook, GradRing, HostStager
 
 logger = logging.getLogger(__name__)
 
@@ -80,29 +80,25 @@ class OffloadEngine:
         self.mode = mode
         self.device: torch.device | None = None  # bound on the first forward
         self.runtime: DeviceRuntime | None = None
-        self.stager: DeviceStager | None = None
+        self.stager: DeviceStager | HostStager | None = None
         cache = getattr(store, "cache_experts", None)
         self._cache = cache
-        # Records in flight must fit the cache: clamp the lookahead (a cache of 1 expert streams with no lookahead).
-        depth = config.prefetch_depth
-        self.depth = depth if cache is None else max(0, min(depth, cache - 2))
+        self.depth = clamp_depth(config.prefetch_depth, cache)
         self.pin_fraction = config.pin_fraction
         self.train_experts = config.train_experts  # False (frozen experts, e.g. LoRA): input gradients only
         self.layers = [OffloadedExpertsLayer(self, i, m, layout) for i, (m, layout) in enumerate(layers_modules)]
-        # --- resolved at bind ---
-        self.stage_experts = 1  # the disk tier on the CPU: experts per staged chunk (streamed.ChunkPlan "staged")
+        # --- resolved at bind (offload/plan.py) ---
+        self.plan: OffloadPlan | None = None
         self._staging: torch.Tensor | None = None
-        self.slab: DeviceSlab | None = None  # an asynchronous device, training calls (offload/slab.py)
+        self.slab: DeviceSlab | None = None  # a device's training calls (offload/slab.py)
         self.device_pins: DevicePins | None = None  # training on a device: pins' whole state there (device_pins.py)
-        self.keep_activations = False  # OffloadConfig.keep_activations, decided
-        self.map_files = False  # OffloadConfig.mmap_weights, decided: a forward computes from mapped files
         # Fiddler's compute-on-host choice (asynchronous runtimes): measured at bind when OffloadConfig.compute_on_host
         # allows, or given.
         self.cost_model: PlacementCostModel | None = None
         self.device_cache: DeviceExpertCache | None = None  # decoding on a device (offload/device_cache.py)
         self._device_cache_tried = False  # opened (or found no room) since inference began
         self.peak_in_flight = 0  # the most experts one `stream` had in flight at once (tests, benchmarks)
-        self.pregate = pregate  # OffloadConfig.pregate: dropped at bind on a runtime that is not asynchronous
+        self.pregate = pregate  # OffloadConfig.pregate: dropped at bind where the plan says so
         self._guessed: list[ExpertKey] = []  # pre-gating's guess of the next layer, to upload after this layer's own
         # --- streaming and gradients ---
         self._grad_rings: dict[torch.dtype, GradRing] = {}  # chunks' gradients on their way to the host, by dtype
@@ -151,58 +147,46 @@ class OffloadEngine:
             )
         self.device = device
         self.runtime = runtime_for(device)
-        # Kept forward graphs (`keep_activations`) cost what a resident model saves (T_M per expert); on the CPU that
-        # memory is the host's either way. On a device ES-MoE keeps only the expert inputs there.
-        safe = not self.runtime.asynchronous
-        if self.config.keep_activations and not safe:
-            raise ValueError(
-                f"OffloadConfig.keep_activations=True needs the experts computing on the CPU (here: {device}): on a "
-                "device the kept activations would take device memory that ES-MoE leaves to the experts in flight. "
-                "Leave it unset (the engine then recomputes each expert's middle activation in backward)"
-            )
-        self.keep_activations = safe if self.config.keep_activations is None else self.config.keep_activations
-        self._bind_compute_dtype(device)
-        self._bind_staging()
-        self._bind_device_pins()
+        self.plan = plan = resolve_plan(self.config, Machine.of(self.runtime, device), StoreFacts.of(self.store),
+                                        [layer.num_experts for layer in self.layers], self.depth,
+                                        shared_store=self.coordinator is not None, where=str(device))
+        if plan.compute_dtype != self.store.compute_dtype:
+            self.store.use_compute_dtype(plan.compute_dtype)
+            logger.info("expert offload: streaming %s copies of the experts (autocast at the first forward)",
+                        plan.compute_dtype)
+        if plan.slab_experts:
+            self.slab = DeviceSlab(self.runtime, self.store.numel, plan.compute_dtype, plan.slab_experts, self.stats)
+        elif plan.waits_for_device:
+            logger.info("expert offload: no room for the slab's two chunks (host cache %s experts): streaming one "
+                        "expert at a time", self._cache)
+        if plan.device_pins:
+            self.device_pins = DevicePins(self.runtime, self.store, plan.device_pins, self.stats)
         self.store.bind_runtime(self.runtime)
-        self.stager = DeviceStager(self.runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1),
-                                   self.stats)
-        if not self.runtime.asynchronous and (self.config.pregate is None or self.store.tier == "host"):
-            # OffloadConfig.pregate: on the CPU early reads compete with the compute for the cores, and the host tier
-            # has nothing to read early; on a device it also uploads into the device cache (`upload_ahead`).
+        stager = DeviceStager if plan.waits_for_device else HostStager
+        self.stager = stager(self.runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1), self.stats)
+        if not plan.pregate:
             self.pregate = None
-        # Compute-on-host pays off where weights cross a link (a GPU); `True` also turns it on for the simulated
-        # device (tests). On the inline CPU runtime the host is the device.
-        wanted = (self.runtime.name == "cuda" if self.config.compute_on_host is None
-                  else self.config.compute_on_host)
-        if wanted and self.runtime.asynchronous and self.cost_model is None:
+        if plan.measure_host_compute and self.cost_model is None:
             self.cost_model = PlacementCostModel.measure(self.runtime, self.store.numel, self.store.compute_dtype)
-        # On the CPU the host is the device: an expert's file in the page cache is as close to the compute as a cache
-        # slot, so a forward computes from the mapped file instead of copying it into a slot (a training backward
-        # still reads the record: the optimizer updates it). A device needs the weights in its own memory (uploaded
-        # from page-locked slots): there the cache stays.
-        can_map = getattr(self.store, "mappable", False) and not self.runtime.asynchronous
-        if self.config.mmap_weights and not can_map:
-            raise ValueError(
-                f"OffloadConfig.mmap_weights=True needs the disk tier computing on the CPU with rows in the compute "
-                f"dtype (here: {self.store.tier} tier on {device}); leave it unset"
-            )
-        self.map_files = can_map if self.config.mmap_weights is None else self.config.mmap_weights
         logger.debug("expert offload: computing on %s (runtime %s)", device, self.runtime.name)
 
-    def _bind_compute_dtype(self, device: torch.device) -> None:
-        """On a device, under autocast at the first forward, stream copies in the autocast dtype unless
-        `OffloadConfig.compute_dtype` says otherwise: the same values autocast would cast the fp32 weights to on the
-        device (round to nearest), half the bytes up, and gradients down in that dtype (the GEMMs produce them so)."""
-        store = self.store
-        if (self.config.compute_dtype is not None or not self.runtime.asynchronous
-                or not torch.is_autocast_enabled(device.type) or not store.switches_compute_dtype
-                or store.compute_dtype != store.row_dtype):
-            return
-        dtype = torch.get_autocast_dtype(device.type)
-        if dtype != store.compute_dtype:
-            store.use_compute_dtype(dtype)
-            logger.info("expert offload: streaming %s copies of the experts (autocast at the first forward)", dtype)
+    @property
+    def stage_experts(self) -> int:
+        """The disk tier on the host: experts per staged chunk (1 before bind)."""
+        return 1 if self.plan is None else self.plan.stage_experts
+
+    @property
+    def keep_activations(self) -> bool:
+        return self.plan is not None and self.plan.keep_activations
+
+    @property
+    def map_files(self) -> bool:
+        return self.plan is not None and self.plan.map_files
+
+    @property
+    def pin_limit(self) -> int | None:
+        """Pins the disk tier's cache has room for beside the records in flight (offload/plan.py `pin_room`)."""
+        return pin_room(self._cache, self.depth) if self.plan is None else self.plan.pin_limit
 
     @contextmanager
     def training_threads(self):
@@ -213,7 +197,7 @@ class OffloadEngine:
         An asynchronous device computes elsewhere: nothing changes there."""
         before = torch.get_num_threads()
         wanted = self.config.compute_threads if self.config.compute_threads is not None else max(1, before - 1)
-        if self.runtime is None or self.runtime.asynchronous or wanted == before:
+        if self.plan is None or not self.plan.limit_compute_threads or wanted == before:
             yield
             return
         torch.set_num_threads(wanted)
@@ -221,94 +205,6 @@ class OffloadEngine:
             yield
         finally:
             torch.set_num_threads(before)
-
-    # A staged chunk's records are held from its backward's stream until the optimizer has stepped them, while the
-    # next chunk's are acquired: 2 chunks and the reads ahead, beside the pins, each of which saves an expert's I/O
-    # every step. A grouped call has a fixed cost, so chunks of 8 (the fastest of 2 / 4 / 8 measured); staging pays
-    # where most experts are cached, and with a quarter cached it runs no faster while its chunks take slots from
-    # the pins (more bytes written), so by default a cache of less than half the experts streams them one at a time
-    # (benchmarks/RESULTS.md, "staged chunks on the disk tier").
-    STAGE_MAX = 8
-
-    def _bind_staging(self) -> None:
-        """Choose `stage_experts` (the disk tier computing on the host: `OffloadConfig.stage_experts`; by default,
-        where the cache holds at least half the experts, a third of the cache left beside the reads ahead, at most
-        `STAGE_MAX`, else 1; `pin_limit` makes room for it), or the slab of an asynchronous device (`_bind_slab`)."""
-        cache = self._cache
-        if self.runtime.asynchronous:
-            self._bind_slab()
-            return
-        if cache is None and self.store.quantization is not None:
-            # The host tier's quantized rows are no (E, P) weights to compute from: a chunk's experts are dequantized
-            # into the staging block (memory: the block, not the layer)
-            self.stage_experts = self.config.stage_experts or self.STAGE_MAX
-            return
-        if cache is None:
-            if self.config.stage_experts not in (None, 1):
-                raise ValueError(
-                    f"OffloadConfig.stage_experts={self.config.stage_experts} applies to the disk tier computing on the CPU "
-                    f"(here: {self.store.tier} tier on {self.device}); leave it unset"
-                )
-            return
-        room = cache - self.depth - 1
-        if self.config.stage_experts is not None:
-            k = self.config.stage_experts
-        else:
-            k = min(self.STAGE_MAX, room // 3) if 2 * cache >= len(self.store) else 1
-        if 2 * k > room and k > 1:
-            raise ValueError(
-                f"OffloadConfig.stage_experts={k} needs a host cache of at least {2 * k + self.depth + 1} experts "
-                f"(two chunks and prefetch_depth={self.depth} reads ahead); the cache holds {cache}: lower "
-                "stage_experts or raise host_cache_experts/host_cache_bytes"
-            )
-        self.stage_experts = max(1, k)
-
-    def _bind_slab(self) -> None:
-        """The slab's experts per chunk, k: `OffloadConfig.stage_experts`, or by default a whole layer's experts,
-        bounded by the device memory the slab may take (two blocks of k experts: `OffloadConfig.device_budget_bytes`
-        if set, else a quarter of the device memory free at bind) and, on the disk tier, by the host cache (two chunks'
-        records beside the reads ahead). Where chunks of two do not fit (unless set), no slab: the per-expert loop."""
-        budget = self._device_budget()
-        k = default_chunk(max(layer.num_experts for layer in self.layers), self.store.numel, self.store.compute_dtype,
-                          budget, self._cache, self.depth)
-        if self.config.stage_experts is not None:
-            if self._cache is not None and 2 * self.config.stage_experts > self._cache - self.depth - 1:
-                raise ValueError(
-                    f"OffloadConfig.stage_experts={self.config.stage_experts} needs a host cache of at least "
-                    f"{2 * self.config.stage_experts + self.depth + 1} experts (two chunks in flight and prefetch_depth="
-                    f"{self.depth} reads ahead); the cache holds {self._cache}")
-            k = self.config.stage_experts
-        if k < 1:
-            # No room for two chunks of two: expert by expert through the stager's slots, which hold the records in
-            # flight only (a slab of single experts would take two of the disk tier's cache slots from the pins).
-            logger.info("expert offload: no room for the slab's two chunks (budget %s bytes, host cache %s experts): "
-                        "streaming one expert at a time", budget, self._cache)
-            return
-        self.slab = DeviceSlab(self.runtime, self.store.numel, self.store.compute_dtype, k, self.stats)
-
-    def _device_budget(self) -> int | None:
-        """Device memory the slab and the device pins may take together: `OffloadConfig.device_budget_bytes`, else a
-        quarter of the memory free at bind; None: unbounded (a simulated device without a size)."""
-        if self.config.device_budget_bytes is not None:
-            return self.config.device_budget_bytes
-        free = self.runtime.free_memory()
-        return None if free is None else free // 4
-
-    def _bind_device_pins(self) -> None:
-        """Where training streams through the slab, the pins (`pin_fraction` of each layer's experts, within
-        `pin_limit`) keep their whole training state on the device and step there (offload/device_pins.py), as many
-        as the device budget leaves beside the slab's two blocks (fp32 weights, gradient and moments, and the
-        compute copy: 16 + 2 bytes per parameter under bf16)."""
-        if self.slab is None or not self.store.trainable or not self.pin_fraction or self.coordinator is not None:
-            return  # (ranks sharing a store pin device copies of the weights only)
-        wanted = sum(math.ceil(self.pin_fraction * layer.num_experts) for layer in self.layers)
-        if self.pin_limit is not None:
-            wanted = min(wanted, self.pin_limit)
-        dtype = self.store.compute_dtype
-        wanted = pins_within_budget(wanted, self.store.numel, dtype, self._device_budget(),
-                                    slab_nbytes(self.slab.experts, self.store.numel, dtype))
-        if wanted > 0:
-            self.device_pins = DevicePins(self.runtime, self.store, wanted, self.stats)
 
     def _admit_pins(self, keys: list[ExpertKey]) -> None:
         """A training forward is about to use these: pins among them that wait to come up do, once their gradient
@@ -327,18 +223,6 @@ class OffloadEngine:
             self.wait_in_flight()
             self.device_pins.release_all()
             self._sync_stager_pins()
-
-    @property
-    def pin_limit(self) -> int | None:
-        """Pins take host-cache slots for good: leave the disk tier's cache room for the records in flight (the one
-        computing, `depth` read ahead, and two staged chunks), or the stream evicts pinned records and pinning saves
-        nothing. None: no bound (the host tier)."""
-        if self._cache is None:
-            return None
-        chunks = 2 * self.stage_experts if self.stage_experts > 1 else 0
-        if self.slab is not None:
-            chunks = 2 * self.slab.experts
-        return max(0, self._cache - self.depth - 1 - chunks)
 
     def staging_block(self) -> torch.Tensor:
         """(stage_experts, P) in the store's compute dtype, each row 64-byte aligned: the weights of a staged chunk."""
@@ -378,7 +262,7 @@ class OffloadEngine:
             self._open_device_cache()
         if inference and layer == 0:
             self.decode_cache.next_token()
-            if (self.runtime is not None and self.runtime.asynchronous and self.pin_fraction
+            if (self.plan is not None and self.plan.decode_device_copies and self.pin_fraction
                     and self.device_cache is None and self.decode_cache.tick % self.decode_pin_interval == 1):
                 self.pin_hot_experts()
         return inference
@@ -387,7 +271,7 @@ class OffloadEngine:
         """Decoding starts on an asynchronous device (one process): the device expert cache (offload/device_cache.py),
         `OffloadConfig.device_cache_bytes` of device memory, by default half of what is free now; capacity at most
         every expert."""
-        if self.runtime is None or not self.runtime.asynchronous or self.coordinator is not None:
+        if self.plan is None or not self.plan.decode_device_copies or self.coordinator is not None:
             return
         budget = self.config.device_cache_bytes
         if budget is None:
@@ -804,7 +688,7 @@ class OffloadEngine:
                 self.release_record(key, records[i])
             return
         rt = self.runtime
-        if not rt.asynchronous:
+        if self.plan.gradients == GRADS_IN_PLACE:
             views = self.layers[layer].layout.views
             self.grads_arrived(layer, [(key, records[i], GradArrival.on_host(rt, [g[i] for g in grads], views))
                                        for i, key in reversed(list(zip(routed, keys)))])
@@ -871,7 +755,7 @@ class OffloadEngine:
                 if taken:
                     items = [item for item in items if item[0] not in taken]
         for key, record, arrival in items:
-            if not self.runtime.asynchronous:
+            if self.plan.gradients == GRADS_IN_PLACE:
                 arrival.land(record)
                 self.store.release(key, dirty=(GRAD,))
             else:
@@ -886,7 +770,7 @@ class OffloadEngine:
         enqueued so far (which used its upload) has run. None: a device-pinned expert (nothing was acquired)."""
         if record is None:
             return
-        self._release_after(key, self.runtime.record() if self.runtime.asynchronous else None)
+        self._release_after(key, self.runtime.record() if self.plan.waits_for_device else None)
 
     def wait_for_grad(self, key: ExpertKey) -> None:
         """Wait until the gradients of `key` handed to the engine's host worker are in the store."""
@@ -975,7 +859,7 @@ class OffloadEngine:
         gradient downloads, record releases, and the device's compute and copy streams), and the device-pinned
         experts stay where they are (ES-MoE §4.3). Saves, loads and readers of the store use `synchronize`."""
         self.wait_in_flight()
-        if self.runtime is not None and self.runtime.asynchronous:
+        if self.plan is not None and self.plan.waits_for_device:
             self.wait_for_uploads()
             self.runtime.record().synchronize()
 
@@ -983,7 +867,7 @@ class OffloadEngine:
         """The host waits for every upload enqueued so far (the stager's and the slab's copy streams): before an
         optimizer step writes host records that an evaluation's uploads may still read (a training upload is ordered
         before the step by the gradient download that follows it; an evaluation's by nothing)."""
-        if self.runtime is None or not self.runtime.asynchronous:
+        if self.plan is None or not self.plan.waits_for_device:
             return
         if self.stager is not None:
             self.runtime.record(self.stager.stream).synchronize()
@@ -1071,6 +955,7 @@ class ResidentEngine:
 
     mode = "device"
     store = None
+    plan = None
     layers: list = []
 
     def __init__(self, stats: OffloadStats):

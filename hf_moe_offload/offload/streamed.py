@@ -184,12 +184,10 @@ class OffloadedExpertsLayer:
         if full is None:
             return ChunkPlan("expert", [[s] for s in segments(counts, ids)])
         engine = self.engine
-        if engine.runtime.asynchronous:
-            source, k = "slab", engine.slab.experts
-        elif engine.store.grouped_weights(self.layer) is not None:
+        source = engine.plan.grouped_source
+        if source == "layer":
             return ChunkPlan("layer", [segments(full, range(len(full)), keep_empty=True)])
-        else:
-            source, k = "staged", engine.stage_experts
+        k = engine.slab.experts if source == "slab" else engine.stage_experts
         routed = segments(full, range(len(full)))
         return ChunkPlan(source, [routed[i : i + k] for i in range(0, len(routed), k)])
 
@@ -200,18 +198,15 @@ class OffloadedExpertsLayer:
         a training call over the engine's staging block (the disk tier, `stage_experts` > 1)."""
         engine = self.engine
         training = torch.is_grad_enabled() and not engine.inference
-        if engine.runtime.asynchronous:
-            if engine.slab is None or not training:
-                return None
-            weights = engine.slab.blocks[0]
-        else:
+        source = engine.plan.grouped_source
+        if source == "layer":
             weights = engine.store.grouped_weights(self.layer)
-            if weights is not None and weights.shape[0] != self.num_experts:
+            if weights is None or weights.shape[0] != self.num_experts:
                 return None
-            if weights is None:
-                if not (engine.stage_experts > 1 and training):
-                    return None
-                weights = engine.staging_block()
+        elif source is None or not training:
+            return None
+        else:
+            weights = engine.slab.blocks[0] if source == "slab" else engine.staging_block()
         if weights.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             return None
         views = self.layout.grouped_views(weights)
@@ -228,7 +223,7 @@ class OffloadedExpertsLayer:
         if not autocast and rows.dtype != x.dtype:
             rows = rows.to(x.dtype)
             return self.layout.grouped_views(rows) if grouped else self.layout.views(rows)
-        if not grouped and (self.engine.runtime.asynchronous or self.engine.store.quantization is not None):
+        if not grouped and not self.engine.plan.reuse_views:
             # a slot or a device copy (cheap on the host), or a quantized expert dequantized for this use only (a
             # new tensor each time: cached views would keep every one alive)
             return self.layout.views(rows)

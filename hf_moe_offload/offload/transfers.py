@@ -1,7 +1,7 @@
 """Moving expert weights to the compute device and gradients back (ES-MoE §4.1's pipeline, its copies).
 
 `DeviceStager`: one expert's weights at a time into a ring of device slots on a side stream (the per-expert stream,
-k = 1), and the device copies of pinned experts (ES-MoE §4.3). `GradRing`: gradients on their way to the host, a ring
+k = 1), and the device copies of pinned experts (ES-MoE §4.3); `HostStager` where the host computes (nothing copied). `GradRing`: gradients on their way to the host, a ring
 of page-locked buffers filled on a stream of their own. `GradArrival`: one expert's gradient for this micro-step,
 landed into the store's fp32 slot by whoever takes it (the expert optimizer's worker, or the engine's). The slab of a
 layer's experts (k > 1 on a device) is `offload/slab.py`.
@@ -23,50 +23,77 @@ from .store import ExpertKey, ExpertRecord
 from .telemetry import OffloadStats
 
 
-class DeviceStager:
-    """Makes expert weights usable on the compute device, through the device runtime (hf_moe_offload.runtime).
-
-    Asynchronous runtimes (CUDA, the CPU simulation): copies into `depth + 1` device slots on a side stream; an event
-    per upload lets compute wait for exactly that expert, and an event per use lets the copy stream reuse the slot
-    only after compute is done with it. Pinned experts (ES-MoE §4.3) keep a device copy, reused while the expert's
-    version (its update count, kept by the store) is unchanged.
-    Inline runtime (CPU): the host tensor is already usable; nothing is copied. A quantized expert is dequantized
-    into a ring of `depth + 2` host buffers (the stream holds at most `depth + 1` issued experts beside the one its
-    consumer just finished), not into a new tensor per use: the host's allocator would keep every size it handed out.
-    """
+class _Stager:
+    """What both stagers share: the pinned experts (ES-MoE §4.3) and the timer of compute's waits."""
 
     def __init__(self, runtime: DeviceRuntime, numel: int, dtype: torch.dtype, depth: int, stats: OffloadStats):
         self.rt = runtime
         self.stats = stats
         self.numel, self.dtype, self.depth = numel, dtype, depth
-        self.host_ring: list[torch.Tensor] = []  # inline runtime, quantized experts: made on first use
-        self.host_next = 0
         self.pinned: dict[ExpertKey, tuple[torch.Tensor, int, Event]] = {}  # key -> (copy, version, its upload)
         self.pinned_keys: set[ExpertKey] = set()
         self.timer = StallTimer(runtime, stats)
-        if runtime.asynchronous:
-            self.stream = runtime.new_stream()
-            # Allocated for the copy stream (which writes them) and owned for the stager's life: compute reads them
-            # only between the upload's event and the use's event.
-            self.slots = [runtime.empty((numel,), dtype, stream=self.stream, persistent=True)
-                          for _ in range(depth + 1)]
-            self.slot_free: list[Event | None] = [None] * (depth + 1)  # after the last use of each slot
-            self.next_slot = 0
-            self.ring_in_flight = 0  # ring slots handed out whose use is not done yet
+
+    def set_pinned(self, keys: set[ExpertKey]) -> None:
+        self.pinned_keys = set(keys)
+        for key in list(self.pinned):
+            if key not in self.pinned_keys:
+                del self.pinned[key]
+
+    def drop_copies(self) -> None:
+        """Forget every device copy (the store was replaced: its versions start again)."""
+        self.pinned.clear()
+
+
+class HostStager(_Stager):
+    """The host computes (the inline runtime): a record's tensor is already usable and nothing is copied. A quantized
+    expert is dequantized into a ring of `depth + 2` host buffers (the stream holds at most `depth + 1` issued experts
+    beside the one its consumer just finished), not into a new tensor per use: the host's allocator would keep every
+    size it handed out."""
+
+    def __init__(self, runtime: DeviceRuntime, numel: int, dtype: torch.dtype, depth: int, stats: OffloadStats):
+        super().__init__(runtime, numel, dtype, depth, stats)
+        self.host_ring: list[torch.Tensor] = []  # quantized experts: made on first use
+        self.host_next = 0
+
+    def upload(self, key: ExpertKey, record: ExpertRecord,
+               cache: DeviceExpertCache | None = None) -> tuple[torch.Tensor, None, None]:
+        """-> (weights, None, None): nothing to wait for, nothing to hand back."""
+        if record.decoder is None:
+            return record.compute_param(), None, None
+        if not self.host_ring:
+            self.host_ring = [torch.empty(self.numel, dtype=self.dtype) for _ in range(self.depth + 2)]
+        out = self.host_ring[self.host_next]
+        self.host_next = (self.host_next + 1) % len(self.host_ring)
+        return record.decode_into(out), None, None
+
+    def wait(self, ready: Event | None, weights: torch.Tensor) -> None:
+        if ready is not None:
+            self.timer.wait(ready)
+
+
+class DeviceStager(_Stager):
+    """Makes expert weights usable on an asynchronous device (CUDA, the CPU simulation; hf_moe_offload.runtime):
+    copies into `depth + 1` device slots on a side stream; an event per upload lets compute wait for exactly that
+    expert, and an event per use lets the copy stream reuse the slot only after compute is done with it. Pinned
+    experts (ES-MoE §4.3) keep a device copy, reused while the expert's version (its update count, kept by the store)
+    is unchanged."""
+
+    def __init__(self, runtime: DeviceRuntime, numel: int, dtype: torch.dtype, depth: int, stats: OffloadStats):
+        super().__init__(runtime, numel, dtype, depth, stats)
+        self.stream = runtime.new_stream()
+        # Allocated for the copy stream (which writes them) and owned for the stager's life: compute reads them only
+        # between the upload's event and the use's event.
+        self.slots = [runtime.empty((numel,), dtype, stream=self.stream, persistent=True) for _ in range(depth + 1)]
+        self.slot_free: list[Event | None] = [None] * (depth + 1)  # after the last use of each slot
+        self.next_slot = 0
+        self.ring_in_flight = 0  # ring slots handed out whose use is not done yet
 
     def upload(self, key: ExpertKey, record: ExpertRecord,
                cache: DeviceExpertCache | None = None) -> tuple[torch.Tensor, Event | None, Callable | None]:
         """-> (weights, their upload's event or None, `done` to call after compute's last use, or None). With `cache`
         (decoding, offload/device_cache.py) an admitted expert goes into a cache slot instead of the ring."""
         rt = self.rt
-        if not rt.asynchronous:
-            if record.decoder is None:
-                return record.compute_param(), None, None
-            if not self.host_ring:
-                self.host_ring = [torch.empty(self.numel, dtype=self.dtype) for _ in range(self.depth + 2)]
-            out = self.host_ring[self.host_next]
-            self.host_next = (self.host_next + 1) % len(self.host_ring)
-            return record.decode_into(out), None, None
         src = record.upload_source()
         cached = self.pinned.get(key)
         if cached is not None and cached[1] == record.version:
@@ -97,25 +124,14 @@ class DeviceStager:
 
     def wait(self, ready: Event | None, weights: torch.Tensor) -> None:
         """Compute waits for the upload of `weights` (timed with events: the compute stream's idle time); its read is
-        declared on an asynchronous runtime whatever it waited for (the simulated device checks it)."""
+        declared whatever it waited for (the simulated device checks it)."""
         if ready is not None:
             self.timer.wait(ready)
-        if self.rt.asynchronous:
-            self.rt.access(weights)
+        self.rt.access(weights)
 
     def _slot_done(self, slot: int) -> None:
         self.slot_free[slot] = self.rt.record()
         self.ring_in_flight -= 1
-
-    def set_pinned(self, keys: set[ExpertKey]) -> None:
-        self.pinned_keys = set(keys)
-        for key in list(self.pinned):
-            if key not in self.pinned_keys:
-                del self.pinned[key]
-
-    def drop_copies(self) -> None:
-        """Forget every device copy (the store was replaced: its versions start again)."""
-        self.pinned.clear()
 
 
 class GradRing:
@@ -197,4 +213,4 @@ class GradArrival:
 GradHook = Callable[[list[tuple[ExpertKey, ExpertRecord, GradArrival]]], set]
 
 
-__all__ = ["DeviceStager", "GradArrival", "GradHook", "GradRing"]
+__all__ = ["DeviceStager", "GradArrival", "GradHook", "GradRing", "HostStager"]

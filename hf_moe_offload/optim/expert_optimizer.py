@@ -160,14 +160,12 @@ class ExpertOptimizer:
     @property
     def workers(self) -> int:
         """Threads stepping experts; 0: each job runs on the thread that submits it (in backward, the one computing).
-        Unset, 0 where the disk tier's experts compute on the CPU, else 2. There the host is the device and the
-        store's I/O threads already share the other cores with the compute: the optimizer's workers, stepping each
-        expert as its gradient arrives, queued behind the I/O while the backward waited for both (the disk tier with a
-        quarter cached, 2 cores, 2026-11-25: benchmarks/RESULTS.md). On a device the workers overlap the device's backward (ES-MoE §4.1)."""
+        Unset: the engine's plan says (`OffloadPlan.optimizer_workers`: 0 where the disk tier's experts compute on the
+        CPU, else 2), 2 before it binds."""
         if self.workers_setting is not None:
             return self.workers_setting
-        runtime = self.engine.runtime  # None until the first forward binds the engine
-        return 0 if self.store.tier == "disk" and runtime is not None and not runtime.asynchronous else 2
+        plan = self.engine.plan  # None until the first forward binds the engine (offload/plan.py)
+        return 2 if plan is None else plan.optimizer_workers
 
     @property
     def _pool(self) -> ThreadPoolExecutor | _InlineExecutor:
