@@ -41,41 +41,21 @@ class _Engine:
 
     def __init__(self, store, numel):
         from hf_moe_offload.layouts import ExpertLayout, ExpertTensor
+        from hf_moe_offload.offload.ledger import UpdateLedger
 
         self.store = store
         self.coordinator = None
         layout = ExpertLayout([ExpertTensor("w", (numel,), True)], len(store), None)
         self.layers = [type("L", (), {"layout": layout})()]
-        self.pending = {}
-
-    def add_grad_hook(self, hook, steps_now=None):
-        pass
-
-    def add_layer_done_hook(self, hook):
-        pass
-
-    def set_pending(self, key, fut):
-        self.pending[key] = fut
-
-    def wait_for_grad(self, key):
-        pass
-
-    def wait_for_update(self, key):
-        fut = self.pending.pop(key, None)
-        if fut is not None:
-            fut.result()
+        self.ledger = UpdateLedger()  # the optimizer's hooks and pending updates, as the engine keeps them
 
     device_pins = None
+    plan = None  # unbound: the optimizer's default workers
 
     def synchronize(self):
-        for f in self.pending.values():
-            f.result()
-        self.pending.clear()
+        self.ledger.wait_all()
 
     wait_in_flight = synchronize
-
-    def update_pins(self):
-        pass
 
     def wait_for_uploads(self):
         pass  # no device: nothing reads the host records

@@ -5,6 +5,7 @@ simulated device mean nothing; these counts are what the GPU profile of issue 35
 launches per MoE layer at 64 experts, top-8).
 
     python benchmarks/slab_dispatch.py            # Qwen3-MoE d=64, 2 layers, 8 / 32 / 128 experts, every expert routed
+    python benchmarks/slab_dispatch.py --tiers host,disk   # also the disk tier (bytes up and down per step too)
 
 Writes benchmarks/slab_dispatch.json.
 """
@@ -15,6 +16,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 
 import torch
 
@@ -41,38 +43,46 @@ def round_robin_routing(model, experts: int) -> None:
             module.register_forward_hook(hook)
 
 
-def count(experts: int, slab: bool, top_k: int = 2, rows_per_expert: int = 16) -> dict:
-    with use_runtime(SimulatedRuntime(seed=0, max_delay=0.0)) as rt:
+def count(experts: int, slab: bool, top_k: int = 2, rows_per_expert: int = 16, tier: str = "host") -> dict:
+    with use_runtime(SimulatedRuntime(seed=0, max_delay=0.0)) as rt, tempfile.TemporaryDirectory() as folder:
         model = make_qwen3(2, experts, 64, 32, top_k, 256, 64)
         round_robin_routing(model, experts)
         # No room for the slab's two chunks: the per-expert loop through the stager's slots.
         budget = None if slab else 1
-        engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=0.0,
-                                                            device_budget_bytes=budget))
+        # The disk tier caches every expert's record plus the slab's two chunks' room: the same chunks as the host
+        # tier, its reads and writes on top.
+        cache = {"host_cache_experts": 3 * experts + 8, "offload_dir": folder} if tier == "disk" else {}
+        engine = enable_expert_offload(model, OffloadConfig(mode=tier, pin_fraction=0.0,
+                                                            device_budget_bytes=budget, **cache))
         tokens = experts * rows_per_expert // top_k
         x = torch.randint(0, 256, (tokens // 16, 16), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             model(x[:1, :4])  # binds the engine outside the count
         before = rt.copies
+        engine.stats.reset()
         with GemmCounter() as mode:
             model(input_ids=x, labels=x).loss.backward()
         engine.step_barrier()
         assert (engine.slab is not None) == slab
         layers = len(engine.layers)
-        return {"experts": experts, "path": "slab" if slab else "per-expert", "tokens": tokens,
+        st = engine.stats
+        return {"experts": experts, "tier": tier, "path": "slab" if slab else "per-expert", "tokens": tokens,
+                "h2d_bytes": st.h2d_bytes, "d2h_bytes": st.d2h_bytes,
                 "ops_per_layer": sum(mode.ops.values()) / layers,
                 "gemms_per_layer": mode.gemms / layers,
                 "copies_per_layer": (rt.copies - before) / layers}
 
 
 def main() -> list[dict]:
-    rows = [count(e, slab) for e in (8, 32, 128) for slab in (False, True)]
+    tiers = sys.argv[sys.argv.index("--tiers") + 1].split(",") if "--tiers" in sys.argv else ["host"]
+    rows = [count(e, slab, tier=tier) for tier in tiers for e in (8, 32, 128) for slab in (False, True)]
     print("\nQwen3-MoE d=64, expert FFN 32, 2 layers, top-2, 16 rows per expert; one training step (forward + "
           "backward) on the simulated device; per layer (the non-expert work of the layer included)")
-    print(f"{'experts':>7} {'path':>10} {'tokens':>6} {'ops':>7} {'GEMMs':>6} {'copies':>6}")
+    print(f"{'tier':>4} {'experts':>7} {'path':>10} {'tokens':>6} {'ops':>7} {'GEMMs':>6} {'copies':>6} "
+          f"{'up bytes':>10} {'down bytes':>10}")
     for r in rows:
-        print(f"{r['experts']:>7} {r['path']:>10} {r['tokens']:>6} {r['ops_per_layer']:>7.0f} "
-              f"{r['gemms_per_layer']:>6.0f} {r['copies_per_layer']:>6.0f}")
+        print(f"{r['tier']:>4} {r['experts']:>7} {r['path']:>10} {r['tokens']:>6} {r['ops_per_layer']:>7.0f} "
+              f"{r['gemms_per_layer']:>6.0f} {r['copies_per_layer']:>6.0f} {r['h2d_bytes']:>10} {r['d2h_bytes']:>10}")
     with open(os.path.join(HERE, "slab_dispatch.json"), "w") as fh:
         json.dump({"machine": platform.platform(), "torch": torch.__version__, "rows": rows}, fh, indent=2)
     return rows

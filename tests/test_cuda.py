@@ -179,7 +179,7 @@ def test_cuda_slab_trains_like_resident_under_bf16(tier, compute_dtype, tmp_path
     finally:
         OffloadedExpertsLayer.run_forward = original
     assert engine.slab is not None and any(calls)
-    assert set(engine._grad_rings) == {compute_dtype or torch.bfloat16}
+    assert set(engine.gradients.rings) == {compute_dtype or torch.bfloat16}
     assert_within_adam_drift(model.cpu(), reference.cpu(), 1e-2, 3, outliers=0.1)
 
 
@@ -207,12 +207,12 @@ def test_cuda_generation_gives_the_resident_greedy_tokens(tier, cache, placement
         got = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
     engine = get_offload_engine(model)
-    assert engine.runtime.name == "cuda" and (engine.cost_model is None) == (placement == "upload")
+    assert engine.runtime.name == "cuda" and (engine.decoding.cost_model is None) == (placement == "upload")
     if placement == "upload":
         assert engine.stats.h2d_bytes > 0 and engine.stats.host_computed_experts == 0
     else:  # every routed expert ran somewhere: uploaded, or computed on the host
         assert engine.stats.h2d_bytes > 0 or engine.stats.host_computed_experts > 0
-    assert (engine.device_cache is None) == (cache == "off")
+    assert (engine.decoding.device_cache is None) == (cache == "off")
 
 
 def _cuda_lora_pair(tier, layers, tmp_path, storage="auto", prepare_resident=None):

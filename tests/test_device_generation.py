@@ -72,9 +72,9 @@ def test_decoding_on_the_device_gives_the_resident_greedy_tokens(saved, family, 
     assert engine.runtime.asynchronous and engine.stats.h2d_bytes > 0
     assert torch.equal(out, lm["tokens"])
     if cache == "off":
-        assert engine.device_cache is None and engine.stats.device_cache_hits == 0
+        assert engine.decoding.device_cache is None and engine.stats.device_cache_hits == 0
         return
-    cached = engine.device_cache
+    cached = engine.decoding.device_cache
     assert cached.capacity == lm["experts"] // 4 and cached.nbytes <= budget
     assert len(cached.slot_of) <= cached.capacity
     assert engine.stats.device_cache_hits > 0 and engine.stats.device_cache_evictions > 0
@@ -86,12 +86,12 @@ def test_the_default_device_cache_takes_half_the_free_device_memory(saved, tmp_p
     free = 6 * lm["expert_bytes"] + 5
     out, engine = _generate(lm, "host", tmp_path, None, free_memory=free)
     assert torch.equal(out, lm["tokens"])
-    assert engine.device_cache.capacity == 3 and engine.device_cache.nbytes <= free // 2
+    assert engine.decoding.device_cache.capacity == 3 and engine.decoding.device_cache.nbytes <= free // 2
     out, engine = _generate(lm, "host", tmp_path, None, free_memory=10**12)
-    assert engine.device_cache.capacity == lm["experts"]  # everything fits: after the first uses, no uploads
+    assert engine.decoding.device_cache.capacity == lm["experts"]  # everything fits: after the first uses, no uploads
     assert engine.stats.device_cache_evictions == 0
     # Uploads into the cache are enqueued for a layer's routed experts at once, not `prefetch_depth` ahead.
-    assert engine.peak_in_flight > engine.depth + 1
+    assert engine.sources.peak_in_flight > engine.depth + 1
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
@@ -105,9 +105,9 @@ def test_pregating_uploads_the_next_layers_guess_into_the_device_cache(saved, ti
     out, engine = _generate(lm, tier, tmp_path, lm["experts"] * lm["expert_bytes"], pregate=True,
                             host_cache=lm["experts"])
     assert torch.equal(out, lm["tokens"])
-    assert engine.pregate is not None and engine.stats.pregate_uploads > 0
+    assert engine.decoding.pregate is not None and engine.stats.pregate_uploads > 0
     out, engine = _generate(lm, tier, tmp_path, lm["experts"] * lm["expert_bytes"], pregate=False)
-    assert engine.pregate is None and engine.stats.pregate_uploads == 0
+    assert engine.decoding.pregate is None and engine.stats.pregate_uploads == 0
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -125,11 +125,11 @@ def test_training_after_decoding_gives_the_cache_back(saved, family, room, autoc
         engine = get_offload_engine(model)
         with torch.no_grad():
             model(lm["prompt"])
-        assert engine.device_cache is not None
+        assert engine.decoding.device_cache is not None
         model.train()
         loss = model(lm["prompt"], labels=lm["prompt"]).loss
         loss.backward()
-        assert engine.device_cache is None and torch.isfinite(loss)
+        assert engine.decoding.device_cache is None and torch.isfinite(loss)
         engine.synchronize()
         engine.store.close()
 
@@ -200,7 +200,7 @@ def test_trainer_evaluation_on_the_device_uses_the_device_cache(tmp_path):
                                      report_to=[])
             losses.append(Trainer(model=m, args=args, eval_dataset=data,
                                   data_collator=default_data_collator).evaluate()["eval_loss"])
-    assert engine.device_cache is not None and engine.stats.device_cache_hits > 0
+    assert engine.decoding.device_cache is not None and engine.stats.device_cache_hits > 0
     assert losses[1] == pytest.approx(losses[0], abs=1e-6)
 
 
@@ -225,7 +225,7 @@ def test_an_interrupted_decoding_call_gives_its_slots_back(saved, tmp_path, monk
         engine = get_offload_engine(model)
         with torch.no_grad(), pytest.raises(RuntimeError, match="expert compute failed"):
             model(lm["prompt"])
-        assert engine.stager.ring_in_flight == 0 and not any(engine.device_cache.in_flight)
+        assert engine.stager.ring_in_flight == 0 and not any(engine.decoding.device_cache.in_flight)
         with torch.no_grad():
             out = model.generate(lm["prompt"], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
         engine.store.close()
@@ -274,17 +274,17 @@ def test_the_device_cache_and_the_stagers_pinned_copies_take_turns(tmp_path):
         x = torch.randint(0, 101, (4, 12), generator=torch.Generator().manual_seed(4))
         model(x, labels=x).loss.backward()
         engine.zero_grad()
-        engine.update_pins()
+        engine.pins.update()
         stager_pins = set(engine.stager.pinned_keys)
-        assert engine.pinned and stager_pins  # copies kept for pins whose state is not on the device
+        assert engine.pins.pinned and stager_pins  # copies kept for pins whose state is not on the device
         model.eval()
         with torch.no_grad():
             model(x)
-        assert engine.device_cache is not None and engine.stager.pinned_keys == set()
+        assert engine.decoding.device_cache is not None and engine.stager.pinned_keys == set()
         engine.synchronize()
         assert engine.stager.pinned_keys == set()
         model.train()
         model(x, labels=x).loss.backward()
-        assert engine.device_cache is None and engine.stager.pinned_keys == stager_pins
+        assert engine.decoding.device_cache is None and engine.stager.pinned_keys == stager_pins
         engine.zero_grad()
         engine.synchronize()

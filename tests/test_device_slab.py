@@ -104,7 +104,7 @@ def test_bytes_moved_are_the_routed_experts_once(autocast, compute_dtype, stream
         assert engine.stats.h2d_reupload_bytes == routed[0] * width
         assert engine.stats.h2d_bytes == (sum(routed) + routed[0]) * width
         assert engine.stats.d2h_bytes == sum(routed) * width
-        assert set(engine._grad_rings) == {streamed}
+        assert set(engine.gradients.rings) == {streamed}
         record = engine.store.acquire((0, 0))
         assert record.param.dtype == torch.float32 and torch.equal(record.compute_param(), record.param.to(streamed))
         engine.store.release((0, 0))
@@ -244,7 +244,7 @@ def test_slab_training_equals_torch_adamw(family, tier, autocast, clip, tmp_path
                     losses.append(loss.item())
                 assert abs(losses[0] - losses[1]) <= (1e-5 if autocast is None else 2e-3)
             step_both(reference, ref_opt, opt, clip)
-            engine.update_pins()
+            engine.pins.update()
         if tier == "host":  # the disk tier's cache of 8 leaves no room for pins beside the slab's chunks
             assert len(engine.device_pins) > 0  # pinned experts trained on the device
         engine.synchronize()
@@ -292,12 +292,12 @@ def _slow_steps_then_forward(tmp_path, monkeypatch) -> None:
 
 def test_the_next_forward_waits_for_each_experts_update(tmp_path, monkeypatch):
     """No staleness (DESIGN.md): a training forward's upload waits for the expert's pending update. Deleting that
-    wait (OffloadEngine.wait_for_update) makes the upload read weights the host Adam is still writing: the simulated
+    wait (UpdateLedger.wait_for_update) makes the upload read weights the host Adam is still writing: the simulated
     device raises, or the loss is the stale weights'."""
-    from hf_moe_offload.offload.engine import OffloadEngine
+    from hf_moe_offload.offload.ledger import UpdateLedger
 
     _slow_steps_then_forward(tmp_path, monkeypatch)
-    monkeypatch.setattr(OffloadEngine, "wait_for_update", lambda self, key: None)
+    monkeypatch.setattr(UpdateLedger, "wait_for_update", lambda self, key: None)
     with pytest.raises((HappensBeforeError, AssertionError)):
         _slow_steps_then_forward(tmp_path, monkeypatch)
 
@@ -434,14 +434,14 @@ def test_evaluation_between_steps_leaves_device_pins_out_of_the_device_cache():
             with torch.no_grad():
                 losses.append(model(x, labels=x).loss.item())
             if cache_bytes:
-                cache = engine.device_cache
+                cache = engine.decoding.device_cache
                 assert cache is not None and cache.slot_of and not pins & set(cache.slot_of)
                 assert not any(cache.in_flight)
             model.train()
             model(x, labels=x).loss.backward()
             opt.step()
             opt.zero_grad()
-            assert engine.device_cache is None
+            assert engine.decoding.device_cache is None
             engine.synchronize()
     assert losses[0] == losses[1]
 

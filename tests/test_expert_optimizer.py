@@ -178,8 +178,8 @@ def overflow_in_backward(engine, value=float("inf")) -> None:
         arrival.buffer[0] = value
         return set()  # the optimizer's hook still gets it
 
-    handle = engine.add_grad_hook(overflow)
-    engine._grad_hooks.move_to_end(handle.id, last=False)  # runs before the optimizer's hook
+    handle = engine.ledger.add_grad_hook(overflow)
+    engine.ledger._grad_hooks.move_to_end(handle.id, last=False)  # runs before the optimizer's hook
 
 
 def test_fp16_overflow_skips_expert_steps(tmp_path):
@@ -882,7 +882,7 @@ def test_after_backward_the_waiting_experts_step_layer_zero_first():
     assert not taken
     experts.step()
     paused.release(first=1)
-    engine.wait_for_update((0, 0))
+    engine.ledger.wait_for_update((0, 0))
     paused.release()
     engine.synchronize()
     assert set(engine.store.steps.values()) == {1}
@@ -930,7 +930,7 @@ def test_two_trainers_and_train_twice_equal_plain_adamw(tier, clip, tmp_path):
     losses = _trainer_phases(model, tmp_path, "off", lambda: [ExpertOptimizerCallback()], clip)
     assert len(losses) == len(ref_losses) == 6
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)
-    assert not engine._grad_hooks and not engine._layer_done_hooks
+    assert not engine.ledger._grad_hooks and not engine.ledger._layer_done_hooks
     assert set(engine.store.steps.values()) == {2}  # the second Trainer's two steps, counted afresh
     assert_within_adam_drift(model, reference, 1e-2, 6, atol=2e-6, outliers=0.01)
 
@@ -958,6 +958,6 @@ def test_enable_disable_twice_leaves_no_hook_behind():
         model(x, labels=x).loss.backward()
         experts.step()
         experts.close()
-        assert not engine._grad_hooks and not engine._layer_done_hooks and not engine._steps_now
+        assert not engine.ledger._grad_hooks and not engine.ledger._layer_done_hooks and not engine.ledger._steps_now
         disable_expert_offload(model)
         assert hooks() == before and set(model.__dict__) == attrs

@@ -69,7 +69,7 @@ def test_greedy_generation_equals_the_resident_model(family, variant, tmp_path):
     expected = greedy(resident, ids, mask)
     got = greedy(offloaded, ids, mask)
     assert torch.equal(got, expected)
-    assert engine.inference  # chosen automatically under no_grad
+    assert engine.decoding.inference  # chosen automatically under no_grad
     if tier == "disk":
         assert len(engine.store.resident_keys()) <= cache
         if mmap is False:
@@ -83,7 +83,7 @@ def test_greedy_generation_equals_the_resident_model(family, variant, tmp_path):
         # CPU: its early reads compete with the compute there).
         assert (engine.stats.pregate_routed > 0) == bool(pregate)
     else:
-        assert engine.pregate is None and not engine.map_files  # nothing to read early or to map on the host tier
+        assert engine.decoding.pregate is None and not engine.map_files  # nothing to read early or to map on the host tier
 
 
 def test_the_decode_cache_never_holds_more_than_its_slots_and_reads_only_weights(tmp_path):
@@ -98,7 +98,7 @@ def test_the_decode_cache_never_holds_more_than_its_slots_and_reads_only_weights
     ids, mask = left_padded_batch(model.config.vocab_size, seed=3)
     greedy(model, ids, mask, n=12)
     assert peak and max(peak) <= cache
-    assert store.eviction.decode is engine.decode_cache  # the disk tier evicted by decoding's scores
+    assert store.eviction.decode is engine.decoding.decode_cache  # the disk tier evicted by decoding's scores
     # A trainable store read for inference: only the weights row of each expert, never gradients or moments.
     assert engine.stats.disk_read_bytes > 0 and engine.stats.disk_read_bytes % (store.numel * 4) == 0
     assert all(store._entries[k].valid == {PARAM} for k in store.resident_keys())
@@ -224,11 +224,11 @@ def test_compute_on_host_on_the_simulated_device_gives_the_same_tokens():
             engine = enable_expert_offload(model, OffloadConfig(mode="host", compute_on_host=on_host,
                                                                 train_experts=False))
             if on_host:  # given speeds: an expert with at most 2 tokens runs on the host (decoding), more upload
-                engine.cost_model = PlacementCostModel(host_flops=1.0, link_bytes_per_s=1.0)
+                engine.decoding.cost_model = PlacementCostModel(host_flops=1.0, link_bytes_per_s=1.0)
                 layout = engine.layers[0].layout
                 per_token = 2.0 * layout.decay_numel + 2 * layout.hidden_size * 4
-                engine.cost_model.host_flops = per_token / (engine.store.numel * 4 / 2.5)
-                assert engine.cost_model.max_host_tokens(2.0 * layout.decay_numel, engine.store.numel * 4,
+                engine.decoding.cost_model.host_flops = per_token / (engine.store.numel * 4 / 2.5)
+                assert engine.decoding.cost_model.max_host_tokens(2.0 * layout.decay_numel, engine.store.numel * 4,
                                                          layout.hidden_size * 4) == 2
             got = greedy(model, ids, mask)
             engine.synchronize()
@@ -254,9 +254,9 @@ def test_compute_on_host_under_cpu_autocast_equals_the_device_path(dtype):
                                                                 train_experts=False))
             if on_host:  # experts with at most 2 rows run on the host, the rest are uploaded
                 layout = engine.layers[0].layout
-                engine.cost_model = PlacementCostModel(host_flops=1.0, link_bytes_per_s=1.0)
+                engine.decoding.cost_model = PlacementCostModel(host_flops=1.0, link_bytes_per_s=1.0)
                 per_token = 2.0 * layout.decay_numel + 2 * layout.hidden_size * 4
-                engine.cost_model.host_flops = per_token / (engine.store.numel * 4 / 2.5)
+                engine.decoding.cost_model.host_flops = per_token / (engine.store.numel * 4 / 2.5)
             with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
                 logits[on_host] = model(x).logits
             engine.synchronize()
@@ -277,7 +277,7 @@ def test_pregate_is_on_by_default_on_an_asynchronous_device(tmp_path):
         got = greedy(model, ids, mask)
         engine.synchronize()
     assert torch.equal(got, greedy(resident, ids, mask))
-    assert engine.pregate is not None and engine.stats.pregate_routed > 0
+    assert engine.decoding.pregate is not None and engine.stats.pregate_routed > 0
 
 
 def test_decoding_on_a_device_keeps_the_hot_experts_there(tmp_path):
@@ -291,18 +291,18 @@ def test_decoding_on_a_device_keeps_the_hot_experts_there(tmp_path):
         model = copy.deepcopy(resident)
         with use_runtime(SimulatedRuntime(seed=4, max_delay=0.001)):
             engine = enable_expert_offload(model, OffloadConfig(mode="host", pin_fraction=pin, train_experts=False))
-            engine.decode_pin_interval = 2  # re-chosen every other token (16 by default)
+            engine.decoding.decode_pin_interval = 2  # re-chosen every other token (16 by default)
             got = greedy(model, ids, mask, n=16)
             engine.synchronize()
         assert torch.equal(got, expected)
         uploaded[pin] = engine.stats.h2d_bytes
         if pin:
-            engine.pin_hot_experts()  # chosen again from the final scores, to check the choice
-            per_layer = Counter(layer for layer, _ in engine.pinned)
-            assert engine.pinned and max(per_layer.values()) <= 4  # ceil(0.5 x 8) per layer
-            scores = engine.decode_cache
-            for layer, e in engine.pinned:  # the pinned ones are the layer's best scored
-                others = [scores.score((layer, o)) for o in range(8) if (layer, o) not in engine.pinned]
+            engine.decoding.pin_hot_experts()  # chosen again from the final scores, to check the choice
+            per_layer = Counter(layer for layer, _ in engine.pins.pinned)
+            assert engine.pins.pinned and max(per_layer.values()) <= 4  # ceil(0.5 x 8) per layer
+            scores = engine.decoding.decode_cache
+            for layer, e in engine.pins.pinned:  # the pinned ones are the layer's best scored
+                others = [scores.score((layer, o)) for o in range(8) if (layer, o) not in engine.pins.pinned]
                 assert scores.score((layer, e)) >= max(others, default=0.0)
     assert uploaded[0.5] < uploaded[0.0]
 
@@ -323,17 +323,17 @@ def test_inference_mode_follows_grad_and_eval_unless_forced(tmp_path):
     x = torch.randint(0, 101, (2, 6))
     model.train()
     model(x, labels=x).loss.backward()
-    assert not engine.inference and engine.store.eviction.decode is None
+    assert not engine.decoding.inference and engine.store.eviction.decode is None
     with torch.no_grad():
         model(x)
-    assert engine.inference and engine.store.eviction.decode is engine.decode_cache
+    assert engine.decoding.inference and engine.store.eviction.decode is engine.decoding.decode_cache
     model.eval()
     model(x)  # eval with grad on (e.g. a probe): inference's cache policy, still differentiable
-    assert engine.inference
+    assert engine.decoding.inference
     engine.config.inference = False
     with torch.no_grad():
         model(x)
-    assert not engine.inference and engine.store.eviction.decode is None
+    assert not engine.decoding.inference and engine.store.eviction.decode is None
     engine.zero_grad()
 
 
@@ -435,7 +435,7 @@ def test_trainer_evaluation_runs_in_inference_mode_with_the_resident_loss(tmp_pa
                                  report_to=[])
         losses.append(Trainer(model=m, args=args, eval_dataset=data,
                               data_collator=default_data_collator).evaluate()["eval_loss"])
-    assert engine.inference and engine.store.eviction.decode is engine.decode_cache
+    assert engine.decoding.inference and engine.store.eviction.decode is engine.decoding.decode_cache
     assert losses[1] == pytest.approx(losses[0], abs=1e-6)
 
 
@@ -614,7 +614,7 @@ def test_decoding_from_mapped_files_after_training_uses_the_updated_experts(tmp_
         with torch.no_grad():
             expected = reference(x).logits
             got = model(x).logits
-        assert engine.inference and engine.stats.disk_mapped_bytes > before
+        assert engine.decoding.inference and engine.stats.disk_mapped_bytes > before
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     assert engine.store.steps and set(engine.store.steps.values()) == {4}
     experts.close()

@@ -77,13 +77,13 @@ def test_streamed_equals_resident_with_grad_accumulation(tier, depth, pin, tmp_p
         torch.testing.assert_close(out.loss, ref_out.loss, atol=ATOL, rtol=0)
         ref_out.loss.backward()
         out.loss.backward()
-        engine.update_pins()
+        engine.pins.update()
     assert store_grads_vs_reference(engine, reference) <= ATOL
     ref_params = {n: p for n, p in reference.named_parameters() if "experts" not in n}
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_params[name].grad, atol=ATOL, rtol=0)
     if pin:
-        assert engine.pinned, "pinning chose no expert"
+        assert engine.pins.pinned, "pinning chose no expert"
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
@@ -235,10 +235,10 @@ def test_pinning_keeps_hot_experts_in_the_disk_cache(tmp_path):
     engine = enable_expert_offload(model, offload_cfg("disk", tmp_path, depth=1, pin=0.25, cache=5))
     x = torch.randint(0, 101, (4, 16))
     model(x)
-    engine.update_pins()
+    engine.pins.update()
     counts = engine.layers[0].last_counts
     hot = sorted(range(8), key=lambda e: -counts[e])[:2]
-    assert sorted(e for _, e in engine.pinned) == sorted(hot)
+    assert sorted(e for _, e in engine.pins.pinned) == sorted(hot)
     model(x)  # same batch, same routing: pinned experts must be cache hits
     model(x)
     resident = {e for _, e in engine.store.resident_keys()}
@@ -246,7 +246,7 @@ def test_pinning_keeps_hot_experts_in_the_disk_cache(tmp_path):
 
 
 def test_pins_stay_put_under_noisy_loads_and_follow_a_lasting_one(tmp_path, monkeypatch):
-    """Issue 14: pins follow a decayed load average with hysteresis (OffloadEngine.update_pins), because each move of
+    """Issue 14: pins follow a decayed load average with hysteresis (PinManager.update), because each move of
     a pin costs the disk tier a write-back and a read. Fed the same synthetic loads (what a forward records in
     `last_counts`): under uniform random loads the pins move far less than under ES-MoE's rule (the last step's
     load alone), an expert whose load triples for good is pinned within a few steps, and no more than `pin_limit`
@@ -270,13 +270,13 @@ def test_pins_stay_put_under_noisy_loads_and_follow_a_lasting_one(tmp_path, monk
         for step, counts in enumerate(loads + hot):
             for layer, row in zip(engine.layers, counts):
                 layer.last_counts = row.tolist()
-            engine.update_pins()
-            assert len(engine.pinned) <= engine.pin_limit
+            engine.pins.update()
+            assert len(engine.pins.pinned) <= engine.pin_limit
             if step < len(loads):
-                moved += len(set(engine.pinned) - previous) if step else 0
-            elif pinned_at is None and (0, 5) in engine.pinned:
+                moved += len(set(engine.pins.pinned) - previous) if step else 0
+            elif pinned_at is None and (0, 5) in engine.pins.pinned:
                 pinned_at = step - len(loads)
-            previous = set(engine.pinned)
+            previous = set(engine.pins.pinned)
         moves[rule] = moved
         monkeypatch.undo()
         if rule == "decayed":

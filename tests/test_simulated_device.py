@@ -218,7 +218,7 @@ def test_pinned_device_copy_is_refreshed_after_eviction_and_update(tmp_path):
             record = store.acquire(key)
             weights, ready, _ = engine.stager.upload(key, record)
             engine.stager.wait(ready, weights)
-            engine._release_after(key, ready)
+            engine.release_after(key, ready)
             engine.synchronize()
             return weights.clone()
 
@@ -262,7 +262,7 @@ def test_gradients_are_downloaded_in_their_own_dtype(tmp_path):
             loss = model(x, labels=x).loss
         loss.backward()
         engine.synchronize()
-        ring = engine._grad_rings[torch.bfloat16]  # the slab's chunks: one block of gradients per chunk
+        ring = engine.gradients.rings[torch.bfloat16]  # the slab's chunks: one block of gradients per chunk
         assert all(b.dtype == torch.bfloat16 for b in ring.buffers) and len(ring._free) == len(ring.buffers)
         experts_run = sum(1 for layer in engine.layers for n in layer.last_counts if n)
         assert engine.stats.d2h_bytes == experts_run * engine.store.numel * 2

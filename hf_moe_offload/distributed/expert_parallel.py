@@ -192,7 +192,7 @@ class ExpertParallelCoordinator:
         if publish is not None:
             publish()
         self._recompute_pins()
-        self.engine.update_pins()
+        self.engine.pins.update()
         dist.barrier(group=self.group)
 
     def comm_stage(self, overlap: bool = True):
@@ -206,7 +206,7 @@ class ExpertParallelCoordinator:
         if publish is not None:
             keys = [(layer, e) for e in range(self.num_experts[layer])]
             for key in keys:  # gradients still landing on the host worker (asynchronous runtimes) first
-                self.engine.wait_for_grad(key)
+                self.engine.ledger.wait_for_grad(key)
             publish(keys)
 
 
@@ -272,7 +272,7 @@ def enable_expert_parallel(
                                             placement_cost, pin_fraction, validate_replicated)
     if offloaded:
         engine.coordinator = coordinator
-        coordinator.layer_hook = engine.add_layer_done_hook(coordinator.on_layer_backward_done)
+        coordinator.layer_hook = engine.ledger.add_layer_done_hook(coordinator.on_layer_backward_done)
     else:
         _exclude_from_ddp(model, path.layers)
     # One exchange implementation: the layer is one partition of MPMoE's partitioned executor over this mode's
@@ -360,7 +360,7 @@ def _offload_into_shared_store(model: nn.Module, config: OffloadConfig, group, s
 def _share_existing_store(engine: OffloadEngine, config: OffloadConfig | None, group, shared_dir: str) -> None:
     """Replace an offloaded model's per-process store by a node-shared copy of the leader's (weights, moments and
     step counts). The ExpertOptimizer, which holds the store, must be created afterwards."""
-    if engine.has_hooks():
+    if engine.ledger.has_hooks():
         raise RuntimeError(
             "an ExpertOptimizer (or another hook) is already attached to this model's offload engine: call "
             "enable_expert_parallel before creating the ExpertOptimizer / the Trainer with ExpertOptimizerCallback"

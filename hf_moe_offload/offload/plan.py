@@ -243,8 +243,8 @@ def _slab_chunk(config: OffloadConfig, machine: Machine, store: StoreFacts, laye
         if cache is not None and 2 * config.stage_experts > cache - depth - 1:
             raise ValueError(
                 f"OffloadConfig.stage_experts={config.stage_experts} needs a host cache of at least "
-                f"{2 * config.stage_experts + depth + 1} experts (two chunks in flight and prefetch_depth={depth} reads "
-                f"ahead); the cache holds {cache}")
+                f"{2 * config.stage_experts + depth + 1} experts (two chunks in flight and "
+                f"prefetch_depth={depth} reads ahead); the cache holds {cache}")
         return config.stage_experts
-    return default_chunk(max(layer_experts), store.numel, dtype, device_budget(config, machine.free_memory), cache,
-                         depth)
+    budget = device_budget(config, machine.free_memory)
+    return default_chunk(max(layer_experts), store.numel, dtype, budget, cache, depth)

@@ -15,7 +15,6 @@ import contextlib
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,16 +26,13 @@ from ..layouts import ExpertLayout
 from .expert_lora import ChunkLora, ExpertLora, active_expert_lora
 from .store import WEIGHTS, ExpertKey
 
-if TYPE_CHECKING:
-    from .engine import OffloadEngine
-
 Segment = tuple[int, int, int]  # (expert, first row, rows) in the call's expert-sorted input
 
 
 @dataclass(frozen=True)
 class ChunkPlan:
     """How one call runs its experts: `chunks` of segments, each chunk computed at once, its weights from `source`
-    (`OffloadEngine.stream_chunks`): "slab" (a device block of k experts), "layer" (the host tier's (E, P)
+    (`ChunkSources.stream_chunks`, offload/chunk_sources.py): "slab" (a device block of k experts), "layer" (the host tier's (E, P)
     block: one chunk of every expert, those without rows included), "staged" (streamed one by one and copied into the
     host staging block, k = `stage_experts`): one grouped GEMM per matmul over the chunk's (k, P) rows; "expert"
     (streamed one by one, k = 1): the layout's expert function over the expert's (P,) weights. `lora`: the peft
@@ -69,7 +65,7 @@ class OffloadedExpertsLayer:
     """The streamed experts of one MoE layer, `experts(x_sorted, counts, expert_ids)` on the model's MoE path; their
     weights live in the store under keys (layer, e)."""
 
-    def __init__(self, engine: "OffloadEngine", layer: int, module: nn.Module, layout: ExpertLayout):
+    def __init__(self, engine, layer: int, module: nn.Module, layout: ExpertLayout):
         self.engine = engine
         self.layer = layer
         self.module = module
@@ -124,25 +120,25 @@ class OffloadedExpertsLayer:
         self._lora = active_expert_lora(outer, self.module) if outer is not None else None
         engine = self.engine
         engine.bind(hidden_states.device)  # before the plan's first reads, which depend on the runtime
-        if not engine.enter_call(self.layer, engine.inference_for(self.module), evaluating=not self.module.training):
+        if not engine.decoding.enter_call(self.layer, engine.decoding.inference_for(self.module), evaluating=not self.module.training):
             return
         for e, n in enumerate(counts):
             if n:
-                engine.decode_cache.touch((self.layer, e))
-        if engine.pregate is None:
+                engine.decoding.decode_cache.touch((self.layer, e))
+        if engine.decoding.pregate is None:
             return
-        engine.pregate.observe(self.layer, top_k_index, self.num_experts)
+        engine.decoding.pregate.observe(self.layer, top_k_index, self.num_experts)
         nxt = self.layer + 1
         if nxt < len(engine.layers):
-            ids = engine.pregate.guess(nxt, hidden_states, top_k_index.shape[-1])
+            ids = engine.decoding.pregate.guess(nxt, hidden_states, top_k_index.shape[-1])
             keys = [k for k in ((nxt, e) for e in ids) if k in engine.store]
-            if keys and engine.pregate.acting:
-                engine.prefetch(keys[: engine.decode_cache.budget], WEIGHTS, engine.map_files)
-                engine.upload_ahead(keys)
+            if keys and engine.decoding.pregate.acting:
+                engine.sources.prefetch(keys[: engine.decoding.decode_cache.budget], WEIGHTS, engine.map_files)
+                engine.decoding.upload_ahead(keys)
 
     def prefetch(self, counts: list[int]) -> None:
         """Called with the dispatch plan before the token permutation, so the first reads overlap it."""
-        self.engine.read_ahead(self.keys([e for e, n in enumerate(counts) if n]), WEIGHTS, self.engine.map_files)
+        self.engine.sources.read_ahead(self.keys([e for e, n in enumerate(counts) if n]), WEIGHTS, self.engine.map_files)
 
     @property
     def training(self) -> bool:
@@ -197,7 +193,7 @@ class OffloadedExpertsLayer:
         through the slab. The CPU: over the store's (E, P) weights where it keeps a layer's so (the host tier), else in
         a training call over the engine's staging block (the disk tier, `stage_experts` > 1)."""
         engine = self.engine
-        training = torch.is_grad_enabled() and not engine.inference
+        training = torch.is_grad_enabled() and not engine.decoding.inference
         source = engine.plan.grouped_source
         if source == "layer":
             weights = engine.store.grouped_weights(self.layer)
@@ -291,14 +287,14 @@ class OffloadedExpertsLayer:
         chunks = plan.chunks
         y = None  # in the experts' output dtype (autocast: bf16), like the resident experts' torch.cat
         phase = "inference" if rng_states is None else "forward"
-        if (phase == "inference" and engine.cost_model is not None and engine.inference and not plan.grouped
+        if (phase == "inference" and engine.decoding.cost_model is not None and engine.decoding.inference and not plan.grouped
                 and plan.lora is None):
-            on_host = [c[0] for c in chunks if engine.compute_on_host((self.layer, c[0][0]), c[0][2], x)]
+            on_host = [c[0] for c in chunks if engine.decoding.compute_on_host((self.layer, c[0][0]), c[0][2], x)]
             if on_host:
                 y = self._run_on_host(x, on_host)
                 chunks = [c for c in chunks if c[0] not in on_host]
         save_rng = rng_states is not None and graphs is None and not plan.grouped and dropout_active(self.module)
-        with contextlib.closing(engine.stream_chunks(self.layer, plan.source, chunks, phase)) as stream:
+        with contextlib.closing(engine.sources.stream_chunks(self.layer, plan.source, chunks, phase)) as stream:
             for chunk, rows, _ in stream:
                 lo, hi = span(chunk)
                 if save_rng:
@@ -320,7 +316,7 @@ class OffloadedExpertsLayer:
         params = shared[: len(shared) - len(factors)]
         g_params, g_lora = [None] * len(params), [None] * len(factors)
         order = list(reversed(range(len(plan.chunks))))
-        stream = engine.stream_chunks(self.layer, plan.source, [plan.chunks[c] for c in order], "backward")
+        stream = engine.sources.stream_chunks(self.layer, plan.source, [plan.chunks[c] for c in order], "backward")
         with contextlib.closing(stream):
             for c, (chunk, rows, records) in zip(order, stream):
                 try:
@@ -356,7 +352,7 @@ class OffloadedExpertsLayer:
 
     def _run_on_host(self, x: torch.Tensor, on_host: list[Segment]) -> torch.Tensor:
         """Inference on an asynchronous device: run these experts on the host, from the store's host weights,
-        instead of uploading them (Fiddler; `OffloadEngine.compute_on_host` chose them). -> the output buffer with
+        instead of uploading them (Fiddler; `DecodePath.compute_on_host` chose them). -> the output buffer with
         their rows filled, in the dtype the device experts produce."""
         engine = self.engine
         engine.runtime.record().synchronize()  # the host reads the inputs the compute stream produced
@@ -364,7 +360,7 @@ class OffloadedExpertsLayer:
         y = None
         for e, start, n in on_host:
             key = (self.layer, e)
-            engine.wait_for_update(key)
+            engine.ledger.wait_for_update(key)
             record = engine.store.acquire(key, WEIGHTS)
             try:
                 xs = x[start : start + n].to("cpu")

@@ -209,7 +209,7 @@ class GradArrival:
         return parts
 
 
-# `OffloadEngine.add_grad_hook`: (key, record, arrival) of experts whose gradients are final -> the keys taken over.
+# `UpdateLedger.add_grad_hook` (offload/ledger.py): (key, record, arrival) of experts whose gradients are final -> the keys taken over.
 GradHook = Callable[[list[tuple[ExpertKey, ExpertRecord, GradArrival]]], set]
 
 

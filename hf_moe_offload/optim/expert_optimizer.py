@@ -153,8 +153,8 @@ class ExpertOptimizer:
         self._step_called: dict[int, float] = {}
         # Removed by `close()`: a later optimizer on the same model (a second Trainer, `train()` again) must not find
         # this one's hooks still taking gradients.
-        self._hooks = [engine.add_grad_hook(self._on_grads, steps_now=lambda: self.eager and self.boundary_fn()),
-                       engine.add_layer_done_hook(self._on_layer_done)]
+        self._hooks = [engine.ledger.add_grad_hook(self._on_grads, steps_now=lambda: self.eager and self.boundary_fn()),
+                       engine.ledger.add_layer_done_hook(self._on_layer_done)]
 
     # --- workers ---
     @property
@@ -252,7 +252,7 @@ class ExpertOptimizer:
         gradient). A `record` passed in was acquired by the gradient hook that handed it over; None: acquire it
         here, once the engine's host worker has added the gradient."""
         if record is None:
-            self.engine.wait_for_grad(key)
+            self.engine.ledger.wait_for_grad(key)
             record = self.store.acquire(key, rows)
         held = _Held(record)
         try:
@@ -276,12 +276,12 @@ class ExpertOptimizer:
         """Submit `key`'s step (already marked stepped in this window) to the workers."""
         # The previous window's step of this expert may still run (an expert no forward used since): finish it
         # first, or both could step the same gradient.
-        self.engine.wait_for_update(key)
+        self.engine.ledger.wait_for_update(key)
         if self._window_lr is None:
             self._window_lr = self.current_lr()
         job = self._pool.submit(self._step_expert, key, record, arrival, self._window_lr, clip_coef, grad_scale,
                                 self._window)
-        self.engine.set_pending(key, job)
+        self.engine.ledger.set_pending(key, job)
 
     def _batch_size(self, ready: int, workers: int, held: bool = False) -> int:
         """Experts per job (one fused call): the ready experts split evenly over the `workers` (>= 1). A batch holds
@@ -308,7 +308,7 @@ class ExpertOptimizer:
         if not entries:
             return
         for key, _, _ in entries:
-            self.engine.wait_for_update(key)  # the previous window's step of an expert no forward used since
+            self.engine.ledger.wait_for_update(key)  # the previous window's step of an expert no forward used since
         if self._window_lr is None:
             self._window_lr = self.current_lr()
         if in_backward:  # the records handed over with their gradients: held already
@@ -317,7 +317,7 @@ class ExpertOptimizer:
         for batch in self._batches(entries, in_backward):
             job = self._pool.submit(self._step_experts, batch, self._window_lr, clip_coef, grad_scale, self._window)
             for key, _, _ in batch:
-                self.engine.set_pending(key, job)
+                self.engine.ledger.set_pending(key, job)
 
     def _queue_steps(self, entries: list[tuple[ExpertKey, ExpertRecord, GradArrival | None]], clip_coef: float | None,
                      grad_scale: float | None) -> None:
@@ -333,7 +333,7 @@ class ExpertOptimizer:
             for entry in entries:
                 done: Future = Future()
                 self._ready.append((entry, done, step))
-                self.engine.set_pending(entry[0], done)
+                self.engine.ledger.set_pending(entry[0], done)
             # Each job's share of what waits now (a job that took its share does not shrink the next one's).
             workers = max(1, self.workers)
             self._share = self._batch_size(len(self._ready), workers, held=True)
@@ -644,7 +644,6 @@ class ExpertOptimizer:
         if called is not None:
             self.step_seconds = sum(end - start for start, end in previous)
             self.overlapped_seconds = sum(max(0.0, min(end, called) - start) for start, end in previous)
-        self.engine.update_pins()
         if self.engine.coordinator is not None:
             # Shared store: every process's updates must be complete and visible before any process uses an expert
             # again (the next forward may place expert e on another rank) or saves a checkpoint.

@@ -289,8 +289,8 @@ def run_mode(spec: str) -> dict:
                                    for q in range(world)]
         result["pins_match_last_placement"] = all(coordinator.placements[layer].rank_of[e] == r
                                                   for layer, pins in coordinator.pins.items() for e, r in pins.items())
-        result["engine_keeps_own_pins"] = sorted(engine.pinned) == sorted(coordinator.pinned_keys()) and all(
-            coordinator.pins[layer][e] == rank for layer, e in engine.pinned)
+        result["engine_keeps_own_pins"] = sorted(engine.pins.pinned) == sorted(coordinator.pinned_keys()) and all(
+            coordinator.pins[layer][e] == rank for layer, e in engine.pins.pinned)
     if executor is not None:
         result["pipelining_choices"] = sorted(choices)
         everyone = [None] * world
