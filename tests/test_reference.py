@@ -58,7 +58,8 @@ def test_defaults_and_help_are_the_parsers():
     """Spot checks of the rendering against the parser's own values: a `%%`-escaped help, a switch, a suppressed
     default, a required option, an OffloadConfig default."""
     page = render()
-    assert "| `--warmup-steps WARMUP_STEPS` | none | default: 10% of --steps |" in page
+    assert "| `--warmup-steps WARMUP_STEPS` | none | Number of steps for a linear warmup from 0 to `learning_rate`. " \
+           "Default: 10% of --steps. |" in page
     assert "| `--offload {auto,device,host,disk}` | `disk` |" in page
     assert "| `--layout {per-expert,fused}` | required |" in page
     train = page[page.index("### `hf-moe-offload train`"):page.index("### `hf-moe-offload estimate`")]

@@ -25,20 +25,29 @@ class OffloadConfig:
     """
 
     # --- tier ---
-    mode: str = field(default="auto", metadata={"help": "auto | device | host | disk (ES-MoE §4.3 adaptive offload)"})
+    mode: str = field(default="auto", metadata={
+        "help": "where the experts' state lives (their weights; trained experts also their gradients and Adam "
+                "moments): device, host or disk; auto picks from the memory budgets (ES-MoE §4.3 adaptive offload)",
+        "flag": "--offload", "choices": ("auto",) + TIERS})
     offload_dir: str | None = field(default=None, metadata={"help": "directory of expert files (disk tier)"})
-    host_cache_bytes: int | None = field(default=None, metadata={"help": "disk tier: host cache bound in bytes"})
-    host_cache_experts: int | None = field(default=None, metadata={"help": "disk tier: host cache bound in experts"})
+    host_cache_bytes: int | None = field(default=None, metadata={
+        "help": "disk tier: host cache bound in bytes", "flag": "--host-cache-mb", "unit": "MiB",
+        "exclusive": "host cache"})
+    host_cache_experts: int | None = field(default=None, metadata={
+        "help": "disk tier: host cache bound in experts. None (default, with no host_cache_bytes): a quarter of the "
+                "experts, at least prefetch_depth + 2", "exclusive": "host cache"})
     # --- budgets for mode="auto" (detected when None) ---
     device_budget_bytes: int | None = field(default=None, metadata={
         "help": "device memory in bytes that mode='auto' plans with and, on a GPU, that the slab's two chunks and the "
                 "pinned experts' state may take together. None (default): detected (mode='auto': the device memory "
                 "free, the host's available memory on a CPU-only machine; the slab and the pins: a quarter of the "
-                "memory free when the first forward binds the device)"})
+                "memory free when the first forward binds the device)",
+        "flag": "--device-budget-mb", "unit": "MiB"})
     host_budget_bytes: int | None = field(default=None, metadata={
         "help": "host memory in bytes that mode='auto' plans with (the host tier where the expert state fits in 90% "
                 "of it, else the disk tier). None (default): the memory available, shared by the processes of the job "
-                "on this machine"})
+                "on this machine",
+        "flag": "--host-budget-mb", "unit": "MiB"})
     # --- streaming ---
     prefetch_depth: int = field(default=2, metadata={"help": "experts uploaded/read ahead of the one computing"})
     io_threads: int = field(default=2, metadata={"help": "background threads for disk reads and write-backs"})
@@ -47,16 +56,19 @@ class OffloadConfig:
                 "state, stepped there, within the device budget the slab leaves)"})
     compute_dtype: torch.dtype | None = field(default=None, metadata={
         "help": "dtype of the streamed copies. None (default): the model's dtype, except on a GPU under autocast at the "
-                "first forward, where the autocast dtype (the values autocast would cast to; half the bytes)"})
+                "first forward, where the autocast dtype (the values autocast would cast to; half the bytes)",
+        "no_flag": "--precision sets it (bf16: the streamed copies are bf16)"})
     train_experts: bool = field(default=True, metadata={
         "help": "False: the experts are frozen (e.g. LoRA on the other parts): the store keeps their weights only, "
                 "no gradient and no Adam moments (a quarter of the memory), and backward computes no expert "
-                "weight gradient"})
+                "weight gradient",
+        "no_flag": "--method sets it (lora freezes the experts)"})
     expert_storage: str = field(default="auto", metadata={
         "help": "how the store keeps frozen experts (train_experts=False): auto / bf16 (the model's own dtype), int8 "
                 "(LLM.int8 row-wise) or nf4 (4-bit NormalFloat, blocks of 64), quantized by bitsandbytes when the "
                 "store is filled and dequantized per chunk where the experts compute (offload/quantized.py); the "
-                "quantized formats need an offloaded tier (host or disk)"})
+                "quantized formats need an offloaded tier (host or disk)",
+        "choices": EXPERT_STORAGES, "group": "method"})
     keep_activations: bool | None = field(default=None, metadata={
         "help": "keep each expert's middle activation for backward instead of recomputing it; the "
                 "weights are not kept but taken from the backward's stream. None (default): keep where the experts "
@@ -83,7 +95,9 @@ class OffloadConfig:
     inference: bool | None = field(default=None, metadata={
         "help": "None (default): a call runs in inference mode under torch.no_grad() or model.eval() (the disk "
                 "tier's cache scores experts by decayed use frequency with a per-layer budget; pre-gating reads the "
-                "next layer's likely experts early); True/False force it"})
+                "next layer's likely experts early); True/False force it",
+        "no_flag": "a job's Trainer sets it: training steps run in training mode, its evaluations under "
+                   "model.eval() and torch.no_grad()"})
     pregate: bool | None = field(default=None, metadata={
         "help": "inference: guess layer l+1's experts while layer l runs (its router on layer l's input, plus "
                 "co-activation counts) and start reading them (disk tier) and, on a GPU, uploading them into the device "
@@ -100,17 +114,20 @@ class OffloadConfig:
     device_cache_bytes: int | None = field(default=None, metadata={
         "help": "inference on a GPU: device memory for a cache of the experts decoding uses most (offload/"
                 "device_cache.py), allocated when decoding starts and freed when training resumes. None (default): "
-                "half the device memory free then (the other half left to the KV cache and activations); 0: none"})
+                "half the device memory free then (the other half left to the KV cache and activations); 0: none",
+        "flag": "--device-cache-mb", "unit": "MiB"})
     mmap_weights: bool | None = field(default=None, metadata={
         "help": "disk tier on the CPU: a forward (inference, or training: only its backward needs the expert's "
                 "record) computes an expert that is not in the cache straight from its memory-mapped file instead of "
                 "copying it into the cache (the page cache is the host's cache; its checksum is still matched on "
-                "first use). None (default): on where it applies; False: read through the cache, as on a GPU"})
+                "first use). None (default): on where it applies; False: read through the cache, as on a GPU",
+        "flag": "--mmap"})
     device: str | torch.device | None = field(default=None, metadata={
         "help": "where the model computes: mode='auto' plans with this device's memory, load_offloaded_pretrained "
                 "moves the model there, and the first forward's inputs must be on it. None (default): the budgets "
                 "are the current GPU's where there is one, else the CPU's, and the experts compute wherever the "
-                "first forward's inputs are"})
+                "first forward's inputs are",
+        "no_flag": "a job computes where its launcher puts each process (the Trainer's device)"})
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto",) + TIERS:
