@@ -24,7 +24,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 CHILD = r"""
-import sys, tempfile, time, torch
+import statistics, sys, tempfile, time, torch
 sys.path.insert(0, sys.argv[1])
 import hf_moe_offload
 from hf_moe_offload import (ExpertAwareOptimizer, ExpertOptimizer, MoEGPTConfig, MoEGPTForCausalLM, OffloadConfig,
@@ -57,8 +57,10 @@ print(statistics.median(times[1:]))
 
 
 def run(tree: str, tier: str, steps: int) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, os.path.abspath(tree), tier, str(steps)], check=True,
+    out = subprocess.run([sys.executable, "-c", CHILD, os.path.abspath(tree), tier, str(steps)],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.path.abspath(tree)})
+    if out.returncode:
+        raise RuntimeError(f"{tree} ({tier}) failed:\n{out.stderr[-2000:]}")
     return float(out.stdout.strip().splitlines()[-1])
 
 
