@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 
+from .plan import Phase, Source
 from .store import WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord
 from .streamed import Segment
 
@@ -22,11 +23,11 @@ class ChunkSources:
     def __init__(self, engine):
         self.engine = engine  # the OffloadEngine whose store, stager, slab and pins the chunks come through
         self.peak_in_flight = 0  # the most experts one `stream` had in flight at once (tests, benchmarks)
-        self._by_name = {"slab": self._slab_chunks, "layer": self._layer_chunk,
-                         "staged": lambda layer, chunks, phase: self._expert_chunks(layer, chunks, phase, True),
-                         "expert": lambda layer, chunks, phase: self._expert_chunks(layer, chunks, phase, False)}
+        self._by_name = {Source.SLAB: self._slab_chunks, Source.LAYER: self._layer_chunk,
+                         Source.STAGED: lambda layer, chunks, phase: self._expert_chunks(layer, chunks, phase, True),
+                         Source.EXPERT: lambda layer, chunks, phase: self._expert_chunks(layer, chunks, phase, False)}
 
-    def stream(self, layer: int, expert_ids: list[int], keep: bool = False, phase: str = "inference") -> Iterator:
+    def stream(self, layer: int, expert_ids: list[int], keep: bool = False, phase: Phase = Phase.INFERENCE) -> Iterator:
         """Yields each expert's compute weights in order, `depth` experts ahead; with keep=True also the record,
         which the caller must hand back (`chunk_grads_arrived`, `release_record`: backward). `phase` ("forward" of
         training, "backward", "inference") tells the store what comes next (`_schedule`)."""
@@ -38,9 +39,9 @@ class ChunkSources:
         mapping = engine.map_files and not keep
         if engine.store.wants_schedule and not engine.decoding.inference:  # decoding: the decode cache's scores instead
             engine.store.set_schedule(self._schedule(layer, keys, phase))
-        cache = engine.decoding.device_cache if phase == "inference" else None
+        cache = engine.decoding.device_cache if phase == Phase.INFERENCE else None
         self.read_ahead(keys, rows, mapping)
-        if phase == "forward" and mapping:
+        if phase == Phase.FORWARD and mapping:
             engine.store.write_behind()  # the I/O threads have nothing else to do until the backward
         inflight: deque = deque()
         held = [0]  # entries of `inflight` holding a store record
@@ -48,7 +49,7 @@ class ChunkSources:
         t_start = time.perf_counter()
         stager = engine.stager
         pins = engine.device_pins
-        if pins is not None and phase == "forward":
+        if pins is not None and phase == Phase.FORWARD:
             engine.pins.admit(keys)
         stager.timer.settle()
 
@@ -113,7 +114,7 @@ class ChunkSources:
                     engine.release_after(key, ready)
             engine.stats.compute_seconds += time.perf_counter() - t_start
 
-    def stream_chunks(self, layer: int, source: str, chunks: list[list[Segment]], phase: str) -> Iterator:
+    def stream_chunks(self, layer: int, source: Source, chunks: list[list[Segment]], phase: Phase) -> Iterator:
         """The weights of each chunk of `layer`'s segments where the experts compute, in the given order (a backward
         passes them reversed): yields (chunk, rows, records). `source` (streamed.ChunkPlan): "slab" (a device block,
         `_slab_chunks`), "layer" (the host tier's (E, P) block, `_layer_chunk`), "staged" (one by one through `stream`,
@@ -124,7 +125,7 @@ class ChunkSources:
         "forward" or "inference" `records` is None and the stream hands them back itself."""
         return self._by_name[source](layer, chunks, phase)
 
-    def _layer_chunk(self, layer: int, chunks: list[list[Segment]], phase: str) -> Iterator:
+    def _layer_chunk(self, layer: int, chunks: list[list[Segment]], phase: Phase) -> Iterator:
         """The host tier computing on the host: every expert of the layer at once, from the store's (E, P) block,
         once their pending updates are in."""
         engine = self.engine
@@ -134,7 +135,7 @@ class ChunkSources:
             engine.ledger.wait_for_update((layer, e))
         engine.stats.stall_seconds += time.perf_counter() - t0
         records = None
-        if phase == "backward":
+        if phase == Phase.BACKWARD:
             rows = self.backward_rows(layer)
             records = [engine.store.acquire((layer, e), rows) if n else None for e, _, n in chunk]
         weights = engine.store.grouped_weights(layer, used=0 if records is not None else sum(1 for s in chunk if s[2]))
@@ -144,12 +145,12 @@ class ChunkSources:
         finally:
             engine.stats.compute_seconds += time.perf_counter() - t_start
 
-    def _expert_chunks(self, layer: int, chunks: list[list[Segment]], phase: str, staged: bool) -> Iterator:
+    def _expert_chunks(self, layer: int, chunks: list[list[Segment]], phase: Phase, staged: bool) -> Iterator:
         """Chunks of the per-expert `stream`: each expert's weights as they come (k = 1), or, `staged` (the disk tier
         computing on the host), a chunk's weights copied into the staging block as the stream yields them (its records
         go back to the cache as soon as they are copied in a forward)."""
         engine = self.engine
-        keep = phase == "backward"
+        keep = phase == Phase.BACKWARD
         order = [e for chunk in chunks for e, _, _ in (reversed(chunk) if keep else chunk)]
         stream = self.stream(layer, order, keep=keep, phase=phase)
         held: list[tuple[ExpertKey, ExpertRecord]] = []  # handed over by the stream for the chunk being staged
@@ -174,14 +175,14 @@ class ChunkSources:
                 engine.release_record(key, record)
             stream.close()
 
-    def _slab_chunks(self, layer: int, chunks: list[list[Segment]], phase: str) -> Iterator:
+    def _slab_chunks(self, layer: int, chunks: list[list[Segment]], phase: Phase) -> Iterator:
         """The slab's pipeline (offload/slab.py): each chunk's rows in a device block, the next chunk's upload
         enqueued before this one is yielded (double buffering); a backward's chunk a block still holds from the
         forward is not uploaded again."""
         engine = self.engine
-        keep = phase == "backward"
+        keep = phase == Phase.BACKWARD
         slab, store, pins = engine.slab, engine.store, engine.device_pins
-        if pins is not None and phase == "forward":
+        if pins is not None and phase == Phase.FORWARD:
             engine.pins.admit([(layer, e) for chunk in chunks for e, _, _ in chunk])
         keys_all = [(layer, e) for chunk in chunks for e, _, _ in chunk if not engine.on_device((layer, e))]
         rows_wanted = self.backward_rows(layer) if keep else WEIGHTS
@@ -300,7 +301,7 @@ class ChunkSources:
             return None
         return WEIGHTS_AND_GRAD
 
-    def _schedule(self, layer: int, current: list[ExpertKey], phase: str) -> list[ExpertKey]:
+    def _schedule(self, layer: int, current: list[ExpertKey], phase: Phase) -> list[ExpertKey]:
         """The acquisitions to come (ES-MoE's known order), for the disk tier's eviction: this call's experts, the
         rest of this pass, the backward in reverse (training), and the next step's passes up to this layer again.
         The experts of the other layers are predicted from their last routing."""
@@ -309,10 +310,10 @@ class ChunkSources:
             return [(l, e) for e, n in enumerate(engine.layers[l].last_counts) if n]
 
         n = len(engine.layers)
-        if phase == "forward":
+        if phase == Phase.FORWARD:
             passes = [fwd(l) for l in range(layer + 1, n)] + [fwd(l)[::-1] for l in reversed(range(n))]
             passes += [fwd(l) for l in range(layer + 1)]
-        elif phase == "backward":
+        elif phase == Phase.BACKWARD:
             passes = [fwd(l)[::-1] for l in reversed(range(layer))] + [fwd(l) for l in range(n)]
             passes += [fwd(l)[::-1] for l in reversed(range(layer, n))]
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
@@ -26,6 +27,23 @@ from .slab import default_chunk, slab_nbytes
 # written), so by default a cache of less than half the experts streams them one at a time (benchmarks/RESULTS.md,
 # "staged chunks on the disk tier").
 STAGE_MAX = 8
+
+class Source(str, Enum):
+    """Where a chunk's weights come from (offload/chunk_sources.py; `ChunkPlan.source`)."""
+
+    SLAB = "slab"  # a device's two blocks of k experts (offload/slab.py)
+    LAYER = "layer"  # the host tier's (E, P) block: a whole layer's experts
+    STAGED = "staged"  # one by one, copied into the host staging block (the disk tier on the CPU)
+    EXPERT = "expert"  # one by one, k = 1
+
+
+class Phase(str, Enum):
+    """What a stream of chunks serves, and so what comes next for the store's schedule."""
+
+    FORWARD = "forward"  # a training forward (its backward follows)
+    BACKWARD = "backward"
+    INFERENCE = "inference"
+
 
 # Gradient paths (`OffloadPlan.gradients`).
 GRADS_IN_PLACE = "in-place"  # the host computes: autograd's rows land in the records on the thread that has them
@@ -80,7 +98,7 @@ class OffloadPlan:
 
     device: str  # the runtime's name
     compute_dtype: torch.dtype  # the store's compute copies (switched at bind under autocast: `_compute_dtype`)
-    grouped_source: str | None
+    grouped_source: Source | None
     stage_experts: int  # the disk tier on the host: experts per staged chunk
     slab_experts: int  # a device: experts per slab chunk (0: no slab)
     device_pins: int  # a device: pinned experts whose whole training state stays there (0: none)
@@ -174,20 +192,20 @@ def resolve_plan(config: OffloadConfig, machine: Machine, store: StoreFacts, lay
     stage, slab = 1, 0
     if not on_host:
         slab = _slab_chunk(config, machine, store, layer_experts, dtype, depth)
-        source = "slab" if slab else None
+        source = Source.SLAB if slab else None
     elif cache is None and store.quantized:
         # The host tier's quantized rows are no (E, P) weights to compute from: a chunk's experts are dequantized
         # into the staging block (memory: the block, not the layer)
-        stage, source = config.stage_experts or STAGE_MAX, "staged"
+        stage, source = config.stage_experts or STAGE_MAX, Source.STAGED
     elif cache is None:
         if config.stage_experts not in (None, 1):
             raise ValueError(
                 f"OffloadConfig.stage_experts={config.stage_experts} applies to the disk tier computing on the CPU "
                 f"(here: {store.tier} tier on {where}); leave it unset")
-        source = "layer"
+        source = Source.LAYER
     else:
         stage = stage_chunk(cache, depth, store.experts, config.stage_experts)
-        source = "staged" if stage > 1 else None
+        source = Source.STAGED if stage > 1 else None
     limit = pin_room(cache, depth, stage, slab)
     pins = 0
     if slab and store.trainable and not shared_store:  # (ranks sharing a store pin device copies of weights only)

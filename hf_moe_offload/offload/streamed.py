@@ -24,6 +24,7 @@ from ..precision import autocast_state, compute_dtype, restore_autocast
 from ..rng import get_rng, rng_devices, set_rng
 from ..layouts import ExpertLayout
 from .expert_lora import ChunkLora, ExpertLora, active_expert_lora
+from .plan import Phase, Source
 from .store import WEIGHTS, ExpertKey
 
 Segment = tuple[int, int, int]  # (expert, first row, rows) in the call's expert-sorted input
@@ -32,19 +33,19 @@ Segment = tuple[int, int, int]  # (expert, first row, rows) in the call's expert
 @dataclass(frozen=True)
 class ChunkPlan:
     """How one call runs its experts: `chunks` of segments, each chunk computed at once, its weights from `source`
-    (`ChunkSources.stream_chunks`, offload/chunk_sources.py): "slab" (a device block of k experts), "layer" (the host tier's (E, P)
-    block: one chunk of every expert, those without rows included), "staged" (streamed one by one and copied into the
-    host staging block, k = `stage_experts`): one grouped GEMM per matmul over the chunk's (k, P) rows; "expert"
-    (streamed one by one, k = 1): the layout's expert function over the expert's (P,) weights. `lora`: the peft
+    (offload/chunk_sources.py): SLAB (a device block of k experts), LAYER (the host tier's (E, P) block: one chunk of
+    every expert, those without rows included), STAGED (streamed one by one and copied into the host staging block,
+    k = `stage_experts`): one grouped GEMM per matmul over the chunk's (k, P) rows; EXPERT (streamed one by one,
+    k = 1): the layout's expert function over the expert's (P,) weights. `lora`: the peft
     adapters on the experts' tensors this call applies (offload/expert_lora.py)."""
 
-    source: str
+    source: Source
     chunks: list[list[Segment]]
     lora: ExpertLora | None = None
 
     @property
     def grouped(self) -> bool:
-        return self.source != "expert"
+        return self.source != Source.EXPERT
 
 
 def segments(counts, ids, keep_empty: bool = False) -> list[Segment]:
@@ -120,25 +121,28 @@ class OffloadedExpertsLayer:
         self._lora = active_expert_lora(outer, self.module) if outer is not None else None
         engine = self.engine
         engine.bind(hidden_states.device)  # before the plan's first reads, which depend on the runtime
-        if not engine.decoding.enter_call(self.layer, engine.decoding.inference_for(self.module), evaluating=not self.module.training):
+        decoding = engine.decoding
+        evaluating = not self.module.training
+        if not decoding.enter_call(self.layer, decoding.inference_for(self.module), evaluating=evaluating):
             return
         for e, n in enumerate(counts):
             if n:
-                engine.decoding.decode_cache.touch((self.layer, e))
-        if engine.decoding.pregate is None:
+                decoding.decode_cache.touch((self.layer, e))
+        if decoding.pregate is None:
             return
-        engine.decoding.pregate.observe(self.layer, top_k_index, self.num_experts)
+        decoding.pregate.observe(self.layer, top_k_index, self.num_experts)
         nxt = self.layer + 1
         if nxt < len(engine.layers):
-            ids = engine.decoding.pregate.guess(nxt, hidden_states, top_k_index.shape[-1])
+            ids = decoding.pregate.guess(nxt, hidden_states, top_k_index.shape[-1])
             keys = [k for k in ((nxt, e) for e in ids) if k in engine.store]
-            if keys and engine.decoding.pregate.acting:
-                engine.sources.prefetch(keys[: engine.decoding.decode_cache.budget], WEIGHTS, engine.map_files)
-                engine.decoding.upload_ahead(keys)
+            if keys and decoding.pregate.acting:
+                engine.sources.prefetch(keys[: decoding.decode_cache.budget], WEIGHTS, engine.map_files)
+                decoding.upload_ahead(keys)
 
     def prefetch(self, counts: list[int]) -> None:
         """Called with the dispatch plan before the token permutation, so the first reads overlap it."""
-        self.engine.sources.read_ahead(self.keys([e for e, n in enumerate(counts) if n]), WEIGHTS, self.engine.map_files)
+        engine = self.engine
+        engine.sources.read_ahead(self.keys([e for e, n in enumerate(counts) if n]), WEIGHTS, engine.map_files)
 
     @property
     def training(self) -> bool:
@@ -178,12 +182,12 @@ class OffloadedExpertsLayer:
         block on the CPU (k = `stage_experts`); else one expert per chunk."""
         full = self.grouped_counts(x, counts, ids)
         if full is None:
-            return ChunkPlan("expert", [[s] for s in segments(counts, ids)])
+            return ChunkPlan(Source.EXPERT, [[s] for s in segments(counts, ids)])
         engine = self.engine
         source = engine.plan.grouped_source
-        if source == "layer":
-            return ChunkPlan("layer", [segments(full, range(len(full)), keep_empty=True)])
-        k = engine.slab.experts if source == "slab" else engine.stage_experts
+        if source == Source.LAYER:
+            return ChunkPlan(Source.LAYER, [segments(full, range(len(full)), keep_empty=True)])
+        k = engine.slab.experts if source == Source.SLAB else engine.stage_experts
         routed = segments(full, range(len(full)))
         return ChunkPlan(source, [routed[i : i + k] for i in range(0, len(routed), k)])
 
@@ -195,14 +199,14 @@ class OffloadedExpertsLayer:
         engine = self.engine
         training = torch.is_grad_enabled() and not engine.decoding.inference
         source = engine.plan.grouped_source
-        if source == "layer":
+        if source == Source.LAYER:
             weights = engine.store.grouped_weights(self.layer)
             if weights is None or weights.shape[0] != self.num_experts:
                 return None
         elif source is None or not training:
             return None
         else:
-            weights = engine.slab.blocks[0] if source == "slab" else engine.staging_block()
+            weights = engine.slab.blocks[0] if source == Source.SLAB else engine.staging_block()
         if weights.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             return None
         views = self.layout.grouped_views(weights)
@@ -286,10 +290,11 @@ class OffloadedExpertsLayer:
         engine = self.engine
         chunks = plan.chunks
         y = None  # in the experts' output dtype (autocast: bf16), like the resident experts' torch.cat
-        phase = "inference" if rng_states is None else "forward"
-        if (phase == "inference" and engine.decoding.cost_model is not None and engine.decoding.inference and not plan.grouped
+        phase = Phase.INFERENCE if rng_states is None else Phase.FORWARD
+        decoding = engine.decoding
+        if (phase == Phase.INFERENCE and decoding.cost_model is not None and decoding.inference and not plan.grouped
                 and plan.lora is None):
-            on_host = [c[0] for c in chunks if engine.decoding.compute_on_host((self.layer, c[0][0]), c[0][2], x)]
+            on_host = [c[0] for c in chunks if decoding.compute_on_host((self.layer, c[0][0]), c[0][2], x)]
             if on_host:
                 y = self._run_on_host(x, on_host)
                 chunks = [c for c in chunks if c[0] not in on_host]
@@ -316,7 +321,8 @@ class OffloadedExpertsLayer:
         params = shared[: len(shared) - len(factors)]
         g_params, g_lora = [None] * len(params), [None] * len(factors)
         order = list(reversed(range(len(plan.chunks))))
-        stream = engine.sources.stream_chunks(self.layer, plan.source, [plan.chunks[c] for c in order], "backward")
+        stream = engine.sources.stream_chunks(self.layer, plan.source, [plan.chunks[c] for c in order],
+                                              Phase.BACKWARD)
         with contextlib.closing(stream):
             for c, (chunk, rows, records) in zip(order, stream):
                 try:
