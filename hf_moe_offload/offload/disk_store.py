@@ -18,6 +18,7 @@ import torch
 
 from ..errors import ExpertStoreError
 from ..runtime import HOST
+from .disk_overlap import CACHED, LOADING, WRITING, DiskOverlap
 from .eviction import EvictionPolicy
 from .expert_files import DirectoryLock, ExpertFiles
 from .quantized import ExpertQuantization
@@ -56,9 +57,7 @@ class _Entry:
         return bool(self.dirty_rows)
 
 
-LOADING, CACHED, WRITING = "loading", "cached", "writing"
-
-class DiskExpertStore(ExpertStore):
+class DiskExpertStore(DiskOverlap, ExpertStore):
     """Expert files in `offload_dir` behind a host cache of `cache_experts` records.
 
     Reads go to preallocated (pinned) cache slots with explicit `readinto`, ahead of use via `prefetch` (on the I/O
@@ -151,43 +150,6 @@ class DiskExpertStore(ExpertStore):
 
     def _live(self, key: ExpertKey) -> bool:
         return self._grad_live[key] or not self.row_io
-
-    # --- memory-mapped weights (inference on the CPU) ---
-    @property
-    def mappable(self) -> bool:
-        """Whether `map_weights` can serve computations: row I/O (a private store: which files change is known) and
-        rows already in the compute dtype (no conversion copy to make)."""
-        return self.row_io and self.row_dtype == self.compute_dtype
-
-    def map_weights(self, key: ExpertKey) -> torch.Tensor | None:
-        """A forward on the CPU (inference, or a training forward: only backward needs the record): `key`'s weights as
-        a view of its memory-mapped file (`ExpertFiles.map_weights`), without copying them into the cache, or None
-        when the expert has an entry (the cache is current for it: acquire it). A use in the schedule's order, like an
-        acquire. Safe: only an entry's write-back writes a file, and an expert without an entry has none in flight
-        (see `_Entry`); its update in flight must be waited for first (the engine's `wait_for_update`), and nothing
-        updates it between a forward and its backward."""
-        with self._lock:
-            if key in self._entries:
-                return None
-            self.eviction.advance(key)
-            return self.files.map_weights(key)
-
-    unmap_weights = staticmethod(ExpertFiles.unmap_weights)
-
-    def advise(self, keys: Iterable[ExpertKey]) -> None:
-        """The read-ahead of mapped weights (`ExpertFiles.advise`) for `keys` without a cache entry. Like `prefetch`,
-        a no-op for an expert already read ahead for this token and not used yet (the engine's lookahead windows
-        overlap: each costs an open, an fadvise and a close)."""
-        decode = self.eviction.decode
-        with self._lock:
-            wanted = []
-            for key in keys:
-                if key in self._entries or (decode is not None and decode.expecting(key)):
-                    continue
-                if decode is not None:
-                    decode.expect(key)
-                wanted.append(key)
-        self.files.advise(wanted)
 
     # --- file I/O (called without the lock, by the thread that owns the expert's LOADING/WRITING state) ---
     def _write_file(self, key: ExpertKey, buffer: torch.Tensor, rows: list[int]) -> None:
@@ -334,22 +296,6 @@ class DiskExpertStore(ExpertStore):
                     self._add_rows(key, entry, rows - entry.valid)
             except Exception as err:  # the acquire that needs it reads again and raises in the caller
                 logger.debug("prefetch of expert %s failed: %s", key, err)
-
-    def _behind(self, key: ExpertKey, entry: _Entry) -> bool:
-        """Lock held: whether `write_behind` writes `entry` back now: dirty, idle, not pinned, and not needed again
-        within the next `cache_experts` acquisitions of the schedule (a cache of that many slots evicts it first)."""
-        return (entry.state is CACHED and entry.refs == 0 and entry.dirty and key not in self._pinned
-                and self.eviction.not_needed_within(key, self.cache_experts))
-
-    def _write_behind(self, keys: list[ExpertKey]) -> None:
-        with self._lock:
-            try:
-                for key in keys:
-                    entry = self._entries.get(key)
-                    if entry is not None and self._behind(key, entry):
-                        self._write_back(key, entry)
-            except Exception as err:  # still dirty: the eviction writes it again and raises in the caller
-                logger.debug("write-behind of expert %s failed: %s", key, err)
 
     def _write_back_idle(self, keys: Iterable[ExpertKey] | None, wait_in_use: bool) -> None:
         """Write back every dirty record among `keys` (all when None). In-use records are waited for
@@ -508,18 +454,6 @@ class DiskExpertStore(ExpertStore):
                     self._pool.submit(self._background_load, key, entry, want)
                 elif entry.state is CACHED and want - entry.valid:
                     self._pool.submit(self._background_load, key, entry, want)
-
-    def write_behind(self):
-        # A training forward computes from mapped files and leaves the I/O threads idle, while each eviction in the
-        # backward that follows would first write its victim back on the thread that needs the slot (often the one
-        # computing). Records stepped at the end of the last backward are written now instead. Only under the
-        # training schedule: a record cleaned and dirtied again before its eviction would be written twice.
-        with self._lock:
-            if not self.eviction.training:
-                return
-            keys = [key for key, entry in self._entries.items() if self._behind(key, entry)]
-        if keys:
-            self._pool.submit(self._write_behind, keys)
 
     def set_pinned(self, keys):
         # The engine leaves room for the records in flight (OffloadEngine.pin_limit); should every slot be pinned,
