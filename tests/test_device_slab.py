@@ -531,7 +531,7 @@ def test_timing_a_step_with_the_step_barrier_leaves_the_device_pins_in_place(tie
         assert all(m > 0 for m in with_synchronize), with_synchronize
         if autocast:  # the streamed copies were the autocast dtype's
             assert engine.store.compute_dtype == torch.bfloat16
-    from hf_moe_offload.offload.engine import ResidentEngine
+    from hf_moe_offload.offload.resident import ResidentEngine
     from hf_moe_offload.offload.telemetry import OffloadStats
 
     ResidentEngine(OffloadStats()).step_barrier()

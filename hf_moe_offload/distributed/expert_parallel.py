@@ -85,7 +85,7 @@ def _require_distributed() -> None:
 class ExpertParallelCoordinator:
     """Per-process state of expert parallelism: placements, update ownership, pins, fences (see module docstring).
 
-    Also the `UpdateCoordinator` of the offload engine (hf_moe_offload.offload.engine) in the offloaded tiers.
+    Also the `UpdateCoordinator` of the offload engine (hf_moe_offload.offload.ledger) in the offloaded tiers.
     """
 
     def __init__(self, mode: str, group, num_experts: Sequence[int], engine: OffloadEngine | None,

@@ -21,7 +21,8 @@ from torch import nn
 
 from ..moe_path import MoELayer, attached_path, experts_layers, find_experts_modules, holding_path, moe_path
 from .config import OffloadConfig
-from .engine import OffloadEngine, ResidentEngine
+from .engine import OffloadEngine
+from .resident import ResidentEngine
 from .inference import PreGate, Router, find_router
 from .stand_ins import stand_in_parameter
 from .quantized import store_quantization

@@ -14,6 +14,8 @@ import time
 from collections import deque
 from collections.abc import Iterator
 
+import torch
+
 from .plan import Phase, Source
 from .store import WEIGHTS, WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord
 from .streamed import Segment
@@ -23,9 +25,19 @@ class ChunkSources:
     def __init__(self, engine):
         self.engine = engine  # the OffloadEngine whose store, stager, slab and pins the chunks come through
         self.peak_in_flight = 0  # the most experts one `stream` had in flight at once (tests, benchmarks)
+        self._staging: torch.Tensor | None = None
         self._by_name = {Source.SLAB: self._slab_chunks, Source.LAYER: self._layer_chunk,
                          Source.STAGED: lambda layer, chunks, phase: self._expert_chunks(layer, chunks, phase, True),
                          Source.EXPERT: lambda layer, chunks, phase: self._expert_chunks(layer, chunks, phase, False)}
+
+    def staging_block(self) -> torch.Tensor:
+        """(stage_experts, P) in the store's compute dtype, each row 64-byte aligned: the weights of a staged chunk."""
+        if self._staging is None:
+            numel, dtype = self.engine.store.numel, self.engine.store.compute_dtype
+            stride = -(-numel * dtype.itemsize // 64) * 64 // dtype.itemsize
+            self._staging = torch.empty(self.engine.stage_experts * stride, dtype=dtype).as_strided(
+                (self.engine.stage_experts, numel), (stride, 1))
+        return self._staging
 
     def stream(self, layer: int, expert_ids: list[int], keep: bool = False, phase: Phase = Phase.INFERENCE) -> Iterator:
         """Yields each expert's compute weights in order, `depth` experts ahead; with keep=True also the record,
@@ -160,7 +172,7 @@ class ChunkSources:
                     item = next(stream)
                     yield (chunk, item[0], [item[1]]) if keep else (chunk, item, None)
                     continue
-                block = engine.staging_block()
+                block = self.staging_block()
                 records: list[ExpertRecord | None] = [None] * len(chunk)
                 for i in (reversed(range(len(chunk))) if keep else range(len(chunk))):
                     item = next(stream)

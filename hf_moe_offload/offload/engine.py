@@ -22,45 +22,28 @@ import logging
 from collections import deque
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
 
 import torch
 from torch import nn
 
+from ..layouts import ExpertLayout
 from ..runtime import DeviceRuntime, Event, runtime_for
+from .chunk_sources import ChunkSources
 from .config import OffloadConfig
+from .decoding import DecodePath
 from .device_pins import DevicePins
+from .gradients import DeviceGradients, HostGradients
 from .inference import PreGate
+from .ledger import UpdateCoordinator, UpdateLedger
 from .pinning import PinManager
 from .plan import GRADS_DOWNLOADED, Machine, OffloadPlan, StoreFacts, clamp_depth, pin_room, resolve_plan
-from ..layouts import ExpertLayout
 from .slab import DeviceSlab
 from .store import WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore
 from .streamed import OffloadedExpertsLayer, Segment
 from .telemetry import OffloadStats
-from .gradients import DeviceGradients, HostGradients
-from .chunk_sources import ChunkSources
-from .decoding import DecodePath
-from .ledger import UpdateLedger
 from .transfers import DeviceStager, GradArrival, GradRing, HostStager
 
 logger = logging.getLogger(__name__)
-
-
-class UpdateCoordinator(Protocol):
-    """Set as `OffloadEngine.coordinator` when several processes share one expert store (hf_moe_offload.distributed,
-    ES-MoE §4.2 dynamic placement): it says which process steps each expert in the current accumulation window and
-    reduces the optimizer's global checks across processes. None (the default) = this process owns every expert."""
-
-    def owns_update(self, key: ExpertKey) -> bool: ...
-
-    def all_reduce_sum(self, value: float) -> float: ...
-
-    def all_reduce_max(self, value: float) -> float: ...
-
-    def pinned_keys(self) -> list[ExpertKey]: ...
-
-    def window_closed(self) -> None: ...
 
 
 class OffloadEngine:
@@ -89,7 +72,6 @@ class OffloadEngine:
         self.layers = [OffloadedExpertsLayer(self, i, m, layout) for i, (m, layout) in enumerate(layers_modules)]
         # --- resolved at bind (offload/plan.py) ---
         self.plan: OffloadPlan | None = None
-        self._staging: torch.Tensor | None = None
         self.slab: DeviceSlab | None = None  # a device's training calls (offload/slab.py)
         self.device_pins: DevicePins | None = None  # training on a device: pins' whole state there (device_pins.py)
         # --- streaming and gradients ---
@@ -180,15 +162,6 @@ class OffloadEngine:
             yield
         finally:
             torch.set_num_threads(before)
-
-    def staging_block(self) -> torch.Tensor:
-        """(stage_experts, P) in the store's compute dtype, each row 64-byte aligned: the weights of a staged chunk."""
-        if self._staging is None:
-            numel, dtype = self.store.numel, self.store.compute_dtype
-            stride = -(-numel * dtype.itemsize // 64) * 64 // dtype.itemsize
-            self._staging = torch.empty(self.stage_experts * stride, dtype=dtype).as_strided(
-                (self.stage_experts, numel), (stride, 1))
-        return self._staging
 
     def freeze_experts(self) -> None:
         """The experts are not trained from now on (LoRA on the other parts): backward gives input gradients only."""
@@ -360,26 +333,6 @@ class OffloadEngine:
             self.store.release(key)
 
 
-class ResidentEngine:
-    """The `device` tier: experts stay ordinary resident parameters (still dropless and mask-free)."""
-
-    mode = "device"
-    store = None
-    plan = None
-    layers: list = []
-
-    def __init__(self, stats: OffloadStats):
-        self.stats = stats
-
-    def synchronize(self) -> None:
-        pass
-
-    def step_barrier(self) -> None:
-        """The resident experts have nothing in flight on the host: the device's work is all there is to wait for."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-
-
 def _normalized(device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -387,5 +340,4 @@ def _normalized(device) -> torch.device:
     return device
 
 
-__all__ = ["GradArrival", "GradRing", "OffloadEngine", "ResidentEngine", "OffloadedExpertsLayer", "DeviceStager",
-           "UpdateCoordinator"]
+__all__ = ["GradArrival", "GradRing", "OffloadEngine", "OffloadedExpertsLayer", "DeviceStager", "UpdateCoordinator"]

@@ -12,6 +12,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Protocol
 
 from torch.utils.hooks import RemovableHandle
 
@@ -19,6 +20,22 @@ from .store import ExpertKey
 from .transfers import GradHook
 
 logger = logging.getLogger(__name__)
+
+
+class UpdateCoordinator(Protocol):
+    """Set as the engine's `coordinator` when several processes share one expert store (hf_moe_offload.distributed,
+    ES-MoE §4.2 dynamic placement): it says which process steps each expert in the current accumulation window and
+    reduces the optimizer's global checks across processes. None (the default) = this process owns every expert."""
+
+    def owns_update(self, key: ExpertKey) -> bool: ...
+
+    def all_reduce_sum(self, value: float) -> float: ...
+
+    def all_reduce_max(self, value: float) -> float: ...
+
+    def pinned_keys(self) -> list[ExpertKey]: ...
+
+    def window_closed(self) -> None: ...
 
 
 class UpdateLedger:

@@ -206,7 +206,7 @@ class OffloadedExpertsLayer:
         elif source is None or not training:
             return None
         else:
-            weights = engine.slab.blocks[0] if source == Source.SLAB else engine.staging_block()
+            weights = engine.slab.blocks[0] if source == Source.SLAB else engine.sources.staging_block()
         if weights.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             return None
         views = self.layout.grouped_views(weights)
