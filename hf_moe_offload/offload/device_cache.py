@@ -9,7 +9,7 @@ cache. An expert whose slot holds its current version (the store's update count)
 A miss is admitted into a free slot, or into the slot of the lowest-scored expert not in flight in this layer's call
 when the newcomer scores higher (else it streams through the stager's ring and is not kept; pre-gating's guesses of the
 next layer are admitted by the same rule). The slots are
-allocated when decoding starts and freed when training resumes (`OffloadEngine.enter_call`),
+allocated when decoding starts and freed when training resumes (`DecodePath.enter_call`, offload/decoding.py),
 sized by `OffloadConfig.device_cache_bytes` (default: half the device memory free then, beside the weights already
 there, leaving the other half to the KV cache and activations). Ordering: an upload into a slot waits for compute's
 last use of the slot (`free_after`); compute waits for the upload (`ready`); a slot in flight (uploaded or hit, its

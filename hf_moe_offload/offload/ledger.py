@@ -47,7 +47,7 @@ class UpdateLedger:
         self._grad_hooks: OrderedDict[int, GradHook] = OrderedDict()
         self._layer_done_hooks: OrderedDict[int, Callable[[int], None]] = OrderedDict()
         # `add_grad_hook(..., steps_now=)`: whether a hook steps the experts it takes in the backward that hands them
-        # over (the engine's `backward_rows`).
+        # over (`ChunkSources.backward_rows`).
         self._steps_now: OrderedDict[int, Callable[[], bool]] = OrderedDict()
         self._warned_no_optimizer = False
 
