@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 
 class OffloadEngine:
-    """Owns the store, the device stager and the per-layer streaming; the expert optimizer plugs in here.
+    """Owns the store and the shared device parts, and composes the parts that stream chunks, bring gradients home,
+    keep the update ledger (where the expert optimizer plugs in), decode and pin.
 
     The compute device is the device of the first streamed input (or `OffloadConfig.device`, checked against the
     inputs): the engine binds to it and its runtime (hf_moe_offload.runtime) then, so each accelerate process uses its
