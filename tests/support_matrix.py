@@ -129,58 +129,49 @@ def recorded(*families: str) -> Callable[[], list[str]]:
 H200 = "H200 machine, 2026-11-25, b827c27"
 GPU_TESTS = f"`pytest tests/test_cuda.py -n 8`, 50 passed ({H200})"
 
+def _offload_tier(tier: str, family_text: str, moe_gpt_text: str, gpu_family_text: str, gpu_moe_gpt_text: str,
+                  gpu_run: str, gpu_run_text: str) -> list[Evidence]:
+    """One offload tier's evidence: the same tests, parametrized by `tier`, with the texts that differ."""
+    return [
+        Evidence("CPU", f"tests/test_families.py::test_family_offloaded_equals_stock[{tier}]", family_text,
+                 from_parametrize("test_families", "test_family_offloaded_equals_stock", require={"tier": (tier,)})),
+        Evidence("CPU", f"tests/test_offload.py::test_streamed_equals_resident_with_grad_accumulation[{tier}]",
+                 moe_gpt_text,
+                 fixed("test_offload", "test_streamed_equals_resident_with_grad_accumulation", MOE_GPT,
+                       "small_model(")),
+        Evidence("sim", "tests/test_simulated_device.py::test_suite_passes_on_the_simulated_device[families]",
+                 "tests/test_families.py re-run on the simulated device",
+                 simulated("families", lambda: experts_families(),
+                           lambda f: f"tests/test_families.py::test_family_offloaded_equals_stock[{f}-{tier}]")),
+        Evidence("sim", "tests/test_simulated_device.py::test_suite_passes_on_the_simulated_device[offload]",
+                 "tests/test_offload.py re-run on the simulated device",
+                 simulated("offload", lambda: [MOE_GPT],
+                           lambda f: "tests/test_offload.py::test_streamed_equals_resident_with_grad_accumulation")),
+        Evidence("GPU test", f"tests/test_cuda.py::test_cuda_family_offloaded_equals_stock[{tier}]",
+                 f"{gpu_family_text}, {GPU_TESTS}",
+                 recorded("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe", "granitemoe")),
+        Evidence("GPU test", f"tests/test_cuda.py::test_cuda_streamed_equals_resident[{tier}]",
+                 f"{gpu_moe_gpt_text}, {GPU_TESTS}", recorded(MOE_GPT)),
+        Evidence("GPU run", gpu_run, gpu_run_text, recorded(MOE_GPT)),
+    ]
+
+
 # feature -> its evidence. The features' names are the page's columns.
 FEATURES: dict[str, list[Evidence]] = {
-    "offload, host tier": [
-        Evidence("CPU", "tests/test_families.py::test_family_offloaded_equals_stock[host]",
-                 "full training, 3 AdamW steps vs the stock model: logits and gradients 1e-5, weights 1e-4 (fp32)",
-                 from_parametrize("test_families", "test_family_offloaded_equals_stock", require={"tier": ("host",)})),
-        Evidence("CPU", "tests/test_offload.py::test_streamed_equals_resident_with_grad_accumulation[host]",
-                 "MoE-GPT streamed vs resident with gradient accumulation, prefetch depths 1-3, pins (fp32)",
-                 fixed("test_offload", "test_streamed_equals_resident_with_grad_accumulation", MOE_GPT,
-                       "small_model(")),
-        Evidence("sim", "tests/test_simulated_device.py::test_suite_passes_on_the_simulated_device[families]",
-                 "tests/test_families.py re-run on the simulated device",
-                 simulated("families", lambda: experts_families(),
-                           lambda f: f"tests/test_families.py::test_family_offloaded_equals_stock[{f}-host]")),
-        Evidence("sim", "tests/test_simulated_device.py::test_suite_passes_on_the_simulated_device[offload]",
-                 "tests/test_offload.py re-run on the simulated device",
-                 simulated("offload", lambda: [MOE_GPT],
-                           lambda f: "tests/test_offload.py::test_streamed_equals_resident_with_grad_accumulation")),
-        Evidence("GPU test", "tests/test_cuda.py::test_cuda_family_offloaded_equals_stock[host]",
-                 f"the CPU comparison above on the GPU, {GPU_TESTS}",
-                 recorded("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe", "granitemoe")),
-        Evidence("GPU test", "tests/test_cuda.py::test_cuda_streamed_equals_resident[host]",
-                 f"MoE-GPT streamed vs resident on the GPU, {GPU_TESTS}", recorded(MOE_GPT)),
-        Evidence("GPU run", f"benchmarks/gpu_offload.py ({H200})",
-                 "MoE-GPT d=1024, 537 M expert parameters, bf16 autocast: step time, peak GPU memory and bytes per "
-                 "step vs the resident model (benchmarks/RESULTS.md); this was before the slab", recorded(MOE_GPT)),
-    ],
-    "offload, disk tier": [
-        Evidence("CPU", "tests/test_families.py::test_family_offloaded_equals_stock[disk]",
-                 "as the host tier's, with a host cache of 2 experts (experts evicted and read again every step)",
-                 from_parametrize("test_families", "test_family_offloaded_equals_stock", require={"tier": ("disk",)})),
-        Evidence("CPU", "tests/test_offload.py::test_streamed_equals_resident_with_grad_accumulation[disk]",
-                 "MoE-GPT on the disk tier vs resident, as the host tier's",
-                 fixed("test_offload", "test_streamed_equals_resident_with_grad_accumulation", MOE_GPT,
-                       "small_model(")),
-        Evidence("sim", "tests/test_simulated_device.py::test_suite_passes_on_the_simulated_device[families]",
-                 "tests/test_families.py re-run on the simulated device",
-                 simulated("families", lambda: experts_families(),
-                           lambda f: f"tests/test_families.py::test_family_offloaded_equals_stock[{f}-disk]")),
-        Evidence("sim", "tests/test_simulated_device.py::test_suite_passes_on_the_simulated_device[offload]",
-                 "tests/test_offload.py re-run on the simulated device",
-                 simulated("offload", lambda: [MOE_GPT],
-                           lambda f: "tests/test_offload.py::test_streamed_equals_resident_with_grad_accumulation")),
-        Evidence("GPU test", "tests/test_cuda.py::test_cuda_family_offloaded_equals_stock[disk]",
-                 f"the CPU comparison on the GPU, {GPU_TESTS}",
-                 recorded("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe", "granitemoe")),
-        Evidence("GPU test", "tests/test_cuda.py::test_cuda_streamed_equals_resident[disk]",
-                 f"MoE-GPT on the disk tier vs resident on the GPU, {GPU_TESTS}", recorded(MOE_GPT)),
-        Evidence("GPU run", f"benchmarks/gpu_offload.py and the main job `hf-moe-offload train` ({H200})",
-                 "MoE-GPT: the benchmark's disk tier (bound by the VM's disk) and the main job's 400 steps (d=128: "
-                 "the pipeline on a GPU, not a speed figure); benchmarks/RESULTS.md", recorded(MOE_GPT)),
-    ],
+    "offload, host tier": _offload_tier(
+        "host", "full training, 3 AdamW steps vs the stock model: logits and gradients 1e-5, weights 1e-4 (fp32)",
+        "MoE-GPT streamed vs resident with gradient accumulation, prefetch depths 1-3, pins (fp32)",
+        "the CPU comparison above on the GPU", "MoE-GPT streamed vs resident on the GPU",
+        f"benchmarks/gpu_offload.py ({H200})",
+        "MoE-GPT d=1024, 537 M expert parameters, bf16 autocast: step time, peak GPU memory and bytes per step vs the "
+        "resident model (benchmarks/RESULTS.md); this was before the slab"),
+    "offload, disk tier": _offload_tier(
+        "disk", "as the host tier's, with a host cache of 2 experts (experts evicted and read again every step)",
+        "MoE-GPT on the disk tier vs resident, as the host tier's", "the CPU comparison on the GPU",
+        "MoE-GPT on the disk tier vs resident on the GPU",
+        f"benchmarks/gpu_offload.py and the main job `hf-moe-offload train` ({H200})",
+        "MoE-GPT: the benchmark's disk tier (bound by the VM's disk) and the main job's 400 steps (d=128: the pipeline "
+        "on a GPU, not a speed figure); benchmarks/RESULTS.md"),
     "LoRA on experts": [
         Evidence("CPU", "tests/test_lora_families.py::test_family_lora_on_streamed_experts_equals_resident_lora",
                  "peft's LoRA on the expert tensors (and attention), frozen experts streamed from the host and disk "

@@ -118,7 +118,7 @@ def _run_training_like(store: DiskExpertStore, keys: list, seed: int, windows: i
                     check(key, record)
                     store.release(key)
             # backward: reverse order. Eager windows hand each finished expert, still held, to a worker (as
-            # chunk_grads_arrived does) and step the experts without tokens from workers that acquire them; deferred
+            # gradients.chunk_arrived does) and step the experts without tokens from workers that acquire them; deferred
             # windows (global clipping, the main job's default) step every expert from the workers after backward,
             # in key order, while the next forward already prefetches.
             eager = window % 2 == 0

@@ -41,8 +41,8 @@ class ChunkSources:
 
     def stream(self, layer: int, expert_ids: list[int], keep: bool = False, phase: Phase = Phase.INFERENCE) -> Iterator:
         """Yields each expert's compute weights in order, `depth` experts ahead; with keep=True also the record,
-        which the caller must hand back (`chunk_grads_arrived`, `release_record`: backward). `phase` ("forward" of
-        training, "backward", "inference") tells the store what comes next (`_schedule`)."""
+        which the caller must hand back (the engine's `gradients`: `chunk_arrived`, `release_record`; backward).
+        `phase` tells the store what comes next (`_schedule`)."""
         engine = self.engine
         keys = [(layer, e) for e in expert_ids]
         # Only the rows this phase uses: weights; in a training backward `backward_rows`.
@@ -133,8 +133,9 @@ class ChunkSources:
         copied into the staging block), "expert" (one by one through `stream`). `rows`: (k, P), or for "expert" the
         expert's (P,) weights. In a "backward" the
         caller owns `records` (one per segment; None where nothing was acquired: a device-pinned expert, an expert
-        without rows) and hands them over with the gradients (`chunk_grads_arrived`) or `release_record`s them; in a
-        "forward" or "inference" `records` is None and the stream hands them back itself."""
+        without rows) and hands them over with the gradients (`gradients.chunk_arrived`) or releases them
+        (`gradients.release_record`); in a "forward" or "inference" `records` is None and the stream hands them back
+        itself."""
         return self._by_name[source](layer, chunks, phase)
 
     def _layer_chunk(self, layer: int, chunks: list[list[Segment]], phase: Phase) -> Iterator:
@@ -184,7 +185,7 @@ class ChunkSources:
                 yield chunk, block[: len(chunk)], records if keep else None
         finally:
             for key, record in held:  # interrupted while staging: hand back what the stream handed over
-                engine.release_record(key, record)
+                engine.gradients.release_record(key, record)
             stream.close()
 
     def _slab_chunks(self, layer: int, chunks: list[list[Segment]], phase: Phase) -> Iterator:
@@ -269,7 +270,7 @@ class ChunkSources:
                 reused = slab.upload(sources, backward=backward)
         except BaseException:  # what was acquired goes back (after the compute enqueued so far, as a stream's would)
             for key, record in zip(keys, records):
-                engine.release_record(key, record)
+                engine.gradients.release_record(key, record)
             raise
         return (chunk, keys, records, *reused)
 

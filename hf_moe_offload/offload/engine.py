@@ -38,8 +38,8 @@ from .ledger import UpdateCoordinator, UpdateLedger
 from .pinning import PinManager
 from .plan import GRADS_DOWNLOADED, Machine, OffloadPlan, StoreFacts, clamp_depth, pin_room, resolve_plan
 from .slab import DeviceSlab
-from .store import WEIGHTS_AND_GRAD, ExpertKey, ExpertRecord, ExpertStore
-from .streamed import OffloadedExpertsLayer, Segment
+from .store import WEIGHTS_AND_GRAD, ExpertKey, ExpertStore
+from .streamed import OffloadedExpertsLayer
 from .telemetry import OffloadStats
 from .transfers import DeviceStager, GradArrival, GradRing, HostStager
 
@@ -215,15 +215,6 @@ class OffloadEngine:
         return self.device_pins is not None and key in self.device_pins
 
     # --- gradients and updates (offload/gradients.py, offload/ledger.py) ---
-    def chunk_grads_arrived(self, layer: int, chunk: list[Segment], records: list[ExpertRecord | None],
-                            grads: tuple[torch.Tensor, ...]) -> None:
-        """A chunk's expert gradients, with the records `stream_chunks` handed over: to the plan's gradient sink."""
-        self.gradients.chunk_arrived(layer, chunk, records, grads)
-
-    def release_record(self, key: ExpertKey, record: ExpertRecord | None) -> None:
-        """Hand back a record `stream_chunks` handed over in a backward, without a gradient (frozen experts)."""
-        self.gradients.release_record(key, record)
-
     def layer_backward_done(self, layer: int) -> None:
         # Plain autograd gives every expert of a layer that ran backward a (possibly zero) gradient; frozen experts
         # get none.

@@ -344,11 +344,11 @@ class OffloadedExpertsLayer:
                                                                   factors, g_lora)
                 except BaseException:
                     for (e, _, _), record in zip(chunk, records):
-                        engine.release_record((self.layer, e), record)
+                        engine.gradients.release_record((self.layer, e), record)
                     raise
                 if not plan.grouped:
                     expert_grads = tuple(g.unsqueeze(0) for g in expert_grads)
-                engine.chunk_grads_arrived(self.layer, chunk, records, expert_grads)
+                engine.gradients.chunk_arrived(self.layer, chunk, records, expert_grads)
         engine.layer_backward_done(self.layer)
         return gx, [*g_params, *g_lora]
 
