@@ -1,6 +1,6 @@
 """The engine's settings resolved once at bind (offload/plan.py): table-driven cases of `resolve_plan`, the errors it
-raises, the plan an engine binds against its own attributes, and that nothing in offload/ or optim/ asks the runtime
-whether it is asynchronous except the resolver."""
+raises, the plan an engine binds against its own attributes, and that nothing in the package asks the runtime whether
+it is asynchronous except the resolver and the runtime itself."""
 
 from __future__ import annotations
 
@@ -131,10 +131,11 @@ def test_bound_engine_follows_its_plan(tmp_path):
         assert p.grouped_source == ("slab" if simulated else "staged")
 
 
-def test_only_the_resolver_asks_whether_the_device_is_asynchronous():
-    """Everything after bind follows the plan's choices: offload/ and optim/ read `asynchronous` in plan.py only."""
+def test_only_the_resolver_and_the_runtime_ask_whether_the_device_is_asynchronous():
+    """Everything after bind follows the plan's choices, and the pipelining asks the runtime for a side stream
+    (`DeviceRuntime.side_stream`): the package reads `asynchronous` in offload/plan.py and runtime/ only."""
     root = pathlib.Path(__file__).resolve().parents[1] / "hf_moe_offload"
-    found = [f"{path.relative_to(root)}:{i}" for folder in ("offload", "optim") for path in (root / folder).glob("*.py")
-             if path.name != "plan.py"
+    allowed = {root / "offload" / "plan.py", *(root / "runtime").glob("*.py")}
+    found = [f"{path.relative_to(root)}:{i}" for path in root.rglob("*.py") if path not in allowed
              for i, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\.asynchronous\b", line)]
     assert found == []

@@ -42,6 +42,7 @@ from .store import WEIGHTS_AND_GRAD, ExpertKey, ExpertStore
 from .streamed import OffloadedExpertsLayer
 from .telemetry import OffloadStats
 from .transfers import DeviceStager, GradArrival, GradRing, HostStager
+from .updates import ExpertUpdates
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class OffloadEngine:
         # Inference calls: decode cache, device cache, pre-gating, compute on host (offload/decoding.py)
         self.decoding = DecodePath(self, pregate, cache if cache is not None else len(store.keys()))
         self.pins = PinManager(self)  # pinning (ES-MoE §4.3; offload/pinning.py)
+        self.updates = ExpertUpdates(self)  # what the expert optimizer sees (offload/updates.py)
 
     # --- device binding ---
     def bind(self, device: torch.device) -> None:

@@ -72,6 +72,7 @@ class ExpertOptimizerCallback(TrainerCallback):
         self.workers = workers
         self.resume_from_checkpoint = resume_from_checkpoint
         self.expert_optimizer: ExpertOptimizer | None = None
+        self._engine = None  # the model's offload engine, from `on_train_begin`
         self._max_grad_norm = None
         self._trainer_optimizer = None
         self._saved_step: int | None = None  # the step whose checkpoint already has the expert state
@@ -89,7 +90,8 @@ class ExpertOptimizerCallback(TrainerCallback):
             logger.warning("ExpertOptimizerCallback: the model has no offloaded experts; nothing to do")
             return
         self._trainer_optimizer = optimizer
-        if args.world_size > 1 and getattr(engine, "coordinator", None) is None:
+        self._engine = engine
+        if args.world_size > 1 and not engine.updates.shared:
             logger.warning(
                 "ExpertOptimizerCallback under %d processes without expert parallelism: every rank updates its own "
                 "copy of the offloaded experts from its own batches, so the copies drift apart. Call "
@@ -117,7 +119,7 @@ class ExpertOptimizerCallback(TrainerCallback):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper is made anew by every train()
         last = _TRAINED_WITH.get(engine)
         if resume is None and last is not None and last() is not inner and engine.store.trainable:
-            if engine.coordinator is not None:  # NOTE: ranks share the store; one reset would need a collective
+            if engine.updates.shared:  # NOTE: ranks share the store; one reset would need a collective
                 logger.warning("ExpertOptimizerCallback: a new Trainer under expert parallelism: the experts' Adam "
                                "state continues from the earlier run (not reset across ranks)")
             else:
@@ -173,7 +175,7 @@ class ExpertOptimizerCallback(TrainerCallback):
             return
         if args.process_index == 0:
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            save_expert_state(self.expert_optimizer.engine, folder, self.expert_optimizer.state_dict(),
+            save_expert_state(self._engine, folder, self.expert_optimizer.state_dict(),
                               global_step=state.global_step)
         PartialState().wait_for_everyone()
         self._saved_step = state.global_step
@@ -227,9 +229,9 @@ class ExpertOptimizerCallback(TrainerCallback):
             # Without clipping no norm over the experts is taken: name what the Trainer's figure covers.
             values["grad_norm_non_expert"] = logs["grad_norm"]
             remove_from_logs(state, logs, "grad_norm")
-        values.update({k: round(v, 4) for k, v in opt.engine.stats.as_log_dict().items()})
+        values.update({k: round(v, 4) for k, v in self._engine.stats.as_log_dict().items()})
         add_to_logs(state, logs, values)
-        opt.engine.stats.reset()
+        self._engine.stats.reset()
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.expert_optimizer is None:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..offload.engine import GradArrival, OffloadEngine
+from ..offload.updates import ExpertUpdates
 from ..offload.store import ExpertKey, ExpertRecord
 from .adamw_step import AdamWSettings, adamw_update_
 from .aware_optimizer import ExpertAwareOptimizer
@@ -88,7 +89,9 @@ class ExpertOptimizer:
         if workers is not None and workers < 0:
             raise ValueError(f"workers must be >= 0 (0: steps run on the thread that hands the gradients over), "
                              f"got {workers}")
-        self.engine, self.store = engine, engine.store
+        # The engine's surface for its optimizer (offload/updates.py): the store, the ledger, the barriers.
+        self.updates: ExpertUpdates = engine.updates
+        self.store = engine.store
         self.lr, self.betas, self.eps = lr, betas, eps
         self.weight_decay, self.decoupled = weight_decay, decoupled_weight_decay
         self.max_grad_norm, self.clip_mode = max_grad_norm, clip_mode
@@ -100,15 +103,16 @@ class ExpertOptimizer:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None  # over every parameter, experts included (when clipping)
         self._clock = WindowClock()
-        self._records = StoreSteps(engine)
-        self._norms = GradNorms(self._records, self._owns, self._device_pinned)
+        self._records = StoreSteps(self.updates)
+        self._norms = GradNorms(self._records)
         # Late-bound, so that a job always runs the optimizer's current `_step_experts` and `_batch_size`.
         self._queue = StepQueue(lambda: self.workers, lambda entries, *step: self._step_experts(entries, *step),
-                                lambda *args, **kwargs: self._batch_size(*args, **kwargs), engine.ledger.set_pending)
+                                lambda *args, **kwargs: self._batch_size(*args, **kwargs), self.updates.ledger.set_pending)
         # Removed by `close()`: a later optimizer on the same model (a second Trainer, `train()` again) must not find
         # this one's hooks still taking gradients.
-        self._hooks = [engine.ledger.add_grad_hook(self._on_grads, steps_now=lambda: self.eager and self.boundary_fn()),
-                       engine.ledger.add_layer_done_hook(self._on_layer_done)]
+        ledger = self.updates.ledger
+        self._hooks = [ledger.add_grad_hook(self._on_grads, steps_now=lambda: self.eager and self.boundary_fn()),
+                       ledger.add_layer_done_hook(self._on_layer_done)]
 
     # --- workers and timing ---
     @property
@@ -116,10 +120,7 @@ class ExpertOptimizer:
         """Threads stepping experts; 0: each job runs on the thread that submits it (in backward, the one computing).
         Unset: the engine's plan says (`OffloadPlan.optimizer_workers`: 0 where the disk tier's experts compute on the
         CPU, else 2), 2 before it binds."""
-        if self.workers_setting is not None:
-            return self.workers_setting
-        plan = self.engine.plan  # None until the first forward binds the engine (offload/plan.py)
-        return 2 if plan is None else plan.optimizer_workers
+        return self.workers_setting if self.workers_setting is not None else self.updates.default_workers()
 
     # The queue's pool and the window's stepped experts, where benchmarks/cpu_optimizer.py and the tests reach them.
     _executor = property(lambda self: self._queue.executor, lambda self, pool: setattr(self._queue, "executor", pool))
@@ -129,11 +130,10 @@ class ExpertOptimizer:
     def _batch_size(self, ready: int, workers: int, held: bool = False) -> int:
         """Experts per job: on the disk tier, at most what the host cache can hold beside the reads in flight after
         backward (`step()`), unless the records are `held` already (handed over by the backward)."""
-        cache = self._disk_cache()
-        return batch_size(ready, workers, None if cache is None or held else cache - self.engine.depth - 1)
+        return batch_size(ready, workers, None if held else self.updates.cache_room())
 
-    def _disk_cache(self) -> int | None:
-        return getattr(self.store, "cache_experts", None)
+    def _disk_cache(self) -> bool:
+        return self.updates.cache_room() is not None
 
     step_seconds = property(lambda self: self._clock.step_seconds,
                             doc="Busy seconds of the previous window's expert steps.")
@@ -172,22 +172,22 @@ class ExpertOptimizer:
         if not self.boundary_fn():
             return
         # Experts that got no token in this micro-step still have a (possibly zero) final gradient.
-        self._take_final([((layer, e), None, None) for e in range(self.engine.layers[layer].layout.num_experts)])
+        self._take_final([((layer, e), None, None) for e in range(self.updates.layout(layer).num_experts)])
 
     def _take_final(self, items: list[Entry]) -> set[ExpertKey]:
         """Claim the final gradients of `items` once per window (the experts this process owns) and step them
         (eager) or measure them (deferred). Several eager experts at once (a layer's, from the grouped host path or
         the end of its backward) are stepped several per fused call, as `step()` does, unless each is clipped on its
         own. Returns the keys taken."""
-        on_device = self._device_pinned(key for key, _, _ in items)  # stepped in `step()`, on the device
-        owned = [item for item in items if self._owns(item[0]) and item[0] not in on_device]
+        on_device = self.updates.on_device(key for key, _, _ in items)  # stepped in `step()`, on the device
+        owned = [item for item in items if self.updates.owns(item[0]) and item[0] not in on_device]
         wanted = {}
         for key, record, arrival in owned:  # without a record, a deferred expert with no gradient is skipped
             if record is not None or self.eager or self.store.has_grad[key]:
                 wanted.setdefault(key, (key, record, arrival))
         taken = [wanted[key] for key in self._clock.claim(wanted, measure=not self.eager)]
         if not self.eager:
-            for batch in self._queue.batches(taken, one_each=self._disk_cache() is not None):
+            for batch in self._queue.batches(taken, one_each=self._disk_cache()):
                 self._norms.track((key for key, _, _ in batch), self._queue.submit(self._norms.measure, batch))
         else:
             self._start_steps(taken, clip_coef=None, grad_scale=None, in_backward=True,
@@ -195,16 +195,6 @@ class ExpertOptimizer:
         return {key for key, _, _ in taken}
 
     # --- stepping ---
-    def _owns(self, key: ExpertKey) -> bool:
-        """Several processes sharing one store (hf_moe_offload.distributed): only the owner steps an expert."""
-        coordinator = self.engine.coordinator
-        return coordinator is None or coordinator.owns_update(key)
-
-    def _device_pinned(self, keys: Iterable[ExpertKey]) -> set[ExpertKey]:
-        """Those of `keys` whose state lives on the device (offload/device_pins.py): stepped in `step()`, there."""
-        pins = self.engine.device_pins
-        return set() if pins is None else {key for key in keys if key in pins}
-
     def _start_steps(self, entries: list[Entry], clip_coef: float | None, grad_scale: float | None,
                      in_backward: bool = False, per_expert: bool = False) -> None:
         """Submit the steps of `entries` (already marked stepped in this window): several per job, each job one fused
@@ -214,13 +204,13 @@ class ExpertOptimizer:
         if not entries:
             return
         for key, _, _ in entries:
-            self.engine.ledger.wait_for_update(key)  # the previous window's step of an expert no forward used since
+            self.updates.ledger.wait_for_update(key)  # the previous window's step of an expert no forward used since
         step = (self._clock.lr(self.current_lr), clip_coef, grad_scale, self._clock.window)
         if in_backward and not per_expert:
             self._queue.put([entry for entry in entries if entry[1] is not None], step)
             entries = [entry for entry in entries if entry[1] is None]
         # During backward on the disk tier the cache also holds what the stream reads: each expert goes alone.
-        one_each = per_expert or in_backward and self._disk_cache() is not None
+        one_each = per_expert or in_backward and self._disk_cache()
         self._queue.start(entries, step, self._step_expert if per_expert else self._step_experts, one_each)
 
     def _step_experts(self, entries: list[Entry], lr: float, clip_coef: float | None, grad_scale: float | None,
@@ -269,7 +259,7 @@ class ExpertOptimizer:
         if not self.boundary_fn():
             return None  # not the window's last micro-step (e.g. inside accelerate's accumulate): keep accumulating
         self._clock.step_called()
-        self.engine.wait_for_uploads()  # an evaluation since the backward may have uploads reading host records
+        self.updates.wait_for_uploads()  # an evaluation since the backward may have uploads reading host records
         self._queue.order_for_next_forward()
         clip_coef = None
         grad_scale = None
@@ -282,7 +272,7 @@ class ExpertOptimizer:
                 if expert_overflow or non_finite([p.grad for p in params]):
                     self.skipped_steps += 1
                     logger.warning("fp16 overflow: skipping the expert steps of this window")
-                    self.engine.zero_grad()
+                    self.updates.zero_grad()
                     self._end_window()
                     return None
             if self.max_grad_norm is not None:
@@ -292,9 +282,9 @@ class ExpertOptimizer:
                     p.grad.mul_(clip_coef)
         self._norms.measured()  # the measuring jobs landed their gradients: wait for them before stepping
         ready = [key for key in self.store.keys()
-                 if self._owns(key) and key not in self._clock.stepped and self.store.has_grad[key]]
+                 if self.updates.owns(key) and key not in self._clock.stepped and self.store.has_grad[key]]
         self._clock.stepped.update(ready)
-        on_device = self._device_pinned(ready)
+        on_device = self.updates.on_device(ready)
         per_expert = self.max_grad_norm if self.clip_mode == "per_expert" else None
         self._records.step_device(on_device, self._adam_many, lambda: self._clock.lr(self.current_lr), grad_scale,
                                   clip_coef, per_expert)
@@ -321,20 +311,16 @@ class ExpertOptimizer:
         return self._norms.overflow()
 
     def _end_window(self) -> None:
-        self.engine.end_window()
+        self.updates.close_window()
         self._clock.close()
         self._norms.clear()
-        if self.engine.coordinator is not None:
-            # Shared store: every process's updates must be complete and visible before any process uses an expert
-            # again (the next forward may place expert e on another rank) or saves a checkpoint.
-            self.engine.coordinator.window_closed()
 
     def synchronize(self) -> None:
-        self.engine.synchronize()
+        self.updates.synchronize()
 
     # --- state (checkpoints) ---
     def state_dict(self) -> dict:
-        self.engine.synchronize()  # the step counts of updates still running on the workers would be stale
+        self.updates.synchronize()  # the step counts of updates still running on the workers would be stale
         return {
             "lr": self.lr, "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay,
             "decoupled_weight_decay": self.decoupled, "skipped_steps": self.skipped_steps,
@@ -350,7 +336,7 @@ class ExpertOptimizer:
     def close(self) -> None:
         """Finish every update in flight, stop the workers and take this optimizer's hooks off the engine (a new
         ExpertOptimizer on the same model then steps alone). Closing twice is harmless."""
-        self.engine.synchronize()
+        self.updates.synchronize()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

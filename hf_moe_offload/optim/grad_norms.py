@@ -9,7 +9,7 @@ squares. An overflowed gradient has a non-finite norm, so the measured norms als
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future
 from contextlib import ExitStack, closing
 
@@ -58,14 +58,11 @@ def unscale_non_experts_(scaler: torch.amp.GradScaler, optimizer, expert_overflo
 
 
 class GradNorms:
-    """The squared norms of a window's expert gradients, in the store `records` hold. `owns(key)`: this process
-    updates `key` (a shared store counts each expert once, on its owner); `pinned(keys)`: those of `keys` whose state
-    lives on the device."""
+    """The squared norms of a window's expert gradients, in the store `records` hold. A shared store counts each
+    expert once, on the process that updates it (`ExpertUpdates.owns`); device-pinned experts are read there."""
 
-    def __init__(self, records: StoreSteps, owns: Callable[[ExpertKey], bool],
-                 pinned: Callable[[Iterable[ExpertKey]], set[ExpertKey]]):
-        self._records, self.engine, self.store = records, records.engine, records.store
-        self._owns, self._pinned = owns, pinned
+    def __init__(self, records: StoreSteps):
+        self._records, self.updates, self.store = records, records.updates, records.store
         self._measuring: dict[ExpertKey, Future] = {}  # {key: its measuring job ({key: norm^2} of its batch)}
 
     def measure(self, entries: list[Entry]) -> dict[ExpertKey, float]:
@@ -91,9 +88,9 @@ class GradNorms:
 
     def _unmeasured(self, measured: dict[ExpertKey, float]) -> list[ExpertKey]:
         """This process's experts with a gradient not measured, once every gradient in flight has landed."""
-        self.engine.wait_in_flight()
+        self.updates.wait_in_flight()
         return [key for key in self.store.keys()
-                if key not in measured and self.store.has_grad[key] and self._owns(key)]
+                if key not in measured and self.store.has_grad[key] and self.updates.owns(key)]
 
     def _host_grads(self, keys: list[ExpertKey], on_device: set[ExpertKey]):
         """Each host expert's gradient row among `keys`, its record held while the caller looks."""
@@ -106,8 +103,7 @@ class GradNorms:
                     self.store.release(key)
 
     def _device_grads(self, on_device: set[ExpertKey]) -> list[torch.Tensor]:
-        pins = self.engine.device_pins
-        return [pins.record(key).current_grad() for key in sorted(on_device)]
+        return [self.updates.device_record(key).current_grad() for key in sorted(on_device)]
 
     def expert_sq_norm(self) -> float:
         """The sum of squared expert gradient norms (after backward). With a shared store (hf_moe_offload.distributed)
@@ -115,13 +111,12 @@ class GradNorms:
         measured = self.measured()
         total = sum(measured.values())
         keys = self._unmeasured(measured)
-        on_device = self._pinned(keys)
+        on_device = self.updates.on_device(keys)
         if on_device:
             total += sum(squared_norms(self._device_grads(on_device)))
         for grad in self._host_grads(keys, on_device):
             total += squared_norms([grad])[0]
-        coordinator = self.engine.coordinator
-        return total if coordinator is None else coordinator.all_reduce_sum(total)
+        return self.updates.all_reduce_sum(total)
 
     def overflow(self) -> bool:
         """True when any expert gradient (of this process's updates; all processes agree) holds inf/nan. Collective
@@ -130,13 +125,12 @@ class GradNorms:
         found = any(not math.isfinite(v) for v in measured.values())
         keys = self._unmeasured(measured)
         # Every pinned expert with a gradient is checked: an overflow anywhere skips the whole window.
-        on_device = self._pinned(key for key in self.store.keys() if self.store.has_grad[key])
+        on_device = self.updates.on_device(key for key in self.store.keys() if self.store.has_grad[key])
         found = found or non_finite(self._device_grads(on_device))
         if not found:
             with closing(self._host_grads(keys, on_device)) as grads:  # the record held at the first overflow released
                 found = any(non_finite([grad]) for grad in grads)
-        coordinator = self.engine.coordinator
-        return found if coordinator is None else coordinator.all_reduce_max(float(found)) > 0
+        return self.updates.all_reduce_max(float(found)) > 0
 
 
 __all__ = ["GradNorms", "global_clip", "non_finite", "squared_norms", "unscale_non_experts_"]

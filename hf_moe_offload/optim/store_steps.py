@@ -12,8 +12,9 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from ..offload.engine import GradArrival
+from ..offload.transfers import GradArrival
 from ..offload.store import ExpertKey, ExpertRecord
+from ..offload.updates import ExpertUpdates
 from .adamw_step import ExpertTensors, prepare_grads_
 
 # (key, the record a gradient hook handed over or None, its gradient's arrival or None)
@@ -37,10 +38,11 @@ class _Held:
 
 
 class StoreSteps:
-    """Landing, viewing and clearing the experts of `engine`'s store around their updates."""
+    """Landing, viewing and clearing the experts of an engine's store around their updates (`updates`: the engine's
+    surface for its optimizer, offload/updates.py)."""
 
-    def __init__(self, engine):
-        self.engine, self.store = engine, engine.store
+    def __init__(self, updates: ExpertUpdates):
+        self.updates, self.store = updates, updates.store
 
     @contextmanager
     def landed(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None,
@@ -51,7 +53,7 @@ class StoreSteps:
         gradient). A `record` passed in was acquired by the gradient hook that handed it over; None: acquire it
         here, once the engine's host worker has added the gradient."""
         if record is None:
-            self.engine.ledger.wait_for_grad(key)
+            self.updates.ledger.wait_for_grad(key)
             record = self.store.acquire(key, rows)
         held = _Held(record)
         try:
@@ -65,11 +67,11 @@ class StoreSteps:
             self.store.release(key, dirty=dirty, grad_zeroed=held.grad_zeroed)
 
     def views(self, key: ExpertKey, row: torch.Tensor) -> list[torch.Tensor]:
-        return self.engine.layers[key[0]].layout.views(row)
+        return self.updates.layout(key[0]).views(row)
 
     def tensors(self, key: ExpertKey, record: ExpertRecord, grads: list[torch.Tensor]) -> ExpertTensors:
         """`key`'s tensors for `adamw_update_`, per tensor in layout order (its compute copy's where it has one)."""
-        layout = self.engine.layers[key[0]].layout
+        layout = self.updates.layout(key[0])
         weights, exp_avgs, exp_avg_sqs = record.state_tensors(layout.views)
         return ExpertTensors(weights, grads, exp_avgs, exp_avg_sqs, [spec.decay for spec in layout.tensors],
                              self.store.steps[key], None if record.compute is None else layout.views(record.compute))
@@ -107,8 +109,8 @@ class StoreSteps:
         keys = sorted(keys)
         if not keys:
             return
-        pins = self.engine.device_pins
-        steps = [(key, pins.record(key), self.views(key, pins.record(key).current_grad())) for key in keys]
+        records = [self.updates.device_record(key) for key in keys]
+        steps = [(key, record, self.views(key, record.current_grad())) for key, record in zip(keys, records)]
         prepare_grads_([grads for _, _, grads in steps], grad_scale, clip_coef, max_norm,
                        [record.grad for _, record, _ in steps])
         copied = update(steps, lr())

@@ -220,7 +220,7 @@ class PartitionedExecutor:
 
     def _side_stream(self, rt):
         if id(rt) not in self._streams:
-            self._streams[id(rt)] = rt.new_stream()
+            self._streams[id(rt)] = rt.side_stream()
         return self._streams[id(rt)]
 
 
@@ -283,11 +283,10 @@ class _PipelinedCall:
         self.out = torch.zeros_like(x)  # T_O
         self.rt = rt = runtime_for(x.device)
         self.compute = rt.current_stream()
-        # A side stream for dispatch/combine on asynchronous runtimes. NOTE: a collective stage on CPU (gloo) overlaps
-        # through asynchronous collectives (`Pending`) instead: gloo calls from a simulated stream's thread could
-        # interleave with this thread's collectives differently on each rank.
-        use_side = rt.asynchronous and executor.overlap and len(parts) > 1 and (
-            x.is_cuda or not getattr(self.comm, "collective", False))
+        # A side stream for dispatch/combine where the runtime has one (None: inline). NOTE: a collective stage on CPU
+        # (gloo) overlaps through asynchronous collectives (`Pending`) instead: gloo calls from a simulated stream's
+        # thread could interleave with this thread's collectives differently on each rank.
+        use_side = executor.overlap and len(parts) > 1 and (x.is_cuda or not getattr(self.comm, "collective", False))
         self.side = executor._side_stream(rt) if use_side else None
         if self.side is not None:
             rt.access(x, write=True)  # produced on the compute stream; read by the side stream's dispatches

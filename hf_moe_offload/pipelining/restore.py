@@ -77,8 +77,9 @@ def restore_strategy(name: str | RestoreStrategy) -> RestoreStrategy:
 class HostCopy:
     """One tensor copied to host memory, asynchronously; `get()` brings it back to its device.
 
-    Asynchronous runtimes (CUDA, the simulation): device-to-host into page-locked memory on the copier's side stream,
-    after the producer's work; back on the same stream (prefetched), waited for by the consumer's stream."""
+    Runtimes with a side stream (CUDA, the simulation): device-to-host into page-locked memory on the copier's side
+    stream, after the producer's work; back on the same stream (prefetched), waited for by the consumer's stream.
+    Without one (inline, CPU): a clone on the copier's background thread."""
 
     def __init__(self, tensor: torch.Tensor, copier: "HostCopier"):
         self.rt = rt = runtime_for(tensor.device)
@@ -88,8 +89,8 @@ class HostCopy:
         self._done: Event | None = None
         self._back: torch.Tensor | None = None
         self._back_done: Event | None = None
-        if rt.asynchronous:
-            stream = copier.side_stream(rt)
+        stream = copier.side_stream(rt)
+        if stream is not None:
             rt.wait_stream(stream, rt.current_stream())  # the producer kernel must finish first
             self._host = rt.pinned_empty(tensor.shape, tensor.dtype, cached=True)
             rt.record_stream(tensor, stream)  # keep the device block alive until the copy has read it
@@ -123,7 +124,7 @@ class HostCopy:
 
 
 class HostCopier:
-    """Owns the side stream (asynchronous runtimes) and the copy thread (CPU) used by host offload."""
+    """Owns the side stream (`DeviceRuntime.side_stream`: None inline) and the copy thread (CPU) of host offload."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
@@ -137,7 +138,7 @@ class HostCopier:
 
     def side_stream(self, rt: DeviceRuntime):
         if id(rt) not in self._streams:
-            self._streams[id(rt)] = rt.new_stream()
+            self._streams[id(rt)] = rt.side_stream()
         return self._streams[id(rt)]
 
     def to_host(self, tensor: torch.Tensor) -> HostCopy:

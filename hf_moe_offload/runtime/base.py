@@ -51,6 +51,12 @@ class DeviceRuntime(abc.ABC):
     def new_stream(self) -> Any:
         ...
 
+    def side_stream(self) -> Any | None:
+        """A new stream for work that overlaps compute (host copies, exchanges), or None where nothing can overlap on
+        a stream (host memory is the compute memory and every operation is complete when it returns): the caller then
+        runs that work where it is, or on a thread of its own."""
+        return self.new_stream() if self.asynchronous else None
+
     @abc.abstractmethod
     def run_on(self, stream, fn: Callable[[], Any]) -> Any:
         """Run `fn` with `stream` current (its kernels are ordered on `stream`); returns fn's result."""
