@@ -205,6 +205,39 @@ def test_deleting_a_wait_of_the_slab_pipeline_fails(target, name, deleted, tier,
         _train_step(tier, tmp_path / "cut", SimulatedRuntime(seed=5, max_delay=0.002))
 
 
+def _frozen_backward(tmp_path, rt, stage_experts: int | None, cache: int) -> None:
+    """Two backwards of frozen experts (LoRA's case) on the disk tier with a tight cache: each record the backward's
+    stream hands over goes back through `DeviceGradients.release_record`, and its memory is soon read into again."""
+    with use_runtime(rt):
+        model = tiny_model("qwen3_moe", num_hidden_layers=3, num_experts=8)
+        engine = enable_expert_offload(model, OffloadConfig(mode="disk", offload_dir=str(tmp_path / "e"),
+                                                            host_cache_experts=cache, prefetch_depth=1,
+                                                            pin_fraction=0.0, stage_experts=stage_experts,
+                                                            train_experts=False))
+        for seed in (0, 1):
+            x = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(seed))
+            model(x, labels=x).loss.backward()
+        engine.synchronize()
+        assert (engine.slab is not None) == (stage_experts is not None)
+
+
+def _release_at_once(self, key, record):  # DeviceGradients.release_record minus its event
+    if record is not None:
+        self.engine.release_after(key, None)
+
+
+@pytest.mark.parametrize("stage_experts,cache", [(2, 6), (None, 3)], ids=["slab", "expert by expert"])
+def test_deleting_the_release_wait_of_frozen_experts_fails(stage_experts, cache, tmp_path, monkeypatch):
+    """A record handed back after a backward used it waits for the compute enqueued so far (and so for its upload):
+    released at once, the disk tier reads another expert into it while the upload may still be reading it."""
+    from hf_moe_offload.offload.gradients import DeviceGradients
+
+    _frozen_backward(tmp_path / "ok", SimulatedRuntime(seed=5, max_delay=0.002), stage_experts, cache)
+    monkeypatch.setattr(DeviceGradients, "release_record", _release_at_once)
+    with pytest.raises(HappensBeforeError, match="reused while still in use"):
+        _frozen_backward(tmp_path / "cut", SimulatedRuntime(seed=5, max_delay=0.002), stage_experts, cache)
+
+
 # --- (d) ---
 FAMILIES = {"moe_gpt": lambda seed: small_model(seed=seed), "qwen3_moe": lambda seed: _qwen3(6, seed=seed)}
 

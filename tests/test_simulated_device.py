@@ -63,6 +63,22 @@ def test_reusing_a_buffer_before_its_reader_is_done_raises():
     rt.copy_(slot, src, side)
 
 
+def test_a_read_through_a_temporary_view_is_remembered():
+    """An upload reads one row of a host block through a view made for the copy (a record's row): after that view is
+    gone, a host write into the same bytes must still wait for the read (a disk-tier record reused for another
+    expert), while the block's other rows are free to write."""
+    rt = SimulatedRuntime(seed=2, max_delay=0.05)
+    side = rt.new_stream()
+    block = rt.pinned_empty((2, 4), torch.float32)
+    dst = rt.empty((4,), torch.float32, stream=side, persistent=True)
+    rt.copy_(dst, block[0].view(4), side)  # the view dies here
+    rt.access(block[1], write=True, stream=HOST)  # other bytes: no conflict
+    with pytest.raises(HappensBeforeError, match="reused while still in use"):
+        rt.access(block[0], write=True, stream=HOST)
+    rt.record(side).synchronize()
+    rt.access(block[0], write=True, stream=HOST)
+
+
 def test_freeing_a_persistent_buffer_needs_its_other_streams_uses_done():
     """A persistent buffer's owner declares its end (`free`): compute's read of it must be ordered before the host
     by then (the allocator may hand the memory to the copy stream's next allocation at once)."""

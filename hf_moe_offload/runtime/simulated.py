@@ -83,7 +83,9 @@ class _Buffer:
     __slots__ = ("ref", "span", "name", "alloc", "persistent", "recorded", "last_write", "reads")
 
     def __init__(self, t: torch.Tensor, name: str, alloc: str | None, persistent: bool):
-        self.ref = weakref.ref(t)
+        # Alive as long as the memory is: a view's base (a read through a temporary view, e.g. one row of a record,
+        # must be remembered after the view object is gone), else the tensor itself.
+        self.ref = weakref.ref(t if t._base is None else t._base)
         self.span = _span(t)
         self.name = name
         self.alloc = alloc  # stream the block belongs to (None: not allocated by the runtime)
@@ -285,7 +287,7 @@ class SimulatedRuntime(DeviceRuntime):
         record's row and the whole record, two records of one block: only bytes shared are a conflict)."""
         key = t.untyped_storage().data_ptr()
         span = _span(t)
-        alive = [b for b in self._buffers.get(key, ()) if b.ref() is not None]  # a dead tensor's address is reused
+        alive = [b for b in self._buffers.get(key, ()) if b.ref() is not None]  # freed memory's address is reused
         own = next((b for b in alive if b.span == span), None)
         if own is None:
             own = _Buffer(t, f"tensor{tuple(t.shape)}", None, True)
