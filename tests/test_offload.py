@@ -69,7 +69,7 @@ def test_streamed_equals_resident_with_grad_accumulation(tier, depth, pin, tmp_p
     reference = small_model()
     model = copy.deepcopy(reference)
     engine = enable_expert_offload(model, offload_cfg(tier, tmp_path, depth, pin))
-    for _ in range(3):  # three micro-steps accumulate into the store's fp32 gradient slots
+    for _ in range(3):  # three micro-steps accumulate into the store's fp32 gradient rows
         x = torch.randint(0, 101, (3, 11))
         ref_out = reference(x, labels=x)
         out = model(x, labels=x)

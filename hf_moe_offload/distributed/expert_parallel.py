@@ -36,8 +36,8 @@ that micro-step to the shared fp32 gradient: no expert all-reduce. The owner of 
 All ranks compute the same owner from the same all-gathered counts. No locks are needed, because each MoE layer's
 count all-gather orders the ranks: a gradient added in micro-step t (during backward of layer l on rank p) happens
 before p joins the all-gather of layer l in micro-step t+1, and whoever adds to or steps e after that point has
-passed that all-gather too. So contributions of different ranks are summed sequentially into the shared fp32 slot,
-the owner steps e once (eagerly during backward, as ES-MoE §4.1, or in `step()`), and at the window's close every
+passed that all-gather too. So contributions of different ranks are summed sequentially into the shared fp32 gradient
+row, the owner steps e once (eagerly during backward, as ES-MoE §4.1, or in `step()`), and at the window's close every
 rank waits for its own updates, writes back what the disk tier changed (`publish`) and meets the others at a barrier
 before anyone touches an expert again. The Adam step counts and record versions live in shared memory too.
 

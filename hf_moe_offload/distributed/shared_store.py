@@ -284,7 +284,7 @@ class SharedDiskExpertStore(DiskExpertStore):
                 "ranks used one expert at once. Use the node-shared store only through enable_expert_parallel"
             )
         del self._entries[key]
-        self._free.append(entry.slot)
+        self._free.append(entry.index)
 
     def acquire(self, key, rows=None):
         with self._lock:

@@ -128,12 +128,12 @@ class ChunkSources:
 
     def stream_chunks(self, layer: int, source: Source, chunks: list[list[Segment]], phase: Phase) -> Iterator:
         """The weights of each chunk of `layer`'s segments where the experts compute, in the given order (a backward
-        passes them reversed): yields (chunk, rows, records). `source` (streamed.ChunkPlan): "slab" (a device block,
+        passes them reversed): yields (chunk, weights, records). `source` (streamed.ChunkPlan): "slab" (a device block,
         `_slab_chunks`), "layer" (the host tier's (E, P) block, `_layer_chunk`), "staged" (one by one through `stream`,
-        copied into the staging block), "expert" (one by one through `stream`). `rows`: (k, P), or for "expert" the
-        expert's (P,) weights. In a "backward" the
+        copied into the staging block), "expert" (one by one through `stream`). `weights`: the chunk's (k, P)
+        weights, or for "expert" the expert's (P,) weights. In a "backward" the
         caller owns `records` (one per segment; None where nothing was acquired: a device-pinned expert, an expert
-        without rows) and hands them over with the gradients (`gradients.chunk_arrived`) or releases them
+        without tokens) and hands them over with the gradients (`gradients.chunk_arrived`) or releases them
         (`gradients.release_record`); in a "forward" or "inference" `records` is None and the stream hands them back
         itself."""
         return self._by_name[source](layer, chunks, phase)
@@ -150,7 +150,7 @@ class ChunkSources:
         records = None
         if phase == Phase.BACKWARD:
             rows = self.backward_rows(layer)
-            records = [engine.store.acquire((layer, e), rows) if n else None for e, _, n in chunk]
+            records = [engine.store.acquire((layer, e), rows) if n_tokens else None for e, _, n_tokens in chunk]
         weights = engine.store.grouped_weights(layer, used=0 if records is not None else sum(1 for s in chunk if s[2]))
         t_start = time.perf_counter()
         try:
@@ -189,7 +189,7 @@ class ChunkSources:
             stream.close()
 
     def _slab_chunks(self, layer: int, chunks: list[list[Segment]], phase: Phase) -> Iterator:
-        """The slab's pipeline (offload/slab.py): each chunk's rows in a device block, the next chunk's upload
+        """The slab's pipeline (offload/slab.py): each chunk's weights in a device block, the next chunk's upload
         enqueued before this one is yielded (double buffering); a backward's chunk a block still holds from the
         forward is not uploaded again."""
         engine = self.engine
@@ -204,7 +204,7 @@ class ChunkSources:
         self.read_ahead(keys_all, rows_wanted, False)
         t_start = time.perf_counter()
         slab.timer.settle()
-        pending: deque = deque()  # (chunk, keys, records, rows, ready, index), at most two: one per block
+        pending: deque = deque()  # (chunk, keys, records, weights, ready, index), at most two: one per block
         issued = 0
         try:
             while issued < len(chunks) or pending:
@@ -212,13 +212,13 @@ class ChunkSources:
                     issued += 1
                     pending.append(self._upload_chunk(layer, chunks[issued - 1], chunks[issued : issued + 1],
                                                       rows_wanted, keep))
-                chunk, keys, records, rows, ready, index = pending.popleft()
-                slab.wait(index, rows)
+                chunk, keys, records, weights, ready, index = pending.popleft()
+                slab.wait(index, weights)
                 if pins is not None:
                     placed = [i for i, record in enumerate(records) if record is None]
-                    pins.place(rows, placed, [keys[i] for i in placed])
+                    pins.place(weights, placed, [keys[i] for i in placed])
                 try:
-                    yield chunk, rows, records if keep else None  # a backward's records are the caller's now
+                    yield chunk, weights, records if keep else None  # a backward's records are the caller's now
                 finally:
                     slab.done(index)
                     if not keep:
@@ -236,7 +236,7 @@ class ChunkSources:
                       backward: bool) -> tuple:
         """Acquire a chunk's records (once their updates are done), start reading the next chunk's (`after`), and
         enqueue its upload into the next slab block, unless a backward finds it still in a block ->
-        (chunk, keys, records, rows, ready, block index)."""
+        (chunk, keys, records, weights, ready, block index)."""
         engine = self.engine
         store, slab, pins = engine.store, engine.slab, engine.device_pins
         t0 = time.perf_counter()  # host-side waits: the experts' updates, disk reads
@@ -301,11 +301,11 @@ class ChunkSources:
             engine.store.prefetch(keys, rows)
 
     def backward_rows(self, layer: int) -> tuple[int, ...] | None:
-        """The rows a training backward of `layer` reads (None: all): the weights and the gradient's slot; also the
+        """The rows a training backward of `layer` reads (None: all): the weights and the gradient's row; also the
         Adam moments where the expert optimizer steps each expert in this backward (the layer's last call of the
         micro-step ends its window: `add_grad_hook`'s `steps_now`). ES-MoE §4.1: the step's reads then run ahead on
         the I/O threads with the weights', instead of on the optimizer's worker once the gradient is in, while the
-        record holds its slot."""
+        record is in the cache."""
         engine = self.engine
         if not engine.train_experts:
             return WEIGHTS

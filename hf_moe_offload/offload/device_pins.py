@@ -39,7 +39,7 @@ class DevicePins:
         self.state = runtime.empty((capacity, STATE_ROWS, numel), torch.float32, persistent=True)
         self.copies = (runtime.empty((capacity, numel), dtype, persistent=True) if dtype != torch.float32
                        else None)
-        self.records: dict[ExpertKey, ExpertRecord] = {}  # over rows of `state` (and of `copies`)
+        self.records: dict[ExpertKey, ExpertRecord] = {}  # over `state[slot]` (and `copies[slot]`)
         self.slots: dict[ExpertKey, int] = {}
         self.versions: dict[ExpertKey, int] = {}  # ExpertRecord.version of the device records: steps taken here
         self.pending: set[ExpertKey] = set()  # pinned, to come up at their next training forward (`admit`)
@@ -121,14 +121,15 @@ class DevicePins:
     def _index(self, keys: list[ExpertKey]) -> torch.Tensor:
         return torch.tensor([self.slots[k] for k in keys], device=self.state.device)
 
-    def place(self, rows: torch.Tensor, positions: list[int], keys: list[ExpertKey]) -> None:
-        """Copy these experts' compute weights into `rows` (a slab block) at `positions`: one indexed copy."""
+    def place(self, weights: torch.Tensor, positions: list[int], keys: list[ExpertKey]) -> None:
+        """Copy these experts' compute weights into `weights` (a chunk's, in a slab block) at `positions`: one indexed
+        copy."""
         if not keys:
             return
         src = self.copies if self.copies is not None else self.state[:, 0]
-        pos = torch.tensor(positions, device=rows.device)
-        self.rt.access(rows, write=True)
-        rows.index_copy_(0, pos, src.index_select(0, self._index(keys)).to(rows.dtype))
+        pos = torch.tensor(positions, device=weights.device)
+        self.rt.access(weights, write=True)
+        weights.index_copy_(0, pos, src.index_select(0, self._index(keys)).to(weights.dtype))
 
     def add_grads(self, keys: list[ExpertKey], grads: torch.Tensor) -> None:
         """Add (k, P) gradients (any float dtype; accumulated in fp32) into these experts' gradient rows."""

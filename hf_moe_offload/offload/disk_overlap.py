@@ -1,9 +1,9 @@
-"""The disk tier's I/O beside its cache (ES-MoE §4.1): what overlaps compute without taking a cache slot.
+"""The disk tier's I/O beside its cache (ES-MoE §4.1): what overlaps compute without taking a cache record.
 
 - Mapped weights: a forward on the CPU computes an uncached expert from its memory-mapped file (`map_weights`), its
-  read-ahead an fadvise (`advise`), instead of copying it into a slot.
+  read-ahead an fadvise (`advise`), instead of copying it into a cache record.
 - Write-behind: records stepped at the end of a backward are written back while the next forward computes from
-  mapped files (`write_behind`), instead of by the eviction that needs their slot.
+  mapped files (`write_behind`), instead of by the eviction that needs their place in the cache.
 `DiskExpertStore` (offload/disk_store.py) mixes these in; they use its lock, entries, eviction policy and files.
 """
 
@@ -66,7 +66,7 @@ class DiskOverlap:
     # --- write-behind ---
     def write_behind(self):
         # A training forward computes from mapped files and leaves the I/O threads idle, while each eviction in the
-        # backward that follows would first write its victim back on the thread that needs the slot (often the one
+        # backward that follows would first write its victim back on the thread that needs its place (often the one
         # computing). Records stepped at the end of the last backward are written now instead. Only under the
         # training schedule: a record cleaned and dirtied again before its eviction would be written twice.
         with self._lock:
@@ -78,7 +78,7 @@ class DiskOverlap:
 
     def _behind(self, key: ExpertKey, entry) -> bool:
         """Lock held: whether `write_behind` writes `entry` back now: dirty, idle, not pinned, and not needed again
-        within the next `cache_experts` acquisitions of the schedule (a cache of that many slots evicts it first)."""
+        within the next `cache_experts` acquisitions of the schedule (a cache of that many records evicts it first)."""
         return (entry.state is CACHED and entry.refs == 0 and entry.dirty and key not in self._pinned
                 and self.eviction.not_needed_within(key, self.cache_experts))
 

@@ -28,25 +28,25 @@ logger = logging.getLogger(__name__)
 
 
 class _Entry:
-    """An expert of the disk tier that is not only on disk: its state, the cache slot it owns and its record.
+    """An expert of the disk tier that is not only on disk: its state, its record and the cache buffer it lies in.
 
     States (every transition under the store's lock; the I/O itself runs without it):
-    - LOADING: one thread (the one that set it) reads rows of the file into the slot: a new entry (claiming a slot
-      first), or rows an existing record lacks (its holders keep using the rows they have);
-    - CACHED: the record is in its slot; `refs` > 0 while in use; `valid`: the rows that are current in the slot;
+    - LOADING: one thread (the one that set it) reads rows of the file into the record: a new entry (claiming a
+      cache buffer first), or rows an existing record lacks (its holders keep using the rows they have);
+    - CACHED: the record is in the cache; `refs` > 0 while in use; `valid`: the rows of the record that are current;
       `dirty_rows`: those newer than the file;
     - WRITING: one thread (the one that set it, from CACHED with refs == 0) writes the dirty rows back to the file.
     An expert without an entry is on disk only and nobody is touching its file. Every other thread that needs an
     expert in LOADING or WRITING waits until it is CACHED or gone, so a file is never read while it is written, a
-    record is never written back while it is in use, and a slot is never reused while its record is read, written
-    or held.
+    record is never written back while it is in use, and a record's buffer is never reused while the record is
+    read, written or held.
     """
 
-    __slots__ = ("state", "slot", "record", "refs", "valid", "dirty_rows")
+    __slots__ = ("state", "index", "record", "refs", "valid", "dirty_rows")
 
     def __init__(self):
         self.state = LOADING
-        self.slot: int | None = None
+        self.index: int | None = None  # the record's buffer in the cache (`DiskExpertStore._buffers`)
         self.record: ExpertRecord | None = None
         self.refs = 0
         self.valid: set[int] = set()
@@ -60,7 +60,7 @@ class _Entry:
 class DiskExpertStore(DiskOverlap, ExpertStore):
     """Expert files in `offload_dir` behind a host cache of `cache_experts` records.
 
-    Reads go to preallocated (pinned) cache slots with explicit `readinto`, ahead of use via `prefetch` (on the I/O
+    Reads go to preallocated (pinned) cache records with explicit `readinto`, ahead of use via `prefetch` (on the I/O
     threads, which also do the write-backs that make room); dirty rows are written back when evicted and on
     `flush()`. Only the rows a caller asks for are read and only changed rows are written: a forward reads
     an expert's weights, its backward adds the gradient (neither read nor zeroed when it is known to be zero: marked
@@ -75,7 +75,7 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
 
     tier = "disk"
     wants_schedule = True
-    stall_timeout = 60.0  # seconds a thread waits for a cache slot before the cache is declared too small
+    stall_timeout = 60.0  # seconds a thread waits for room in the cache before it is declared too small
     # Row-level I/O and gradients known to be zero. A node-shared store (several processes, one set of files) turns
     # it off: which gradients are zero is known per process only, so it moves whole records.
     row_io = True
@@ -107,35 +107,36 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
         if owner:
             self.files.discard_stale(killed=not self._dir_lock.previous_closed)
         self.cache_experts = cache_experts
-        self._slots = [torch.empty(state_rows, row_numel, dtype=row_dtype) for _ in range(cache_experts)]
-        # One compute copy per slot, allocated (and page-locked) once, not per read (quantized rows: none, they are
-        # dequantized where they compute).
-        self._compute_slots = ([torch.empty(numel, dtype=compute_dtype) for _ in range(cache_experts)]
+        # The cache's records, each in a buffer of its own (an `_Entry`'s `index`).
+        self._buffers = [torch.empty(state_rows, row_numel, dtype=row_dtype) for _ in range(cache_experts)]
+        # One compute copy per cache record, allocated (and page-locked) once, not per read (quantized rows: none,
+        # they are dequantized where they compute).
+        self._compute_buffers = ([torch.empty(numel, dtype=compute_dtype) for _ in range(cache_experts)]
                                if compute_dtype != row_dtype and quantization is None else [None] * cache_experts)
         self._free = list(range(cache_experts))
         self._entries: OrderedDict[ExpertKey, _Entry] = OrderedDict()  # least recently used first
         self._pinned: set[ExpertKey] = set()
-        # False: the gradient is zero and its row, in a slot not `valid` or in the file, means nothing.
+        # False: the gradient is zero and its row, in a cache record not `valid` or in the file, means nothing.
         self._grad_live: dict[ExpertKey, bool] = {k: False for k in self._keys}
         self.eviction = EvictionPolicy()
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="expert-io")
 
     def _dma_sources(self):
-        return [c if c is not None else b[0] for b, c in zip(self._slots, self._compute_slots)]
+        return [c if c is not None else b[0] for b, c in zip(self._buffers, self._compute_buffers)]
 
     switches_compute_dtype = True
 
     def use_compute_dtype(self, dtype: torch.dtype) -> None:
-        """`ExpertStore.switches_compute_dtype`: a copy buffer per cache slot; cached records get theirs now."""
+        """`ExpertStore.switches_compute_dtype`: a copy buffer per cache record; cached records get theirs now."""
         with self._lock:
             self._check_compute_switch(dtype)
             if any(entry.refs or entry.state != CACHED for entry in self._entries.values()):
                 raise RuntimeError("the disk tier's compute dtype changes only while no record is in use or in I/O")
             self.compute_dtype = dtype
-            self._compute_slots = [torch.empty(self.numel, dtype=dtype) for _ in range(self.cache_experts)]
-            for entry in self._entries.values():  # cached records get their slot's copy
-                entry.record.compute = self._compute_slots[entry.slot]
+            self._compute_buffers = [torch.empty(self.numel, dtype=dtype) for _ in range(self.cache_experts)]
+            for entry in self._entries.values():  # cached records get their buffer's copy
+                entry.record.compute = self._compute_buffers[entry.index]
                 entry.record.compute.copy_(entry.record.param)
 
     def path(self, key: ExpertKey) -> str:
@@ -159,8 +160,8 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
         self.files.read(key, buffer, rows, trust_checked=self.eviction.decode is not None)
 
     def _fill_rows(self, key: ExpertKey, record_buffer: torch.Tensor, rows: set[int], grad_live: bool) -> bool:
-        """Make `rows` of the slot current: read them, except a zero gradient, which is neither read nor written:
-        -> True when the caller must mark the record's gradient stale (it counts as zero; the next gradient is
+        """Make `rows` of the record's buffer current: read them, except a zero gradient, which is neither read nor
+        written: -> True when the caller must mark the record's gradient stale (it counts as zero; the next gradient is
         copied in, or the optimizer steps straight from autograd's: `ExpertRecord.grad_stale`)."""
         read = sorted(rows if grad_live else rows - {GRAD})
         if read:
@@ -184,10 +185,10 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
         idle = [k for k, e in self._entries.items() if e.state is CACHED and e.refs == 0]
         return self.eviction.victim(idle, self._entries, self._pinned, evict_pinned, for_key, speculative)
 
-    def _claim_slot(self, block: bool = True, for_key: ExpertKey | None = None) -> int | None:
-        """A free cache slot, evicting an idle record (written back first if dirty; the lock is released meanwhile).
-        Non-blocking (speculative reads for `for_key`): never evicts a pinned record, nor one needed before
-        `for_key`, and returns None when nothing is evictable."""
+    def _claim_buffer(self, block: bool = True, for_key: ExpertKey | None = None) -> int | None:
+        """A free buffer of the cache (its index), evicting an idle record (written back first if dirty; the lock is
+        released meanwhile). Non-blocking (speculative reads for `for_key`): never evicts a pinned record, nor one
+        needed before `for_key`, and returns None when nothing is evictable."""
         while True:
             if self._free:
                 return self._free.pop()
@@ -209,7 +210,7 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
                 continue  # the lock was released: choose again (the victim is now clean unless taken meanwhile)
             del self._entries[victim]
             self.stats.evictions += 1
-            return entry.slot
+            return entry.index
 
     def _write_back(self, key: ExpertKey, entry: _Entry) -> None:
         """CACHED, idle and dirty -> WRITING -> CACHED and clean (or still dirty if the write failed: nothing lost).
@@ -234,31 +235,31 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
             self._lock.notify_all()
 
     def _load(self, key: ExpertKey, entry: _Entry, rows: set[int], block: bool) -> bool:
-        """Fill this thread's LOADING `entry`: claim a slot, read `rows` of the file into it (lock released),
+        """Fill this thread's LOADING `entry`: claim a cache buffer, read `rows` of the file into it (lock released),
         -> CACHED. On failure, or when a speculative load finds nothing to evict, the entry is removed (on disk only
         again)."""
         try:
-            slot = self._claim_slot(block=block, for_key=key)
+            index = self._claim_buffer(block=block, for_key=key)
         except BaseException:
             self._abandon(key, entry, None)
             raise
-        if slot is None:
+        if index is None:
             self._abandon(key, entry, None)
             return False
         live = self._live(key)
         self._lock.release()
         try:
-            # The slot's last record may still be read by an upload: the engine releases it only after the copy.
-            self.runtime.access(self._slots[slot][0], write=True, stream=HOST)
-            stale = self._fill_rows(key, self._slots[slot], rows, live)
-            record = self._new_record(key, self._slots[slot], self._compute_slots[slot])
+            # The buffer's last record may still be read by an upload: the engine releases it only after the copy.
+            self.runtime.access(self._buffers[index][0], write=True, stream=HOST)
+            stale = self._fill_rows(key, self._buffers[index], rows, live)
+            record = self._new_record(key, self._buffers[index], self._compute_buffers[index])
             record.grad_stale = stale
         except BaseException:
             self._lock.acquire()
-            self._abandon(key, entry, slot)
+            self._abandon(key, entry, index)
             raise
         self._lock.acquire()
-        entry.slot, entry.record, entry.state, entry.valid = slot, record, CACHED, set(rows)
+        entry.index, entry.record, entry.state, entry.valid = index, record, CACHED, set(rows)
         self._entries.move_to_end(key)
         self._lock.notify_all()
         return True
@@ -281,10 +282,10 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
                 entry.valid |= rows
             self._lock.notify_all()
 
-    def _abandon(self, key: ExpertKey, entry: _Entry, slot: int | None) -> None:
+    def _abandon(self, key: ExpertKey, entry: _Entry, index: int | None) -> None:
         del self._entries[key]
-        if slot is not None:
-            self._free.append(slot)
+        if index is not None:
+            self._free.append(index)
         self._lock.notify_all()
 
     def _background_load(self, key: ExpertKey, entry: _Entry, rows: set[int]) -> None:
@@ -328,12 +329,12 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
                 if entry is None:
                     entry = self._entries[key] = _Entry()
                     try:
-                        slot = self._claim_slot()
+                        index = self._claim_buffer()
                     except BaseException:
                         self._abandon(key, entry, None)
                         raise
-                    record = self._new_record(key, self._slots[slot], self._compute_slots[slot])
-                    entry.slot, entry.record, entry.state = slot, record, CACHED
+                    record = self._new_record(key, self._buffers[index], self._compute_buffers[index])
+                    entry.index, entry.record, entry.state = index, record, CACHED
                     break
                 if entry.state is CACHED:
                     break
@@ -456,8 +457,8 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
                     self._pool.submit(self._background_load, key, entry, want)
 
     def set_pinned(self, keys):
-        # The engine leaves room for the records in flight (OffloadEngine.pin_limit); should every slot be pinned,
-        # pinned records are still evicted, last.
+        # The engine leaves room for the records in flight (OffloadEngine.pin_limit); should every cache record be
+        # pinned, pinned records are still evicted, last.
         with self._lock:
             self._pinned = set(keys)
 

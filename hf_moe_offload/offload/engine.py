@@ -198,8 +198,9 @@ class OffloadEngine:
         return fut
 
     def release_after(self, key: ExpertKey, ready: Event | None) -> None:
-        """Hand a record back to the store once the upload that reads it has happened (a disk-tier slot or an
-        update could overwrite it otherwise). Waited for on the host worker, never on the compute thread."""
+        """Hand a record back to the store once the upload that reads it has happened (the disk tier's cache
+        reusing its buffer, or an update, could overwrite it otherwise). Waited for on the host worker, never on the
+        compute thread."""
         if ready is None or self.store.tier == "host" and self.coordinator is None:
             # Host tier: the record never moves, and its next write (an update) is ordered after this upload by the
             # gradient download it follows.

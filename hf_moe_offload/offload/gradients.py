@@ -1,9 +1,9 @@
-"""The gradient sinks: a chunk's expert gradients on their way into the store's fp32 slots (ES-MoE §4.1).
+"""The gradient sinks: a chunk's expert gradients on their way into the records' fp32 gradient rows (ES-MoE §4.1).
 
-The engine's plan picks one at bind (`OffloadPlan.gradients`): `HostGradients` where the host computes (autograd's rows
-land in the records on the thread that has them), `DeviceGradients` on a device (the chunk's rows go down as one block
-on the gradient stream, `GradRing`; device-pinned experts' stay on the device). Both hand final gradients to the update
-ledger's hooks (the expert optimizer) and land what no hook takes.
+The engine's plan picks one at bind (`OffloadPlan.gradients`): `HostGradients` where the host computes (autograd's
+gradients land in the records on the thread that has them), `DeviceGradients` on a device (the chunk's gradients go
+down as one block on the gradient stream, `GradRing`; device-pinned experts' stay on the device). Both hand final
+gradients to the update ledger's hooks (the expert optimizer) and land what no hook takes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .transfers import GradArrival, GradRing
 
 
 class HostGradients:
-    """The host computes: each expert's rows of autograd's tensors are its arrival, landed where they are."""
+    """The host computes: each expert's slices of autograd's tensors are its arrival, landed where they are."""
 
     def __init__(self, engine):
         self.engine = engine  # the OffloadEngine whose store, runtime, layers and ledger these gradients go through
@@ -26,7 +26,7 @@ class HostGradients:
                       grads: tuple[torch.Tensor, ...]) -> None:
         """A chunk's expert gradients ((k, ...) per tensor, layout order; none: frozen experts) with the records
         `stream_chunks` handed over with them."""
-        routed = [i for i, (_, _, n) in enumerate(chunk) if n]
+        routed = [i for i, (_, _, n_tokens) in enumerate(chunk) if n_tokens]
         keys = [(layer, chunk[i][0]) for i in routed]
         if not grads:
             for i, key in zip(routed, keys):
@@ -66,9 +66,9 @@ class HostGradients:
 
 
 class DeviceGradients(HostGradients):
-    """A device: the rows of a chunk's experts with tokens go down as one (k, P) block on the gradient stream, each
-    row handed over as its arrival (landed by whoever takes it; the buffer is reused once all are); device-pinned
-    experts' (record None) stay on the device, added in one indexed add (offload/device_pins.py)."""
+    """A device: the gradients of a chunk's experts with tokens go down as one (k, P) block on the gradient stream,
+    each expert's row handed over as its arrival (landed by whoever takes it; the buffer is reused once all are);
+    device-pinned experts' (record None) stay on the device, added in one indexed add (offload/device_pins.py)."""
 
     ring_size = 4  # gradient download buffers in flight
 
@@ -103,7 +103,7 @@ class DeviceGradients(HostGradients):
         if k == 1:
             self.hand_over(layer, [(keys[0], records[0], block)])
             return
-        rows = block.buffer.view(k, engine.store.numel).unbind(0)  # one op, not one per expert
+        per_expert = block.buffer.view(k, engine.store.numel).unbind(0)  # one op, not one per expert
         left = [k]
         lock = threading.Lock()
 
@@ -114,7 +114,7 @@ class DeviceGradients(HostGradients):
             if last:
                 block.release()
 
-        self.hand_over(layer, [(key, record, GradArrival(engine.runtime, rows[i], block.event, landed))
+        self.hand_over(layer, [(key, record, GradArrival(engine.runtime, per_expert[i], block.event, landed))
                                for i, (key, record) in enumerate(zip(keys, records))])
 
     def land(self, key: ExpertKey, record: ExpertRecord, arrival: GradArrival) -> None:

@@ -7,7 +7,7 @@ offloading systems mixtral-offloading, MoE-Infinity, Pre-gated MoE and Fiddler:
 - `DecodeCache`: the disk tier's eviction while decoding: a score per expert, its use frequency with exponential
   decay per token, and a budget per layer (`capacity // layers`) so that one layer's hot experts cannot push every
   other layer's out (the idea of mixtral-offloading's per-layer expert caches and MoE-Infinity's activation-aware
-  cache, here as one policy over the store's existing slots).
+  cache, here as one policy over the store's existing cache records).
 - `PreGate`: while layer l runs, layer l+1's router applied to layer l's router input guesses the experts layer l+1
   will pick (Pre-gated MoE; mixtral-offloading's speculative expert loading), helped by how often each expert
   followed the token's layer-l experts so far (MoE-Infinity's activation tracing) and by the experts layer l+1 picked
@@ -39,14 +39,14 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeCache:
-    """Eviction scores for decoding: frequency with exponential decay per token, a budget of slots per layer."""
+    """Eviction scores for decoding: frequency with exponential decay per token, a budget of cache records per layer."""
 
     def __init__(self, num_layers: int, capacity: int, decay: float = 0.9):
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"the decode cache's decay must be in (0, 1], got {decay}")
         self.num_layers = num_layers
         self.capacity = capacity
-        self.budget = max(1, capacity // max(1, num_layers))  # slots a layer keeps under pressure
+        self.budget = max(1, capacity // max(1, num_layers))  # cache records a layer keeps under pressure
         self.decay = decay
         self.tick = 0  # tokens (forward passes) so far
         self._score: dict[ExpertKey, tuple[float, int]] = {}  # key -> (score, tick it was last brought up to)
@@ -77,7 +77,7 @@ class DecodeCache:
 
     def victim(self, idle: Iterable[ExpertKey], held: Counter, incoming: ExpertKey | None,
                speculative: bool) -> ExpertKey | None:
-        """Which of the `idle` cached experts to evict for `incoming`, given how many slots each layer `held`s
+        """Which of the `idle` cached experts to evict for `incoming`, given how many cache records each layer `held`s
         (counting `incoming`'s). A layer over its budget gives first: the incoming layer's own coldest expert when it
         is over, else the coldest of the other layers over budget. A blocking read then takes the coldest of all; a
         speculative one (a guess) takes nothing from a layer within its budget. Within the chosen pool, experts read
@@ -213,14 +213,15 @@ class PreGate:
         return routed
 
     def _distributions(self, layer: int, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each available source's (T, E) distribution over `layer`'s experts (rows sum to 1, or 0 with no data)."""
+        """Each available source's (T, E) distribution over `layer`'s experts (each token's sums to 1, or 0 with no
+        data)."""
         out = {"router": self.routers[layer].logits(hidden).softmax(-1, dtype=torch.float32)}
         counts, last = self.coactivation.get(layer - 1), self._just_routed(layer - 1)
         if counts is not None and last is not None:
             followed = last @ counts  # (T, E): how often each expert followed the token's experts
             out["co-activation"] = followed / followed.sum(-1, keepdim=True).clamp_min(1.0)
         previous = self.previous.get(layer)
-        if previous is not None and previous.shape[0] == hidden.shape[0]:  # the same rows (tokens of a batch)
+        if previous is not None and previous.shape[0] == hidden.shape[0]:  # the same tokens (of a batch)
             out["previous token"] = previous / previous.sum(-1, keepdim=True).clamp_min(1.0)
         return out
 
@@ -254,7 +255,7 @@ class PlacementCostModel:
     link_bytes_per_s: float
 
     def host_seconds(self, tokens: int, flops_per_token: float, activation_bytes_per_token: float) -> float:
-        # The expert's FLOPs on the host, plus its input rows down and its output rows back up.
+        # The expert's FLOPs on the host, plus its tokens' inputs down and their outputs back up.
         return tokens * flops_per_token / self.host_flops + 2 * tokens * activation_bytes_per_token / self.link_bytes_per_s
 
     def upload_seconds(self, weight_bytes: int) -> float:
@@ -270,17 +271,18 @@ class PlacementCostModel:
         return max(0, math.ceil(self.upload_seconds(weight_bytes) / per_token) - 1)
 
     @classmethod
-    def measure(cls, runtime, numel: int, dtype: torch.dtype, rows: int = 8, repeats: int = 5) -> "PlacementCostModel":
-        """Host speed from a (rows x n) @ (n x n) matmul in `dtype` of about one expert's size; link speed from
+    def measure(cls, runtime, numel: int, dtype: torch.dtype, tokens: int = 8,
+                repeats: int = 5) -> "PlacementCostModel":
+        """Host speed from a (tokens x n) @ (n x n) matmul in `dtype` of about one expert's size; link speed from
         copies of an expert-sized page-locked buffer to the device (best of `repeats`)."""
         n = max(64, int(math.isqrt(numel // 2)))
-        a, b = torch.randn(rows, n).to(dtype), torch.randn(n, n).to(dtype)
+        a, b = torch.randn(tokens, n).to(dtype), torch.randn(n, n).to(dtype)
         best = math.inf
         for _ in range(repeats):
             t0 = time.perf_counter()
             a @ b
             best = min(best, time.perf_counter() - t0)
-        host_flops = 2 * rows * n * n / max(best, 1e-9)
+        host_flops = 2 * tokens * n * n / max(best, 1e-9)
         src = runtime.pinned_empty((numel,), dtype)
         dst = runtime.empty((numel,), dtype, persistent=True)
         best = math.inf

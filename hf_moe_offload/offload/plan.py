@@ -23,7 +23,7 @@ from .slab import default_chunk, slab_nbytes
 # A staged chunk's records are held from its backward's stream until the optimizer has stepped them, while the next
 # chunk's are acquired: 2 chunks and the reads ahead, beside the pins, each of which saves an expert's I/O every step.
 # A grouped call has a fixed cost, so chunks of 8 (the fastest of 2 / 4 / 8 measured); staging pays where most experts
-# are cached, and with a quarter cached it runs no faster while its chunks take slots from the pins (more bytes
+# are cached, and with a quarter cached it runs no faster while its chunks take cache records from the pins (more bytes
 # written), so by default a cache of less than half the experts streams them one at a time (benchmarks/RESULTS.md,
 # "staged chunks on the disk tier").
 STAGE_MAX = 8
@@ -46,7 +46,7 @@ class Phase(str, Enum):
 
 
 # Gradient paths (`OffloadPlan.gradients`).
-GRADS_IN_PLACE = "in-place"  # the host computes: autograd's rows land in the records on the thread that has them
+GRADS_IN_PLACE = "in-place"  # the host computes: autograd's gradients land in the records on the thread that has them
 GRADS_DOWNLOADED = "downloaded"  # a device: one block per chunk down a ring of page-locked buffers, landed off-thread
 
 
@@ -140,7 +140,7 @@ def stage_chunk(cache: int, depth: int, experts: int, setting: int | None = None
 
 
 def pin_room(cache: int | None, depth: int, stage_experts: int = 1, slab_experts: int = 0) -> int | None:
-    """Pins take host-cache slots for good: the disk tier's cache keeps room for the records in flight (the one
+    """Pins take host-cache records for good: the disk tier's cache keeps room for the records in flight (the one
     computing, `depth` read ahead, and two staged or slab chunks), or the stream evicts pinned records and pinning
     saves nothing. None: no bound (the host tier)."""
     if cache is None:
@@ -212,9 +212,9 @@ def resolve_plan(config: OffloadConfig, machine: Machine, store: StoreFacts, lay
         pins = device_pin_count(config.pin_fraction, layer_experts, limit, store.numel, dtype,
                                 device_budget(config, machine.free_memory), slab)
     # On the CPU the host is the device: an expert's file in the page cache is as close to the compute as a cache
-    # slot, so a forward computes from the mapped file instead of copying it into a slot (a training backward still
+    # record, so a forward computes from the mapped file instead of copying it into one (a training backward still
     # reads the record: the optimizer updates it). A device needs the weights in its own memory (uploaded from
-    # page-locked slots): there the cache stays.
+    # page-locked cache records): there the cache stays.
     can_map = store.mappable and on_host
     if config.mmap_weights and not can_map:
         raise ValueError(

@@ -10,9 +10,9 @@ sends the chunk's gradients to the host as one (k, P) block (`GradRing`). k = ev
 device budget allows: then the work launched per layer does not grow with the number of experts.
 
 Upload copies: one per run of experts whose host rows are adjacent (the host tier keeps a layer's weights as one
-(E, P) block, so the routed experts of a layer are a few runs); the disk tier's cache slots are apart (one copy per
+(E, P) block, so the routed experts of a layer are a few runs); the disk tier's cache records are apart (one copy per
 expert). A pinned expert (ES-MoE §4.3) comes from the device: a training call's pins hold their whole state there
-(offload/device_pins.py) and compute copies their rows into the block after the upload; otherwise from the stager's
+(offload/device_pins.py) and compute copies their weights into the block after the upload; otherwise from the stager's
 device copy, on the slab's stream.
 """
 
@@ -55,9 +55,9 @@ class DeviceSlab:
     """Two (k, P) device blocks in the compute dtype, written by uploads on a copy stream of their own.
 
     `upload(sources)` fills the next block (after the compute stream is done with what it held: `done`) and returns
-    (rows, ready, index); compute waits for `ready` (`wait`) before reading the rows and calls `done(index)` after its
-    last use. A block remembers which experts at which versions it holds (`holding`), so that a backward finding them
-    still there skips their upload.
+    (weights, ready, index); compute waits for `ready` (`wait`) before reading the weights and calls `done(index)`
+    after its last use. A block remembers which experts at which versions it holds (`holding`), so that a backward
+    finding them still there skips their upload.
     """
 
     def __init__(self, runtime: DeviceRuntime, numel: int, dtype: torch.dtype, experts: int, stats: OffloadStats):
@@ -68,7 +68,8 @@ class DeviceSlab:
         self.dtype = dtype
         self.stream = runtime.new_stream()
         self.timer = StallTimer(runtime, stats)
-        # Rows 16-byte aligned (the grouped GEMM's rule); contiguous, so that one copy fills a run of rows.
+        # Each expert's row 16-byte aligned (the grouped GEMM's rule); contiguous, so that one copy fills a run of
+        # experts.
         self.stride = aligned_nbytes(numel, dtype) // dtype.itemsize
         self.blocks = [runtime.empty((experts * self.stride,), dtype, stream=self.stream, persistent=True)
                        .as_strided((experts, numel), (self.stride, 1)) for _ in range(2)]
@@ -88,15 +89,15 @@ class DeviceSlab:
 
     def upload(self, sources: list[tuple[ExpertKey, int, torch.Tensor, Event | None]],
                backward: bool = False) -> tuple[torch.Tensor, Event, int]:
-        """Upload each (key, version, source, source_ready) into consecutive rows of the next block -> (rows, ready,
-        index). `source` is a host row (page-locked), a device copy (a pinned expert, `source_ready` its upload) or
-        None (a row the caller fills on the compute stream after `wait`: a device-pinned expert). Host rows adjacent
+        """Upload each (key, version, source, source_ready) into the next block, one row each in order -> (weights,
+        ready, index). `source` is a host row (page-locked), a device copy (a pinned expert, `source_ready` its upload)
+        or None (a row the caller fills on the compute stream after `wait`: a device-pinned expert). Host rows adjacent
         in memory go up in one copy. Counted in `stats.h2d_bytes` (host sources; a backward's in
         `h2d_reupload_bytes` too)."""
         rt, i = self.rt, self.next
         self.next = 1 - i
         held = [(key, version) for key, version, _, _ in sources]
-        rows = self.blocks[i][: len(sources)]
+        weights = self.blocks[i][: len(sources)]
         rt.wait_event(self.free[i], self.stream)  # compute is done with what the block held
         self.holding[i] = []  # overwritten from here on
         for lo, hi in _runs(sources, self.stride):
@@ -108,19 +109,19 @@ class DeviceSlab:
                 rt.record_stream(src, self.stream)
             if hi - lo > 1:
                 src = src.as_strided((hi - lo, self.numel), (self.numel, 1))
-            nbytes = upload_weights(rt, rows[lo:hi] if hi - lo > 1 else rows[lo], src, self.stream)
+            nbytes = upload_weights(rt, weights[lo:hi] if hi - lo > 1 else weights[lo], src, self.stream)
             if sources[lo][3] is None:  # from the host (a pinned expert's device copy was counted when uploaded)
                 self.stats.h2d_bytes += nbytes
                 if backward:
                     self.stats.h2d_reupload_bytes += nbytes
         self.ready[i] = rt.record(self.stream)
         self.holding[i] = held
-        return rows, self.ready[i], i
+        return weights, self.ready[i], i
 
-    def wait(self, index: int, rows: torch.Tensor) -> None:
-        """The compute stream waits for block `index`'s upload before reading `rows`."""
+    def wait(self, index: int, weights: torch.Tensor) -> None:
+        """The compute stream waits for block `index`'s upload before reading `weights` (the chunk's, in that block)."""
         self.timer.wait(self.ready[index])
-        self.rt.access(rows)
+        self.rt.access(weights)
 
     def done(self, index: int) -> None:
         """Compute's last use of block `index` is enqueued: the next upload into it waits for this point."""
@@ -145,13 +146,13 @@ def default_chunk(layer_experts: int, numel: int, dtype: torch.dtype, budget: in
 
 
 def slab_nbytes(experts: int, numel: int, dtype: torch.dtype) -> int:
-    """Device bytes of a slab of `experts` per chunk: two blocks of aligned rows."""
+    """Device bytes of a slab of `experts` per chunk: two blocks, one aligned row per expert."""
     return 2 * experts * aligned_nbytes(numel, dtype)
 
 
 def _runs(sources: list, stride: int) -> list[tuple[int, int]]:
-    """[lo, hi) ranges of `sources` whose tensors follow one another in memory with no gap, in a slab whose rows are
-    `stride` elements apart (a multi-row copy needs the rows packed alike on both sides)."""
+    """[lo, hi) ranges of `sources` whose tensors follow one another in memory with no gap, in a slab whose experts lie
+    `stride` elements apart (a multi-expert copy needs them packed alike on both sides)."""
     out, lo = [], 0
     for j in range(1, len(sources) + 1):
         if j < len(sources):

@@ -38,10 +38,10 @@ from .quantized import EncodedWeights, ExpertQuantization
 from .telemetry import OffloadStats
 
 ExpertKey = tuple[int, int]  # (MoE layer index, expert index)
-SLOTS = ("param", "grad", "exp_avg", "exp_avg_sq")
 
 
 STATE_ROWS = 4  # rows of a trainable expert's record: param, grad, exp_avg, exp_avg_sq
+ROW_NAMES = ("param", "grad", "exp_avg", "exp_avg_sq")  # the record's rows, in order
 PARAM, GRAD, EXP_AVG, EXP_AVG_SQ = range(STATE_ROWS)
 WEIGHTS = (PARAM,)  # what a forward reads
 WEIGHTS_AND_GRAD = (PARAM, GRAD)  # what a backward reads (and adds its gradient to)
@@ -95,7 +95,7 @@ class ExpertRecord:
         self._split = None
         self.compute = None
         if compute_dtype != buffer.dtype and decoder is None:
-            # The disk tier passes its cache slot's compute buffer: nothing is allocated (or pinned) per read.
+            # The disk tier passes its cache record's compute buffer: nothing is allocated (or pinned) per read.
             self.compute = compute if compute is not None else torch.empty(buffer.shape[1], dtype=compute_dtype)
             self.compute.copy_(self.param)
 
@@ -461,7 +461,7 @@ class HostExpertStore(ExpertStore):
         pass
 
     def grouped_weights(self, layer: int, used: int = 0) -> torch.Tensor | None:
-        """The weights of every expert of `layer`, (E, P) in the compute dtype, rows in expert order: a view of the
+        """The weights of every expert of `layer`, (E, P) in the compute dtype, experts in order: a view of the
         records themselves, read-only, current until the experts' next update (the caller waits for pending ones).
         None when the layer's experts here are not all of 0..E-1 (an expert-parallel shard). `used`: the experts the
         caller computes from it, counted as hits like that many `acquire`s."""

@@ -1,9 +1,9 @@
 """The streamed experts of one MoE layer: one chunked path on every runtime (ES-MoE §4.1).
 
 A call's routed experts run in chunks of k: a chunk's weights are made usable where the experts compute (the engine's
-`stream_chunks`: uploaded into a device slab, copied into a host staging block, or read in place) and its rows run as
+`stream_chunks`: uploaded into a device slab, copied into a host staging block, or read in place) and its tokens run as
 one grouped GEMM per matmul; the next chunk's weights come in meanwhile. k = 1 is ES-MoE's per-expert pipeline (each
-expert by its own function: dropout inside the experts replays one RNG state per expert, a decoded token's few rows);
+expert by its own function: dropout inside the experts replays one RNG state per expert, a decode step's few tokens);
 k = a layer's experts is the host tier's whole-layer GEMM or a device's layer-granular slab. Backward takes the chunks
 in reverse, differentiates each chunk's forward (kept, or recomputed from the weights streamed again: T_M is not kept
 on a device), and hands the chunk's expert gradients to the engine at once (one block down from a device).
@@ -27,15 +27,15 @@ from .expert_lora import ChunkLora, ExpertLora, active_expert_lora
 from .plan import Phase, Source
 from .store import WEIGHTS, ExpertKey
 
-Segment = tuple[int, int, int]  # (expert, first row, rows) in the call's expert-sorted input
+Segment = tuple[int, int, int]  # (expert, first token, tokens) in the call's expert-sorted input
 
 
 @dataclass(frozen=True)
 class ChunkPlan:
     """How one call runs its experts: `chunks` of segments, each chunk computed at once, its weights from `source`
     (offload/chunk_sources.py): SLAB (a device block of k experts), LAYER (the host tier's (E, P) block: one chunk of
-    every expert, those without rows included), STAGED (streamed one by one and copied into the host staging block,
-    k = `stage_experts`): one grouped GEMM per matmul over the chunk's (k, P) rows; EXPERT (streamed one by one,
+    every expert, those without tokens included), STAGED (streamed one by one and copied into the host staging block,
+    k = `stage_experts`): one grouped GEMM per matmul over the chunk's (k, P) weights; EXPERT (streamed one by one,
     k = 1): the layout's expert function over the expert's (P,) weights. `lora`: the peft
     adapters on the experts' tensors this call applies (offload/expert_lora.py)."""
 
@@ -49,16 +49,16 @@ class ChunkPlan:
 
 
 def segments(counts, ids, keep_empty: bool = False) -> list[Segment]:
-    out, start = [], 0
-    for e, n in zip(ids, counts):
-        if n or keep_empty:
-            out.append((e, start, n))
-        start += n
+    out, first = [], 0
+    for e, n_tokens in zip(ids, counts):
+        if n_tokens or keep_empty:
+            out.append((e, first, n_tokens))
+        first += n_tokens
     return out
 
 
 def span(chunk: list[Segment]) -> tuple[int, int]:
-    """The chunk's rows [lo, hi) of the call's input (its segments are adjacent)."""
+    """The chunk's tokens [lo, hi) of the call's input (its segments are adjacent)."""
     return chunk[0][1], chunk[-1][1] + chunk[-1][2]
 
 
@@ -192,7 +192,7 @@ class OffloadedExpertsLayer:
         return ChunkPlan(source, [routed[i : i + k] for i in range(0, len(routed), k)])
 
     def grouped_counts(self, x: torch.Tensor, counts: list[int], ids: list[int]) -> list[int] | None:
-        """Rows per expert, all E in expert order, when this call's chunks each run as one grouped GEMM per matmul
+        """Tokens per expert, all E in expert order, when this call's chunks each run as one grouped GEMM per matmul
         under the resident experts' rule (`grouped_expert_counts`); None: expert by expert. A device: training calls
         through the slab. The CPU: over the store's (E, P) weights where it keeps a layer's so (the host tier), else in
         a training call over the engine's staging block (the disk tier, `stage_experts` > 1)."""
@@ -213,25 +213,25 @@ class OffloadedExpertsLayer:
         return grouped_expert_counts(x, self.layout.matrices(views), counts, ids, self.module, self.num_experts)
 
     # --- one chunk's compute ---
-    def _tensors(self, rows: torch.Tensor, x: torch.Tensor, grouped: bool) -> list[torch.Tensor]:
-        """The chunk's expert tensors (layout order): (k, ...) views of its rows, or one expert's views of its (P,)
-        weights. Under autocast a streamed copy is used in its own dtype (autocast casts per op; a bf16 copy is never
-        upcast back to fp32); without it the weights take the activations' dtype. Views of fixed buffers (blocks, host
-        records, cache slots) are made once per buffer: decoding calls each expert for one token, and making the views
-        cost as much as its GEMMs."""
+    def _tensors(self, weights: torch.Tensor, x: torch.Tensor, grouped: bool) -> list[torch.Tensor]:
+        """The chunk's expert tensors (layout order): (k, ...) views of its (k, P) weights, or one expert's views of
+        its (P,) weights. Under autocast a streamed copy is used in its own dtype (autocast casts per op; a bf16 copy is
+        never upcast back to fp32); without it the weights take the activations' dtype. Views of fixed buffers (blocks,
+        host records, the disk tier's cache records) are made once per buffer: decoding calls each expert for one
+        token, and making the views cost as much as its GEMMs."""
         autocast = torch.is_autocast_enabled(x.device.type)
-        if not autocast and rows.dtype != x.dtype:
-            rows = rows.to(x.dtype)
-            return self.layout.grouped_views(rows) if grouped else self.layout.views(rows)
+        if not autocast and weights.dtype != x.dtype:
+            weights = weights.to(x.dtype)
+            return self.layout.grouped_views(weights) if grouped else self.layout.views(weights)
         if not grouped and not self.engine.plan.reuse_views:
             # a slot or a device copy (cheap on the host), or a quantized expert dequantized for this use only (a
             # new tensor each time: cached views would keep every one alive)
-            return self.layout.views(rows)
-        key = (rows.data_ptr(), tuple(rows.shape), grouped)
+            return self.layout.views(weights)
+        key = (weights.data_ptr(), tuple(weights.shape), grouped)
         views = self._view_cache.get(key)
         if views is None:
-            views = self._view_cache[key] = (self.layout.grouped_views(rows) if grouped
-                                             else self.layout.views(rows))
+            views = self._view_cache[key] = (self.layout.grouped_views(weights) if grouped
+                                             else self.layout.views(weights))
         return views
 
     def _chunk_lora(self, plan: ChunkPlan, chunk: list[Segment], leaves: bool) -> ChunkLora | None:
@@ -247,21 +247,21 @@ class OffloadedExpertsLayer:
             def adapt(linear):
                 return lora.linear(linear, self.layout.names(), tensors)
         if grouped:
-            return self.layout.grouped_forward(xs, [n for _, _, n in chunk], tensors, adapt)
+            return self.layout.grouped_forward(xs, [n_tokens for _, _, n_tokens in chunk], tensors, adapt)
         return self.layout.forward(xs, tensors, adapt)
 
-    def _forward_chunk(self, xs: torch.Tensor, chunk: list[Segment], rows: torch.Tensor, plan: ChunkPlan,
+    def _forward_chunk(self, xs: torch.Tensor, chunk: list[Segment], weights: torch.Tensor, plan: ChunkPlan,
                        graphs: list | None) -> torch.Tensor:
         """One chunk's forward; with `graphs`, its graph is kept for backward (`keep_activations`): the middle
         activation (T_M) saved as a resident model saves it, the weights not (`_kept_graph`)."""
         grouped = plan.grouped
         if graphs is None:
             lora = self._chunk_lora(plan, chunk, leaves=False)
-            return self._compute(xs, chunk, self._tensors(rows, xs, grouped), grouped, lora)
-        leaves = [t.detach().requires_grad_(True) for t in self._tensors(rows, xs, grouped)]
+            return self._compute(xs, chunk, self._tensors(weights, xs, grouped), grouped, lora)
+        leaves = [t.detach().requires_grad_(True) for t in self._tensors(weights, xs, grouped)]
         lora = self._chunk_lora(plan, chunk, leaves=True)
         graphs.append((*_kept_graph(lambda inputs: self._compute(inputs, chunk, leaves, grouped, lora), xs, leaves,
-                                    rows), lora))
+                                    weights), lora))
         return graphs[-1][2].detach()
 
     def _differentiate(self, ys, xs, leaves: list, gy, params: tuple, g_params: list, lora: ChunkLora | None,
@@ -300,11 +300,11 @@ class OffloadedExpertsLayer:
                 chunks = [c for c in chunks if c[0] not in on_host]
         save_rng = rng_states is not None and graphs is None and not plan.grouped and dropout_active(self.module)
         with contextlib.closing(engine.sources.stream_chunks(self.layer, plan.source, chunks, phase)) as stream:
-            for chunk, rows, _ in stream:
+            for chunk, weights, _ in stream:
                 lo, hi = span(chunk)
                 if save_rng:
                     rng_states.append(get_rng(x.device))
-                out = self._forward_chunk(x[lo:hi], chunk, rows, plan, graphs)
+                out = self._forward_chunk(x[lo:hi], chunk, weights, plan, graphs)
                 if y is None:
                     y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out.dtype)
                 y[lo:hi] = out
@@ -324,15 +324,15 @@ class OffloadedExpertsLayer:
         stream = engine.sources.stream_chunks(self.layer, plan.source, [plan.chunks[c] for c in order],
                                               Phase.BACKWARD)
         with contextlib.closing(stream):
-            for c, (chunk, rows, records) in zip(order, stream):
+            for c, (chunk, weights, records) in zip(order, stream):
                 try:
                     lo, hi = span(chunk)
                     if graphs:
                         xs, leaves, ys, holder, lora = graphs[c]
-                        holder[0] = rows  # the kept graph's saved weights are these (see _kept_graph)
+                        holder[0] = weights  # the kept graph's saved weights are these (see _kept_graph)
                         graphs[c] = None  # freed once used, as autograd frees a resident model's saved tensors
                     else:
-                        leaves = [t.detach().requires_grad_(True) for t in self._tensors(rows, x, plan.grouped)]
+                        leaves = [t.detach().requires_grad_(True) for t in self._tensors(weights, x, plan.grouped)]
                         lora = self._chunk_lora(plan, chunk, leaves=True)
                         xs = x[lo:hi].detach().requires_grad_(True)
                         with torch.enable_grad(), torch.random.fork_rng(devices=rng_devices(x.device),
@@ -359,23 +359,23 @@ class OffloadedExpertsLayer:
     def _run_on_host(self, x: torch.Tensor, on_host: list[Segment]) -> torch.Tensor:
         """Inference on an asynchronous device: run these experts on the host, from the store's host weights,
         instead of uploading them (Fiddler; `DecodePath.compute_on_host` chose them). -> the output buffer with
-        their rows filled, in the dtype the device experts produce."""
+        their tokens' outputs filled, in the dtype the device experts produce."""
         engine = self.engine
         engine.runtime.record().synchronize()  # the host reads the inputs the compute stream produced
         out_dtype = compute_dtype(x)
         y = None
-        for e, start, n in on_host:
+        for e, first, n_tokens in on_host:
             key = (self.layer, e)
             engine.ledger.wait_for_update(key)
             record = engine.store.acquire(key, WEIGHTS)
             try:
-                xs = x[start : start + n].to("cpu")
+                xs = x[first : first + n_tokens].to("cpu")
                 out = self.layout.forward(xs, self._tensors(record.compute_param(), xs, grouped=False))
             finally:
                 engine.store.release(key)
             if y is None:
                 y = x.new_empty((x.shape[0], out.shape[-1]), dtype=out_dtype)
-            y[start : start + n] = out.to(x.device, out_dtype)
+            y[first : first + n_tokens] = out.to(x.device, out_dtype)
             engine.stats.host_computed_experts += 1
         return y
 
@@ -385,9 +385,9 @@ def _kept_graph(forward: Callable, xs: torch.Tensor, leaves: list[torch.Tensor],
     saved tensors that are views of `w` are packed as their place in it and unpacked from `holder[0]`, which the
     backward sets to the same weights at the same places (`w` itself, or the buffer they were streamed or staged
     into again: nothing updates an expert between its forward and its backward in a micro-step, since its step
-    waits for the backward of the layer's last call). So a disk-tier slot can hold other experts meanwhile, and the
-    host tier's records need no autograd version check (a gradient landed by another call of the layer, MPMoE
-    partitions, bumps the counter of the record's buffer). -> (input leaf, leaves, output, holder)."""
+    waits for the backward of the layer's last call). So the disk tier's cache may evict the record and fill its
+    buffer with another expert meanwhile, and the host tier's records need no autograd version check (a gradient
+    landed by another call of the layer, MPMoE partitions, bumps the counter of the record's buffer). -> (input leaf, leaves, output, holder)."""
     holder: list[torch.Tensor | None] = [None]
     base, origin = w.untyped_storage().data_ptr(), w.storage_offset()
 

@@ -3,8 +3,8 @@
 `DeviceStager`: one expert's weights at a time into a ring of device slots on a side stream (the per-expert stream,
 k = 1), and the device copies of pinned experts (ES-MoE §4.3); `HostStager` where the host computes (nothing copied). `GradRing`: gradients on their way to the host, a ring
 of page-locked buffers filled on a stream of their own. `GradArrival`: one expert's gradient for this micro-step,
-landed into the store's fp32 slot by whoever takes it (the expert optimizer's worker, or the engine's). The slab of a
-layer's experts (k > 1 on a device) is `offload/slab.py`.
+landed into the record's fp32 gradient row by whoever takes it (the expert optimizer's worker, or the engine's). The
+slab of a layer's experts (k > 1 on a device) is `offload/slab.py`.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class GradRing:
 
 
 class GradArrival:
-    """One expert's gradient for this micro-step, on its way into the store's fp32 gradient slot: a flat `buffer`
+    """One expert's gradient for this micro-step, on its way into the record's fp32 gradient row: a flat `buffer`
     downloaded from a device (`event` marks the copy), or, where the host computes, the per-tensor gradients autograd
     made (`parts`, layout order, `views` splitting the record's flat row the same way)."""
 

@@ -345,7 +345,7 @@ class PipelineConfigurator:
 
     method="model": Algorithm 1 over the performance model's estimates (micro-benchmarks run once, lazily).
     method="profile": Algorithm 1 over real forward+backward timings of the layer on random tokens (resident experts
-    only: profiling a streamed layer would touch the offload engine's gradient slots).
+    only: profiling a streamed layer would touch the offload engine's gradient rows).
     """
 
     def __init__(
