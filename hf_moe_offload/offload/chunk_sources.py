@@ -2,10 +2,10 @@
 
 `ChunkSources.stream_chunks` yields a call's chunks from the source its `ChunkPlan` names (the plan's
 `grouped_source`, offload/plan.py): "slab" (a device's two blocks, offload/slab.py), "layer" (the host tier's (E, P)
-block), "staged" (one by one through `stream`, copied into the host staging block), "expert" (one by one through
-`stream`: the stager's slots on a device, the record or its mapped file on the host). The next experts are read ahead
-(disk reads on background threads) and, on a device, uploaded on a side stream while the current ones compute; a
-backward takes them again in reverse. The sources use the engine's store, stager, slab, pins and ledger.
+block), "staged" (one by one through `one_by_one`, copied into the host staging block), "expert" (one by one
+through `one_by_one`: the stager's slots on a device, the record or its mapped file on the host). The next experts are
+read ahead (disk reads on background threads) and, on a device, uploaded on a side stream while the current ones
+compute; a backward takes them again in reverse. The sources use the engine's store, stager, slab, pins and ledger.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .streamed import Segment
 class ChunkSources:
     def __init__(self, engine):
         self.engine = engine  # the OffloadEngine whose store, stager, slab and pins the chunks come through
-        self.peak_in_flight = 0  # the most experts one `stream` had in flight at once (tests, benchmarks)
+        self.peak_in_flight = 0  # the most experts one `one_by_one` had in flight at once (tests, benchmarks)
         self._staging: torch.Tensor | None = None
         self._by_name = {Source.SLAB: self._slab_chunks, Source.LAYER: self._layer_chunk,
                          Source.STAGED: lambda layer, chunks, phase: self._expert_chunks(layer, chunks, phase, True),
@@ -39,7 +39,8 @@ class ChunkSources:
                 (self.engine.stage_experts, numel), (stride, 1))
         return self._staging
 
-    def stream(self, layer: int, expert_ids: list[int], keep: bool = False, phase: Phase = Phase.INFERENCE) -> Iterator:
+    def one_by_one(self, layer: int, expert_ids: list[int], keep: bool = False,
+                   phase: Phase = Phase.INFERENCE) -> Iterator:
         """Yields each expert's compute weights in order, `depth` experts ahead; with keep=True also the record,
         which the caller must hand back (the engine's `gradients`: `chunk_arrived`, `release_record`; backward).
         `phase` tells the store what comes next (`_schedule`)."""
@@ -129,9 +130,9 @@ class ChunkSources:
     def stream_chunks(self, layer: int, source: Source, chunks: list[list[Segment]], phase: Phase) -> Iterator:
         """The weights of each chunk of `layer`'s segments where the experts compute, in the given order (a backward
         passes them reversed): yields (chunk, weights, records). `source` (streamed.ChunkPlan): "slab" (a device block,
-        `_slab_chunks`), "layer" (the host tier's (E, P) block, `_layer_chunk`), "staged" (one by one through `stream`,
-        copied into the staging block), "expert" (one by one through `stream`). `weights`: the chunk's (k, P)
-        weights, or for "expert" the expert's (P,) weights. In a "backward" the
+        `_slab_chunks`), "layer" (the host tier's (E, P) block, `_layer_chunk`), "staged" (one by one through
+        `one_by_one`, copied into the staging block), "expert" (one by one through `one_by_one`). `weights`: the
+        chunk's (k, P) weights, or for "expert" the expert's (P,) weights. In a "backward" the
         caller owns `records` (one per segment; None where nothing was acquired: a device-pinned expert, an expert
         without tokens) and hands them over with the gradients (`gradients.chunk_arrived`) or releases them
         (`gradients.release_record`); in a "forward" or "inference" `records` is None and the stream hands them back
@@ -159,24 +160,24 @@ class ChunkSources:
             engine.stats.compute_seconds += time.perf_counter() - t_start
 
     def _expert_chunks(self, layer: int, chunks: list[list[Segment]], phase: Phase, staged: bool) -> Iterator:
-        """Chunks of the per-expert `stream`: each expert's weights as they come (k = 1), or, `staged` (the disk tier
-        computing on the host), a chunk's weights copied into the staging block as the stream yields them (its records
-        go back to the cache as soon as they are copied in a forward)."""
+        """Chunks of `one_by_one`: each expert's weights as they come (k = 1), or, `staged` (the disk tier computing on
+        the host), a chunk's weights copied into the staging block as `one_by_one` yields them (its records go back to
+        the cache as soon as they are copied in a forward)."""
         engine = self.engine
         keep = phase == Phase.BACKWARD
         order = [e for chunk in chunks for e, _, _ in (reversed(chunk) if keep else chunk)]
-        stream = self.stream(layer, order, keep=keep, phase=phase)
+        experts = self.one_by_one(layer, order, keep=keep, phase=phase)
         held: list[tuple[ExpertKey, ExpertRecord]] = []  # handed over by the stream for the chunk being staged
         try:
             for chunk in chunks:
                 if not staged:
-                    item = next(stream)
+                    item = next(experts)
                     yield (chunk, item[0], [item[1]]) if keep else (chunk, item, None)
                     continue
                 block = self.staging_block()
                 records: list[ExpertRecord | None] = [None] * len(chunk)
                 for i in (reversed(range(len(chunk))) if keep else range(len(chunk))):
-                    item = next(stream)
+                    item = next(experts)
                     if keep:
                         item, records[i] = item
                         held.append(((layer, chunk[i][0]), records[i]))
@@ -186,7 +187,7 @@ class ChunkSources:
         finally:
             for key, record in held:  # interrupted while staging: hand back what the stream handed over
                 engine.gradients.release_record(key, record)
-            stream.close()
+            experts.close()
 
     def _slab_chunks(self, layer: int, chunks: list[list[Segment]], phase: Phase) -> Iterator:
         """The slab's pipeline (offload/slab.py): each chunk's weights in a device block, the next chunk's upload
@@ -309,7 +310,7 @@ class ChunkSources:
         engine = self.engine
         if not engine.train_experts:
             return WEIGHTS
-        if (engine.coordinator is None and engine.layers[layer].outstanding <= 1
+        if (engine.coordinator is None and engine.layers[layer].in_last_backward
                 and engine.ledger.steps_now()):
             return None
         return WEIGHTS_AND_GRAD

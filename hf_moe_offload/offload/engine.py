@@ -224,9 +224,7 @@ class OffloadEngine:
         if self.train_experts:
             for e in range(self.layers[layer].layout.num_experts):
                 self.store.has_grad[(layer, e)] = True
-        state = self.layers[layer]
-        state.outstanding = max(0, state.outstanding - 1)
-        if state.outstanding == 0:  # the layer's gradients are final for this micro-step
+        if self.layers[layer].backward_done():  # the layer's gradients are final for this micro-step
             self.ledger.layer_done(layer)
         prev = layer - 1  # ES-MoE: prefetch in the known reverse order, across layers too
         if prev >= 0:
@@ -252,7 +250,7 @@ class OffloadEngine:
         """An accumulation window closed: forget calls whose backward never ran (e.g. a forward under grad that was
         only evaluated), so the next window's eager stepping starts clean."""
         for layer in self.layers:
-            layer.outstanding = 0
+            layer.forget_calls()
         self.pins.update()  # the window's loads are in: ES-MoE §4.3's pins for the next one
 
     def synchronize(self) -> None:

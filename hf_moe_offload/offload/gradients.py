@@ -49,7 +49,7 @@ class HostGradients:
         engine = self.engine
         for key, _, _ in items:
             engine.store.has_grad[key] = True
-        if engine.layers[layer].outstanding <= 1:  # else more calls of this layer still run backward (partitions)
+        if engine.layers[layer].in_last_backward:  # else more calls of this layer still run backward (partitions)
             items = engine.ledger.offer(items)
         for key, record, arrival in items:
             self.land(key, record, arrival)

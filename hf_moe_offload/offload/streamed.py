@@ -72,9 +72,10 @@ class OffloadedExpertsLayer:
         self.module = module
         self.layout = layout
         self.last_counts: list[int] = [0] * layout.num_experts
-        # Streamed calls of this layer whose backward has not run yet. A layer may be called several times per
-        # micro-step (MPMoE partitions): an expert's gradient is final only in the backward of the last call.
-        self.outstanding = 0
+        # Streamed calls of this layer whose backward has not run yet (changed only by the methods below). A layer
+        # may be called several times per micro-step (MPMoE partitions): an expert's gradient is final only in the
+        # backward of the last call.
+        self._outstanding = 0
         # Makes autograd call our backward even when no input requires grad (e.g. frozen layers below).
         self._anchor = torch.zeros(0, requires_grad=True)
         # Trainable parameters of the module that every expert's computation uses (e.g. a post-expert norm): ordinary
@@ -167,7 +168,7 @@ class OffloadedExpertsLayer:
         if self._lora is not None:
             plan = replace(plan, lora=self._lora)
         if torch.is_grad_enabled():
-            self.outstanding += 1
+            self._outstanding += 1
             shared = [p for p in self.shared_parameters if p.requires_grad]
             shared += self._lora.tensors() if self._lora is not None else []
             with self.engine.training_threads():
@@ -351,6 +352,21 @@ class OffloadedExpertsLayer:
                 engine.gradients.chunk_arrived(self.layer, chunk, records, expert_grads)
         engine.layer_backward_done(self.layer)
         return gx, [*g_params, *g_lora]
+
+    @property
+    def in_last_backward(self) -> bool:
+        """Whether the backward running now is that of the micro-step's last call of this layer (its experts'
+        gradients are final once it hands them over)."""
+        return self._outstanding <= 1
+
+    def backward_done(self) -> bool:
+        """A call's backward is done -> whether it was the last outstanding one (the layer's gradients are final)."""
+        self._outstanding = max(0, self._outstanding - 1)
+        return self._outstanding == 0
+
+    def forget_calls(self) -> None:
+        """The window closed: calls whose backward never ran (a forward under grad only evaluated) are forgotten."""
+        self._outstanding = 0
 
     def forget_buffers(self) -> None:
         """The store was replaced: drop the views made of its buffers."""
