@@ -351,3 +351,36 @@ def test_measured_placement_cost_on_cpu_balances_tokens(tmp_path):
         assert reduced.upload_seconds == 0.0 and reduced.seconds_per_token > 0
     finally:
         dist.destroy_process_group()
+
+
+def test_the_jobs_node_shared_store_keeps_every_offload_flag(tmp_path, monkeypatch):
+    """Under several processes the train job moves trained experts to a node-shared store (`jobs.distribute`): its
+    config is the engine's own (every offload flag, e.g. `--io-threads`), with the resolved tier, the node's directory
+    and the resolved cache. The collective setup itself is replaced here (a single process has no peers); the
+    multi-process tests above run it."""
+    import dataclasses
+
+    import hf_moe_offload.distributed as distributed
+    from hf_moe_offload import enable_expert_offload
+    from hf_moe_offload.cli import build_parser
+    from hf_moe_offload.jobs import offload_config
+    from hf_moe_offload.jobs.arguments import offload_dir
+    from hf_moe_offload.jobs.distribution import distribute
+    from moe_families import tiny_model
+
+    args = build_parser().parse_args(["train", "--offload", "disk", "--output-dir", str(tmp_path), "--io-threads", "3",
+                                      "--prefetch-depth", "3", "--pin-fraction", "0.5", "--stage-experts", "2"])
+    engine = enable_expert_offload(tiny_model("qwen3_moe"), offload_config(args, subdir="rank0"))
+    seen = {}
+    monkeypatch.setattr(distributed, "enable_expert_parallel", lambda model, mode, offload_config: seen.update(
+        mode=mode, config=offload_config))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    info = distribute(engine.layers[0].module, engine, args)
+    shared = seen["config"]
+    assert seen["mode"] == "dynamic" and info["expert_parallel"]
+    assert shared.offload_dir == os.path.join(offload_dir(args), "node")
+    assert shared.host_cache_experts == engine.store.cache_experts
+    assert (shared.io_threads, shared.prefetch_depth, shared.pin_fraction, shared.stage_experts) == (3, 3, 0.5, 2)
+    same = {f.name for f in dataclasses.fields(shared)} - {"mode", "offload_dir", "host_cache_experts",
+                                                           "host_cache_bytes"}
+    assert {n: getattr(shared, n) for n in same} == {n: getattr(engine.config, n) for n in same}

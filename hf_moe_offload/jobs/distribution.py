@@ -4,13 +4,13 @@ placement (§4.2), then MPMoE micro-batch pipelining of the MoE layers (`--pipel
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..offload import OffloadConfig
 from .arguments import offload_dir
 
 
@@ -31,10 +31,12 @@ def distribute(model: nn.Module, engine, args: argparse.Namespace, trainable_exp
         return info
     from ..distributed import enable_expert_parallel
 
-    shared = OffloadConfig(
-        mode=engine.mode, offload_dir=os.path.join(offload_dir(args), "node") if engine.mode == "disk" else None,
-        host_cache_experts=getattr(engine.store, "cache_experts", None), prefetch_depth=args.prefetch_depth,
-        pin_fraction=args.pin_fraction,
+    # The engine's own settings (every offload flag, e.g. --io-threads), with the tier it resolved and the node's
+    # shared directory.
+    shared = dataclasses.replace(
+        engine.config, mode=engine.mode,
+        offload_dir=os.path.join(offload_dir(args), "node") if engine.mode == "disk" else None,
+        host_cache_experts=getattr(engine.store, "cache_experts", None), host_cache_bytes=None,
     )
     enable_expert_parallel(model, mode="dynamic", offload_config=shared)
     info["expert_parallel"] = "dynamic placement over a node-shared store (ES-MoE §4.2)"
