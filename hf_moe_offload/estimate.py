@@ -39,7 +39,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import UserError
+from .flags import add_dataclass_arguments, dataclass_values
 from .offload.api import default_cache_experts, weights_only_row_dtype
+from .offload.config import OffloadConfig
 from .offload.planner import ADAM_BYTES_PER_PARAM, HEADROOM, MemoryEstimate, choose_tier, detect_budgets
 from .offload.quantized import EXPERT_STORAGES, QUANTIZED_STORAGES, store_quantization
 from .offload.plan import STAGE_MAX, clamp_depth, device_pin_count, pin_room, stage_chunk
@@ -469,6 +471,11 @@ def _activation_bytes(config, model, w: Workload, item: int, moe_layers: int, nu
 
 
 # --- CLI ---
+# OffloadConfig's fields that are flags of `estimate` (and Workload's fields of the same names), generated from the
+# fields (hf_moe_offload.flags: name, type, choices and help as `train`'s).
+FLAG_FIELDS = ("expert_storage", "host_cache_experts", "pin_fraction")
+
+
 def add_cli(sub) -> None:
     p = sub.add_parser("estimate", help="memory per tier and bytes moved per step, from a model folder or config.json",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -478,8 +485,6 @@ def add_cli(sub) -> None:
     p.add_argument("--method", default="full", choices=METHODS,
                    help="full: every weight trained; lora: adapters on attention, experts frozen; lora-experts: "
                         "adapters on every expert matrix too (docs/lora.md)")
-    p.add_argument("--expert-storage", default="auto", choices=EXPERT_STORAGES,
-                   help="frozen experts' storage (LoRA methods): auto/bf16 the model's dtype, int8, nf4")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="the model's dtype")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where the model computes")
     p.add_argument("--gpu-memory", type=float, help="GB of GPU memory available (default: --gpu's memory, else this "
@@ -488,16 +493,16 @@ def add_cli(sub) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (LoRA methods)")
-    p.add_argument("--host-cache-experts", type=int, help="disk tier: experts cached in host memory (default: a "
-                                                          "quarter)")
-    p.add_argument("--pin-fraction", type=float, default=0.25,
-                   help="disk tier, trained experts: the fraction of each layer's experts pinned in the host cache "
-                        "(OffloadConfig.pin_fraction; fewer records turn over between the sweeps)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="transformers' activation checkpointing: each decoder layer keeps its input only and "
                         "recomputes the rest in the backward (less device memory, one more forward)")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="micro-batches per optimizer step (gradient accumulation): the host Adam steps once per window")
+    offload = p.add_argument_group("expert offload (OffloadConfig's fields, as `train` takes them)")
+    add_dataclass_arguments(offload, OffloadConfig, names=FLAG_FIELDS, notes={
+        "expert_storage": "estimate: with --method lora or lora-experts",
+        "pin_fraction": "the estimate counts trained experts' pins on the GPU and in the disk tier's host cache "
+                        "(fewer records turn over between the sweeps)"})
     time = p.add_argument_group("time model (on a GPU; docs/estimate.md)")
     time.add_argument("--gpu", choices=sorted(GPUS), help="the GPU, for its rates and memory (default: h100's rates, "
                                                           "this GPU's free memory)")
@@ -516,10 +521,9 @@ def run_cli(args) -> int:
 
     config, source = load_config(args.model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    w = Workload(method=args.method, expert_storage=args.expert_storage, dtype=dtype, batch_size=args.batch_size,
-                 seq_len=args.seq_len, lora_r=args.lora_r, host_cache_experts=args.host_cache_experts,
-                 pin_fraction=args.pin_fraction, device=args.device,
-                 gradient_checkpointing=args.gradient_checkpointing, micro_batches=args.micro_batches)
+    w = Workload(method=args.method, dtype=dtype, batch_size=args.batch_size, seq_len=args.seq_len,
+                 lora_r=args.lora_r, device=args.device, gradient_checkpointing=args.gradient_checkpointing,
+                 micro_batches=args.micro_batches, **dataclass_values(OffloadConfig, args, names=FLAG_FIELDS))
     gb = 1e9
     gpu_memory = args.gpu_memory or (GPUS[args.gpu].memory_gb if args.gpu else None)
     rates = (resolve_rates(args.gpu, args.gpu_tflops, args.gpu_efficiency, args.pcie_gbps, args.host_adam_gps,

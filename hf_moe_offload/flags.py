@@ -11,6 +11,9 @@ A field's default, type and help are written once, on the field; its metadata sa
 - `exclusive`: fields that share this name are mutually exclusive flags;
 - `no_flag`: why the field has no flag (another flag or the job sets it); such a field is skipped.
 
+A job that takes a few of a dataclass's fields as flags names them (`names=`): those fields, in that order, whatever
+their metadata group (generate's and estimate's offload flags are `OffloadConfig` fields picked this way).
+
 A `bool | None` field is a choice of auto/on/off (auto: None), as the CLI spells its other switches
 (`--gradient-checkpointing`, generate's `--pregate`); a `bool` field one of on/off.
 
@@ -29,7 +32,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 UNITS = {"MiB": 2**20}
 EVERY_GROUP = "*"
@@ -46,13 +49,25 @@ def dest(f: dataclasses.Field) -> str:
     return option(f)[2:].replace("-", "_")
 
 
-def flag_fields(cls: type, group: str | None = EVERY_GROUP) -> Iterator[tuple[dataclasses.Field, type]]:
+def flag_fields(cls: type, group: str | None = EVERY_GROUP,
+                names: Sequence[str] | None = None) -> Iterator[tuple[dataclasses.Field, type]]:
     """(field, value type) of every field of `cls` that is a flag, in declaration order; with `group`, only those
-    whose metadata `group` is it (None: the dataclass's own group). The value type drops `None` from a union."""
+    whose metadata `group` is it (None: the dataclass's own group); with `names`, only those fields, in that order,
+    whatever their group (a name that is no field, or a field with no flag, is a TypeError). The value type drops
+    `None` from a union."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if "no_flag" in f.metadata or (group != EVERY_GROUP and f.metadata.get("group") != group):
-            continue
+    if names is not None:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for name in names:
+            if name not in fields:
+                raise TypeError(f"{cls.__name__} has no field {name!r}")
+            if "no_flag" in fields[name].metadata:
+                raise TypeError(f"{cls.__name__}.{name} has no flag: {fields[name].metadata['no_flag']}")
+        selected = [fields[name] for name in names]
+    else:
+        selected = [f for f in dataclasses.fields(cls) if "no_flag" not in f.metadata
+                    and (group == EVERY_GROUP or f.metadata.get("group") == group)]
+    for f in selected:
         if not f.metadata.get("help"):
             raise TypeError(f"{cls.__name__}.{f.name}: a flag needs metadata['help'] (or metadata['no_flag'])")
         hint = hints[f.name]
@@ -65,14 +80,20 @@ def flag_fields(cls: type, group: str | None = EVERY_GROUP) -> Iterator[tuple[da
 
 
 def add_dataclass_arguments(group, cls: type, only: str | None = None, defaults: dict[str, Any] | None = None,
-                            notes: dict[str, str] | None = None) -> None:
+                            notes: dict[str, str] | None = None, names: Sequence[str] | None = None) -> None:
     """A flag in argparse `group` for each field of `cls` whose metadata `group` is `only` (None: the fields without
-    one). `defaults`: a job's own default per field name, as the dataclass takes it (bytes, not MiB); `notes`: what
-    a job adds to a field's help (e.g. where its default directory is)."""
+    one), or with `names`, for those fields, in that order, whatever their group (not both). `defaults`: a job's own
+    default per field name, as the dataclass takes it (bytes, not MiB); `notes`: what a job adds to a field's help
+    (e.g. where its default directory is)."""
+    if only is not None and names is not None:
+        raise TypeError("add_dataclass_arguments: give `only` (a metadata group) or `names`, not both")
     defaults, notes = defaults or {}, notes or {}
+    unknown = (set(defaults) | set(notes)) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {', '.join(sorted(unknown))} (defaults=/notes=)")
     hints = typing.get_type_hints(cls)
     exclusive: dict[str, Any] = {}
-    for f, kind in flag_fields(cls, only):
+    for f, kind in flag_fields(cls, only, names):
         default = flag_value(f, kind, defaults.get(f.name, f.default))
         help_text = f.metadata["help"]
         unit = f.metadata.get("unit")
@@ -104,12 +125,16 @@ def flag_value(f: dataclasses.Field, kind: type, value: Any) -> Any:
     return value
 
 
-def dataclass_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+def dataclass_values(cls: type, args: argparse.Namespace, names: Sequence[str] | None = None) -> dict[str, Any]:
     """The values of `cls`'s fields that the parsed `args` hold (fields whose flag this parser has), as the dataclass
-    takes them: units converted back, auto/on/off as None/True/False."""
+    takes them: units converted back, auto/on/off as None/True/False. With `names` (the fields a job gave as flags,
+    `add_dataclass_arguments(names=)`), only those, each required: a job's own flag that shares a field's destination
+    (generate's `--offload`, with a `none` that `OffloadConfig.mode` lacks) is not read as the field."""
     values = {}
-    for f, kind in flag_fields(cls):
+    for f, kind in flag_fields(cls, names=names):
         if not hasattr(args, dest(f)):
+            if names is not None:
+                raise TypeError(f"the parsed arguments have no {option(f)} ({cls.__name__}.{f.name})")
             continue
         value = getattr(args, dest(f))
         if kind is bool:

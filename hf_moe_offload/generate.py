@@ -3,7 +3,7 @@
 The model is loaded with its experts streamed straight into the offload store (`load_offloaded_pretrained`, weights
 only: no gradient or Adam state), so host memory holds the non-expert weights and the store's cache. It runs on the
 GPU when there is one (`--device`): the non-expert weights move there and the experts are uploaded as decoding needs
-them, the ones it uses most kept in a device cache (`--device-cache-gb`; offload/device_cache.py). Decoding runs the
+them, the ones it uses most kept in a device cache (`--device-cache-mb`; offload/device_cache.py). Decoding runs the
 engine's inference mode (hf_moe_offload/offload/inference.py): the disk tier's cache keeps the experts decoding uses
 most (decayed frequency, a budget per layer), and on a GPU (or with `--pregate on`) pre-gating starts reading the next
 layer's likely experts while this layer computes. One prompt streams its tokens as they come; several prompts are
@@ -29,6 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from . import jobs
 from .errors import UserError
+from .flags import add_dataclass_arguments, dataclass_values
 from .offload.api import get_offload_engine
 from .offload.checkpoint import load_offloaded_pretrained
 from .offload.config import OffloadConfig, resolve_device
@@ -56,6 +57,24 @@ class _Timer(BaseStreamer):
             self.inner.end()
 
 
+# OffloadConfig's fields that are flags of `generate`, generated from the fields (hf_moe_offload.flags: name, type,
+# unit, choices and help as `train`'s). `--offload` is the command's own: it adds `none` (an ordinary resident model)
+# and has no `auto` or `device`, so it is not the `mode` field's flag.
+FLAG_FIELDS = ("offload_dir", "host_cache_experts", "pregate", "mmap_weights", "device_cache_bytes")
+
+
+def inference_config(offload: str, offload_dir: str | None, host_cache_experts: int | None,
+                     pregate: bool | None = None, mmap: bool | None = None, device_cache_bytes: int | None = None,
+                     compute_on_host: bool | None = None) -> OffloadConfig:
+    """The OffloadConfig `load_for_inference` loads an offloaded (`offload`: "disk" or "host") model with: frozen
+    experts (weights only); the directory, host cache and mapped files are the disk tier's only."""
+    disk = offload == "disk"
+    return OffloadConfig(mode=offload, offload_dir=offload_dir if disk else None,
+                         host_cache_experts=host_cache_experts if disk else None,
+                         train_experts=False, pregate=pregate, mmap_weights=mmap if disk else None,
+                         device_cache_bytes=device_cache_bytes, compute_on_host=compute_on_host)
+
+
 def load_for_inference(model_path: str, offload: str, offload_dir: str | None, host_cache_experts: int | None,
                        pregate: bool | None = None, dtype: torch.dtype | None = None, mmap: bool | None = None,
                        device: str | torch.device | None = None, device_cache_bytes: int | None = None,
@@ -67,16 +86,20 @@ def load_for_inference(model_path: str, offload: str, offload_dir: str | None, h
     device = resolve_device(device)
     if offload == "none":
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-    disk = offload == "disk"
-    config = OffloadConfig(mode=offload, offload_dir=offload_dir if disk else None,
-                           host_cache_experts=host_cache_experts if disk else None,
-                           train_experts=False, pregate=pregate, mmap_weights=mmap if disk else None,
-                           device_cache_bytes=device_cache_bytes, compute_on_host=compute_on_host)
+    config = inference_config(offload, offload_dir, host_cache_experts, pregate=pregate, mmap=mmap,
+                              device_cache_bytes=device_cache_bytes, compute_on_host=compute_on_host)
     # Weights only, in the model's dtype: a bf16 model's store holds bf16 experts and nothing else.
     return load_offloaded_pretrained(model_path, config, dtype=dtype, device=device).eval()
 
 
-_SWITCH = {"auto": None, "on": True, "off": False}
+def offload_arguments(args: argparse.Namespace, offload_dir: str | None = None) -> dict:
+    """`load_for_inference`'s (and `inference_config`'s) offload arguments from generate's parsed flags, read back
+    through the flags module (MiB to bytes, auto/on/off to None/True/False); `offload_dir`: the directory to use
+    where `--offload-dir` was not given."""
+    values = dataclass_values(OffloadConfig, args, names=FLAG_FIELDS)
+    return dict(offload=args.offload, offload_dir=values["offload_dir"] or offload_dir,
+                host_cache_experts=values["host_cache_experts"], pregate=values["pregate"],
+                mmap=values["mmap_weights"], device_cache_bytes=values["device_cache_bytes"])
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -91,16 +114,13 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = jobs.load_tokenizer(args.tokenizer, model_path=args.model_path)
     tokenizer.padding_side = "left"  # decoder-only batches pad on the left
     dtype = {"fp32": None, "bf16": torch.bfloat16}[args.precision]
-    offload_dir = args.offload_dir
     scratch = None
-    if args.offload == "disk" and offload_dir is None:
-        offload_dir = scratch = tempfile.mkdtemp(prefix="hf-moe-offload-generate-")
+    if args.offload == "disk" and args.offload_dir is None:
+        scratch = tempfile.mkdtemp(prefix="hf-moe-offload-generate-")
     try:
         device = resolve_device(args.device)
-        cache_bytes = None if args.device_cache_gb is None else int(args.device_cache_gb * 2**30)
-        model = load_for_inference(args.model_path, args.offload, offload_dir, args.host_cache_experts,
-                                   pregate=_SWITCH[args.pregate], dtype=dtype, mmap=_SWITCH[args.mmap],
-                                   device=device, device_cache_bytes=cache_bytes)
+        model = load_for_inference(args.model_path, dtype=dtype, device=device,
+                                   **offload_arguments(args, scratch))
         torch.manual_seed(args.seed)
         batch = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
         streamer = TextStreamer(tokenizer, skip_prompt=False) if len(prompts) == 1 and not args.quiet else None
@@ -163,20 +183,14 @@ def add_cli(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer name or folder (default: the model folder's)")
     p.add_argument("--prompt", action="append", help=f"a prompt; repeat for a batch (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int, default=40, help="tokens generated per prompt")
-    p.add_argument("--offload", choices=("disk", "host", "none"), default="disk",
-                   help="where the experts live while generating (none: an ordinary resident model)")
-    p.add_argument("--offload-dir", default=None, help="disk tier directory (default: a temporary one, removed after)")
-    p.add_argument("--host-cache-experts", type=int, default=None,
-                   help="disk tier: experts' weights held in host memory (default: a quarter of the experts)")
-    p.add_argument("--pregate", choices=("auto", "on", "off"), default="auto",
-                   help="disk tier: read the next layer's guessed experts early (auto: on a GPU, not on the CPU)")
-    p.add_argument("--mmap", choices=("auto", "on", "off"), default="auto",
-                   help="disk tier: compute uncached experts from their memory-mapped files (auto: on the CPU)")
     p.add_argument("--device", default=None, help="where the model computes (default: cuda when a GPU is there, else "
                    "cpu); the offloaded experts are uploaded to it as decoding needs them")
-    p.add_argument("--device-cache-gb", type=float, default=None,
-                   help="GPU memory for a cache of the experts decoding uses most (default: half the memory free "
-                        "once the model is there; 0: none)")
+    g = p.add_argument_group("expert offload (OffloadConfig's fields, as `train` takes them; --offload is "
+                             "generate's own)")
+    g.add_argument("--offload", choices=("disk", "host", "none"), default="disk",
+                   help="where the experts live while generating (none: an ordinary resident model)")
+    add_dataclass_arguments(g, OffloadConfig, names=FLAG_FIELDS, notes={
+        "offload_dir": "generate's default: a temporary one, removed after"})
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="the dtype the model is loaded and computes in")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
@@ -187,4 +201,4 @@ def add_cli(sub) -> None:
     p.set_defaults(func=run)
 
 
-__all__ = ["add_cli", "load_for_inference", "run"]
+__all__ = ["FLAG_FIELDS", "add_cli", "inference_config", "load_for_inference", "offload_arguments", "run"]

@@ -1,6 +1,7 @@
 """The jobs' offload flags are `OffloadConfig`'s fields (hf_moe_offload.flags): every field is a flag of
 `hf-moe-offload train` or says why not, each flag's default is the field's (in the flag's unit), and the parsed flags
-come back as the config. Training flags that map onto a `TrainingArguments` field say what transformers says."""
+come back as the config. `generate` and `estimate` take the fields they name (`names=`) as the same generated flags.
+Training flags that map onto a `TrainingArguments` field say what transformers says."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ from hf_moe_offload.train import DEFAULT_OUTPUT_DIR
 TRAIN_DEFAULTS = {"mode": "disk"}
 
 
+def _subparser(command: str) -> argparse.ArgumentParser:
+    return next(sub for name, _, sub in _subcommands(build_parser()) if name == command)
+
+
 def _train_parser() -> argparse.ArgumentParser:
-    return next(sub for name, _, sub in _subcommands(build_parser()) if name == "train")
+    return _subparser("train")
 
 
 def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
@@ -127,6 +132,85 @@ def test_the_generator_on_a_dataclass_of_its_own():
 
     with pytest.raises(TypeError, match=r"Bare.size: a flag needs metadata\['help'\]"):
         add_dataclass_arguments(argparse.ArgumentParser(), Bare)
+
+
+@pytest.mark.parametrize("command", ["generate", "estimate"])
+def test_generate_and_estimate_take_the_generated_offload_flags(command):
+    """Every flag of generate / estimate that names an OffloadConfig field (its option string or its destination) is
+    the field's generated flag, as train has it: help, type, unit, choices; and the default is the field's."""
+    from hf_moe_offload import estimate, generate
+
+    names = {"generate": generate.FLAG_FIELDS, "estimate": estimate.FLAG_FIELDS}[command]
+    parser, train = _subparser(command), _train_parser()
+    fields = {f.name: (f, kind) for f, kind in flag_fields(OffloadConfig)}
+    by_flag = {option(f): name for name, (f, _) in fields.items()}
+    named = {by_flag.get(flag) or (a.dest if a.dest in fields else None)
+             for a in parser._actions for flag in a.option_strings} - {None}
+    # generate's --offload (disk|host|none) is its own: `none` is no OffloadConfig.mode
+    assert named - {"mode"} == set(names), command
+    for name in names:
+        f, kind = fields[name]
+        ours, theirs = _action(parser, option(f)), _action(train, option(f))
+        assert ours.help.startswith(f.metadata["help"].replace("%", "%%")), name
+        assert ours.help.split("; ")[0] == theirs.help.split("; ")[0], name
+        assert (ours.type, ours.choices, ours.metavar, ours.dest) == (theirs.type, theirs.choices, theirs.metavar,
+                                                                       theirs.dest), name
+        assert ours.default == flag_value(f, kind, f.default), name
+    assert not any(flag in parser.format_help() for flag in ("--device-cache-gb", "GiB"))
+
+
+def test_generate_device_cache_flag_is_train_s_mib_and_builds_the_config():
+    from hf_moe_offload.generate import inference_config, offload_arguments
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--device-cache-mb", "64", "--pregate", "off", "--mmap", "on",
+                              "--host-cache-experts", "3"])
+    config = inference_config(**offload_arguments(args, "/tmp/experts"))
+    assert config.device_cache_bytes == 64 * 2**20
+    assert (config.mode, config.offload_dir, config.host_cache_experts) == ("disk", "/tmp/experts", 3)
+    assert config.pregate is False and config.mmap_weights is True and config.train_experts is False
+    assert _action(_subparser("generate"), "--device-cache-mb").metavar == "MIB"
+    defaults = inference_config(**offload_arguments(parser.parse_args(["generate", "--offload", "host"])))
+    assert (defaults.mode, defaults.device_cache_bytes, defaults.pregate, defaults.mmap_weights) == (
+        "host", None, None, None)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--device-cache-gb", "1"])
+
+
+def test_estimate_reads_its_offload_flags_back_into_the_workload(monkeypatch):
+    from hf_moe_offload import estimate
+
+    class Seen(Exception):
+        pass
+
+    def seen(config, workload, **budgets):
+        raise Seen(workload)
+
+    monkeypatch.setattr("hf_moe_offload.model_shapes.load_config", lambda model: (None, model))
+    monkeypatch.setattr(estimate, "estimate", seen)
+    args = build_parser().parse_args(["estimate", "m", "--method", "lora", "--expert-storage", "nf4",
+                                      "--host-cache-experts", "5", "--pin-fraction", "0.5", "--device", "cpu"])
+    with pytest.raises(Seen) as raised:
+        args.func(args)
+    w = raised.value.args[0]
+    assert (w.expert_storage, w.host_cache_experts, w.pin_fraction, w.device) == ("nf4", 5, 0.5, "cpu")
+
+
+def test_names_picks_fields_in_order_whatever_their_group():
+    p = argparse.ArgumentParser()
+    add_dataclass_arguments(p, OffloadConfig, names=("pin_fraction", "expert_storage"), defaults={"pin_fraction": 0.5})
+    assert [a.dest for a in p._actions[1:]] == ["pin_fraction", "expert_storage"]  # expert_storage: group "method"
+    args = p.parse_args([])
+    assert dataclass_values(OffloadConfig, args, names=("pin_fraction", "expert_storage")) == {
+        "pin_fraction": 0.5, "expert_storage": "auto"}
+    with pytest.raises(TypeError, match="no flag"):
+        add_dataclass_arguments(argparse.ArgumentParser(), OffloadConfig, names=("device",))
+    with pytest.raises(TypeError, match="no field 'nope'"):
+        add_dataclass_arguments(argparse.ArgumentParser(), OffloadConfig, names=("nope",))
+    with pytest.raises(TypeError, match="not both"):
+        add_dataclass_arguments(argparse.ArgumentParser(), OffloadConfig, only="method", names=("pin_fraction",))
+    with pytest.raises(TypeError, match="no --mmap"):
+        dataclass_values(OffloadConfig, args, names=("mmap_weights",))
 
 
 def field_(default, **metadata):

@@ -171,7 +171,7 @@ def test_generate_command_on_the_device(tmp_path, capsys):
     tok.save_pretrained(tmp_path / "lm")
     with use_runtime(SimulatedRuntime(seed=0, max_delay=0.0)):
         assert main(["generate", "--model-path", str(tmp_path / "lm"), "--prompt", "Once", "--max-new-tokens", "4",
-                     "--offload", "host", "--device", "cpu", "--device-cache-gb", "0.001"]) == 0
+                     "--offload", "host", "--device", "cpu", "--device-cache-mb", "1"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("Once") and "on cpu" in captured.out
     assert "device cache hit rate" in captured.out
