@@ -301,20 +301,26 @@ def test_expert_aware_optimizer_fp16_overflow_skips_every_step(tmp_path):
     opt.expert_optimizer.close()
 
 
-def test_per_expert_clipping_stays_eager_and_bounds_each_expert(tmp_path):
+@pytest.mark.parametrize("defer_steps", [False, True], ids=["eager", "deferred"])
+def test_per_expert_clipping_bounds_each_expert_and_the_rest_among_themselves(defer_steps):
+    """`clip_mode="per_expert"`: each expert's gradient is clipped by its own norm, eager (in backward) or deferred
+    (in `step()`: loss scaling or `defer_steps`), and the non-expert parameters passed to `step()` are clipped among
+    themselves, as `clip_grad_norm_` over them would: no global coefficient anywhere."""
     model = small_model()
     engine = enable_expert_offload(model, OffloadConfig(mode="host"))
-    # The raw expert gradients of the same micro-batch, from an identical model with no optimizer attached.
+    # The raw gradients of the same micro-batch, from an identical model with no optimizer attached.
     x = torch.randint(0, 101, (2, 9))
     raw_model = small_model()
     raw_engine = enable_expert_offload(raw_model, OffloadConfig(mode="host"))
     raw_model(x, labels=x).loss.backward()
     raw = {k: raw_engine.expert_grad(k).clone() for k in raw_engine.store.keys()}
+    raw_rest = {n: p.grad.clone() for n, p in raw_model.named_parameters() if p.grad is not None}
     clip = 1e-3
     assert max(g.norm().item() for g in raw.values()) > 10 * clip  # clipping really bites
+    assert torch.stack([g.norm() for g in raw_rest.values()]).norm().item() > 10 * clip
 
-    experts = ExpertOptimizer(engine, lr=1e-2, max_grad_norm=clip, clip_mode="per_expert")
-    assert experts.eager
+    experts = ExpertOptimizer(engine, lr=1e-2, max_grad_norm=clip, clip_mode="per_expert", defer_steps=defer_steps)
+    assert experts.eager != defer_steps
     seen = {}
     adam = experts._adam
 
@@ -324,12 +330,19 @@ def test_per_expert_clipping_stays_eager_and_bounds_each_expert(tmp_path):
 
     experts._adam = recording_adam
     model(x, labels=x).loss.backward()
+    assert experts.step(non_expert_params=list(model.parameters())) is None  # no global coefficient
     engine.synchronize()
     assert all(v == 1 for v in engine.store.steps.values())
     assert set(seen) == set(raw)
     for key, g in raw.items():  # each expert clipped by its own norm: g * min(1, clip / (|g| + 1e-6))
         expected = g * min(1.0, clip / (g.norm().item() + 1e-6))
         torch.testing.assert_close(seen[key], expected, atol=1e-9, rtol=1e-5, msg=str(key))
+    torch.nn.utils.clip_grad_norm_([p for p in raw_model.parameters() if p.grad is not None], clip)
+    rest = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(rest) == set(raw_rest)
+    for name, p in raw_model.named_parameters():  # fp32 norms of the same tensors: a few ulps apart at most
+        if p.grad is not None:
+            torch.testing.assert_close(rest[name], p.grad, atol=1e-9, rtol=1e-5, msg=name)
     experts.close()
 
 

@@ -252,6 +252,8 @@ class ExpertOptimizer:
 
         With `max_grad_norm` and `clip_mode="global"`, pass the non-expert parameters: their gradients are scaled by
         the same coefficient here (so the caller must not clip them again), exactly as `clip_grad_norm_` over all.
+        With `clip_mode="per_expert"` each expert is clipped by its own norm (in backward, or here in deferred mode)
+        and the non-expert parameters passed are clipped among themselves here (`clip_grad_norm_` over them).
         With a `grad_scaler`, call `scaler.unscale_(optimizer)` first: non-expert gradients are taken as unscaled,
         expert gradients are unscaled here; `expert_overflow`, when the caller already ran `expert_grads_overflow()`,
         saves a second pass over the expert gradients.
@@ -263,8 +265,9 @@ class ExpertOptimizer:
         self._queue.order_for_next_forward()
         clip_coef = None
         grad_scale = None
+        per_expert = self.max_grad_norm is not None and self.clip_mode == "per_expert"
+        params = [p for p in (non_expert_params or []) if p.grad is not None]
         if not self.eager:
-            params = [p for p in (non_expert_params or []) if p.grad is not None]
             if self._scaling:
                 grad_scale = float(self.grad_scaler.get_scale())
                 if expert_overflow is None:
@@ -275,7 +278,7 @@ class ExpertOptimizer:
                     self.updates.zero_grad()
                     self._end_window()
                     return None
-            if self.max_grad_norm is not None:
+            if self.max_grad_norm is not None and not per_expert:
                 self.last_grad_norm, clip_coef = global_clip(self.expert_grad_sq_norm(), params, grad_scale,
                                                              self.max_grad_norm)
                 for p in params:
@@ -285,10 +288,12 @@ class ExpertOptimizer:
                  if self.updates.owns(key) and key not in self._clock.stepped and self.store.has_grad[key]]
         self._clock.stepped.update(ready)
         on_device = self.updates.on_device(ready)
-        per_expert = self.max_grad_norm if self.clip_mode == "per_expert" else None
         self._records.step_device(on_device, self._adam_many, lambda: self._clock.lr(self.current_lr), grad_scale,
-                                  clip_coef, per_expert)
-        self._start_steps([(key, None, None) for key in ready if key not in on_device], clip_coef, grad_scale)
+                                  clip_coef, self.max_grad_norm if per_expert else None)
+        self._start_steps([(key, None, None) for key in ready if key not in on_device], clip_coef, grad_scale,
+                          per_expert=per_expert)
+        if per_expert and params:  # the non-expert parameters among themselves (their gradients are unscaled)
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         self._end_window()
         return clip_coef
 
