@@ -108,3 +108,22 @@ def test_host_steps_write_the_copies_in_the_same_pass(clip, monkeypatch):
             assert calls["n"] > 0
     for key, w in results[0].items():
         assert ((w - results[1][key]).abs() <= 3 * 8 * EPS32 * (w.abs() + 1e-2)).all(), key
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """torch waits forever on the build lock a killed build left: one older than `STALE_LOCK_SECONDS` is removed
+    before building; a fresh one (another process building now) is left for torch to wait on."""
+    import os
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = "hf_moe_offload_lock_test"
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    assert not fused_adam.clear_stale_lock(name)  # no lock: nothing to do
+    open(lock, "w").close()
+    assert not fused_adam.clear_stale_lock(name) and os.path.exists(lock)
+    old = time.time() - fused_adam.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert fused_adam.clear_stale_lock(name) and not os.path.exists(lock)

@@ -13,9 +13,11 @@ which Adam's own sensitivity bounds like any kernel difference (tests/test_fused
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -98,6 +100,9 @@ _ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
               "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]}
 _lock = threading.Lock()
 _kernel = None  # the module, False once it could not be built
+# A build takes about 30 s. torch guards it with a lock file that records no owner, and waits for it forever: a lock
+# this much older than a build was left by a killed process, and is removed.
+STALE_LOCK_SECONDS = 600
 
 
 def kernel():
@@ -120,8 +125,10 @@ def _build():
         # machines never loads a build for another.
         isa = torch.backends.cpu.get_cpu_capability()
         flags = _ISA_FLAGS.get(isa, [])
+        name = f"hf_moe_offload_adamw_copy_{isa.lower()}"
+        clear_stale_lock(name)
         logger.info("compiling the fused AdamW + compute-copy kernel for %s (once per machine, cached)", isa)
-        return load_inline(name=f"hf_moe_offload_adamw_copy_{isa.lower()}", cpp_sources=_SOURCE,
+        return load_inline(name=name, cpp_sources=_SOURCE,
                            functions=["adamw_copy_"],
                            # -fno-math-errno lets sqrt vectorize; no FMA contraction: torch's rounding, op by op.
                            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", *flags],
@@ -129,6 +136,24 @@ def _build():
     except Exception as err:  # noqa: BLE001 (no compiler, no headers: the two-pass path is correct too)
         logger.warning("fused AdamW kernel unavailable (%s): the compute copies are refreshed in a second pass", err)
         return False
+
+
+def clear_stale_lock(name: str) -> bool:
+    """Remove extension `name`'s build lock if it is older than `STALE_LOCK_SECONDS` (a build killed midway).
+    Returns whether one was removed."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+        age = time.time() - os.path.getmtime(lock)
+    except (ImportError, OSError):  # no lock (the usual case), or a torch without the helper
+        return False
+    if age <= STALE_LOCK_SECONDS:
+        return False  # another process may be building right now: torch waits for it
+    logger.warning("removing the stale build lock %s (%.0f min old: left by a build that was killed)", lock, age / 60)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(lock)
+    return True
 
 
 def fits(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -152,4 +177,4 @@ def adamw_with_copy(params: list[torch.Tensor], grads: list[torch.Tensor], exp_a
         k.adamw_copy_(p, g, m, v, c, lr, beta1, beta2, eps, weight_decay, float(step), decoupled)
 
 
-__all__ = ["adamw_with_copy", "fits", "kernel"]
+__all__ = ["adamw_with_copy", "clear_stale_lock", "fits", "kernel"]
