@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -974,3 +975,50 @@ def test_enable_disable_twice_leaves_no_hook_behind():
         assert not engine.ledger._grad_hooks and not engine.ledger._layer_done_hooks and not engine.ledger._steps_now
         disable_expert_offload(model)
         assert hooks() == before and set(model.__dict__) == attrs
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("seed", range(3))
+def test_disk_tier_workers_stepping_unheld_experts_give_way_to_handed_over_ones(workers, seed, tmp_path, monkeypatch):
+    """Eager steps on the disk tier with a small cache (3 records, prefetch_depth=1) and workers: the experts without
+    tokens are acquired by the workers (`_on_layer_done`), while the backward hands its experts over, still held, to
+    the queue. Before the fix, a worker waiting for room could wait for records only a worker would release (queued
+    behind it): the cache full of the stream's records and the queued ones, every worker waiting in `acquire` until
+    the store's stall timeout raised ("host cache ... smaller than the experts in flight"). Made certain here: each
+    worker's acquire first waits (a few seconds at most, not a threshold: it only makes the interleaving likely)
+    until every cache record is held. The weights still equal plain torch AdamW's."""
+    from hf_moe_offload.offload.disk_store import DiskExpertStore
+
+    monkeypatch.setattr(DiskExpertStore, "stall_timeout", 5.0)  # fail fast instead of a minute per seed
+    full_seen = threading.Event()
+    original = DiskExpertStore.acquire
+
+    def acquire_when_full(self, key, rows=None, *args, **kwargs):
+        if threading.current_thread().name.startswith("expert-adam") and not full_seen.is_set():
+            for _ in range(200):
+                with self._lock:
+                    if sum(entry.refs > 0 for entry in self._entries.values()) >= self.cache_experts:
+                        full_seen.set()
+                        break
+                time.sleep(0.01)
+        return original(self, key, rows, *args, **kwargs)
+
+    monkeypatch.setattr(DiskExpertStore, "acquire", acquire_when_full)
+    reference = small_model(seed, num_experts=8)
+    model = copy.deepcopy(reference)
+    engine = enable_expert_offload(model, OffloadConfig(mode="disk", offload_dir=str(tmp_path / "e"),
+                                                        host_cache_experts=3, prefetch_depth=1))
+    experts = ExpertOptimizer(engine, lr=1e-2, workers=workers)
+    assert experts.eager
+    opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0), experts)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        x = torch.randint(0, 101, (1, 4), generator=generator)
+        reference(x, labels=x).loss.backward()
+        model(x, labels=x).loss.backward()
+        step_both(reference, ref_opt, opt)
+    engine.synchronize()
+    assert full_seen.is_set()  # the interleaving of the stall happened
+    assert_same_weights(model, reference, lr=1e-2, steps=3)
+    experts.close()

@@ -286,10 +286,10 @@ class SharedDiskExpertStore(DiskExpertStore):
         del self._entries[key]
         self._free.append(entry.index)
 
-    def acquire(self, key, rows=None):
+    def acquire(self, key, rows=None, give_way=None):
         with self._lock:
             self._drop_if_stale(key)
-        return super().acquire(key, rows)
+        return super().acquire(key, rows, give_way)
 
     def prefetch(self, keys, rows=None):
         keys = list(keys)

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -185,16 +185,18 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
         idle = [k for k, e in self._entries.items() if e.state is CACHED and e.refs == 0]
         return self.eviction.victim(idle, self._entries, self._pinned, evict_pinned, for_key, speculative)
 
-    def _claim_buffer(self, block: bool = True, for_key: ExpertKey | None = None) -> int | None:
+    def _claim_buffer(self, block: bool = True, for_key: ExpertKey | None = None,
+                      give_way: Callable[[], bool] | None = None) -> int | None:
         """A free buffer of the cache (its index), evicting an idle record (written back first if dirty; the lock is
         released meanwhile). Non-blocking (speculative reads for `for_key`): never evicts a pinned record, nor one
-        needed before `for_key`, and returns None when nothing is evictable."""
+        needed before `for_key`, and returns None when nothing is evictable. Blocking with `give_way`: returns None
+        instead of waiting for room while `give_way()` says so (`acquire`)."""
         while True:
             if self._free:
                 return self._free.pop()
             victim = self._victim(evict_pinned=block, for_key=for_key, speculative=not block)
             if victim is None:
-                if not block:
+                if not block or give_way is not None and give_way():
                     return None
                 # Everything is in use, loading or writing. Loads and writes finish and the optimizer's workers
                 # release what they step, so wait; only a cache smaller than what one step holds at once never does.
@@ -234,12 +236,13 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
                 entry.dirty_rows.clear()
             self._lock.notify_all()
 
-    def _load(self, key: ExpertKey, entry: _Entry, rows: set[int], block: bool) -> bool:
+    def _load(self, key: ExpertKey, entry: _Entry, rows: set[int], block: bool,
+              give_way: Callable[[], bool] | None = None) -> bool:
         """Fill this thread's LOADING `entry`: claim a cache buffer, read `rows` of the file into it (lock released),
-        -> CACHED. On failure, or when a speculative load finds nothing to evict, the entry is removed (on disk only
-        again)."""
+        -> CACHED. On failure, or when a speculative load finds nothing to evict (or a blocking one gives way: see
+        `_claim_buffer`), the entry is removed (on disk only again)."""
         try:
-            index = self._claim_buffer(block=block, for_key=key)
+            index = self._claim_buffer(block=block, for_key=key, give_way=give_way)
         except BaseException:
             self._abandon(key, entry, None)
             raise
@@ -354,7 +357,11 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
         finally:
             self.release(key, dirty=True, grad_zeroed=True)
 
-    def acquire(self, key, rows=None):
+    def acquire(self, key, rows=None, give_way: Callable[[], bool] | None = None):
+        """`ExpertStore.acquire`. `give_way`: where the cache has no room for the record (every record in use), it
+        is asked while this thread waits (again after each `wake_waiters()`); True: stop waiting and return None, so
+        that the caller can first do what frees records (the expert optimizer's workers: step the records the
+        backward handed over, ES-MoE §4.1)."""
         want = self._rows(rows)
         with self._lock:
             entry = self._entries.get(key)
@@ -366,7 +373,8 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
                 entry = self._entries.get(key)
                 if entry is None:
                     entry = self._entries[key] = _Entry()
-                    self._load(key, entry, want, block=True)
+                    if not self._load(key, entry, want, block=True, give_way=give_way):
+                        return None
                 elif entry.state is CACHED:
                     missing = want - entry.valid
                     if missing:
@@ -381,6 +389,11 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
                     return entry.record
                 else:
                     self._lock.wait()  # another thread owns it (loading or writing back)
+
+    def wake_waiters(self) -> None:
+        """Threads waiting for room in `acquire` ask their `give_way` again."""
+        with self._lock:
+            self._lock.notify_all()
 
     def try_acquire(self, key, rows=None):
         want = self._rows(rows)

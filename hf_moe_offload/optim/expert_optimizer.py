@@ -103,11 +103,11 @@ class ExpertOptimizer:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None  # over every parameter, experts included (when clipping)
         self._clock = WindowClock()
-        self._records = StoreSteps(self.updates)
-        self._norms = GradNorms(self._records)
         # Late-bound, so that a job always runs the optimizer's current `_step_experts` and `_batch_size`.
         self._queue = StepQueue(lambda: self.workers, lambda entries, *step: self._step_experts(entries, *step),
                                 lambda *args, **kwargs: self._batch_size(*args, **kwargs), self.updates.ledger.set_pending)
+        self._records = StoreSteps(self.updates, self._queue)
+        self._norms = GradNorms(self._records)
         # Removed by `close()`: a later optimizer on the same model (a second Trainer, `train()` again) must not find
         # this one's hooks still taking gradients.
         ledger = self.updates.ledger
@@ -207,7 +207,10 @@ class ExpertOptimizer:
             self.updates.ledger.wait_for_update(key)  # the previous window's step of an expert no forward used since
         step = (self._clock.lr(self.current_lr), clip_coef, grad_scale, self._clock.window)
         if in_backward and not per_expert:
-            self._queue.put([entry for entry in entries if entry[1] is not None], step)
+            held = [entry for entry in entries if entry[1] is not None]
+            self._queue.put(held, step)
+            if held:
+                self._records.arrived()
             entries = [entry for entry in entries if entry[1] is None]
         # During backward on the disk tier the cache also holds what the stream reads: each expert goes alone.
         one_each = per_expert or in_backward and self._disk_cache()

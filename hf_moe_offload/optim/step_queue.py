@@ -95,6 +95,16 @@ class StepQueue:
         for _ in range(min(len(entries), workers)):
             self.pool.submit(self._drain)
 
+    def waiting(self) -> bool:
+        """Whether handed-over experts wait for a worker."""
+        with self._lock:
+            return bool(self._ready)
+
+    def help(self) -> None:
+        """Step the handed-over experts waiting, on this thread (a job that cannot get a record for lack of room:
+        `StoreSteps.landed`)."""
+        self._drain()
+
     def order_for_next_forward(self) -> None:
         """Backward is over: the experts still waiting go in the order the next forward uses them (layer 0 first; it
         arrived last), so that it starts a layer once that layer's experts are stepped. Windows stay in order."""

@@ -41,8 +41,28 @@ class StoreSteps:
     """Landing, viewing and clearing the experts of an engine's store around their updates (`updates`: the engine's
     surface for its optimizer, offload/updates.py)."""
 
-    def __init__(self, updates: ExpertUpdates):
+    def __init__(self, updates: ExpertUpdates, queue=None):
         self.updates, self.store = updates, updates.store
+        self.queue = queue  # the optimizer's StepQueue: what `_acquire` gives way to
+
+    def _acquire(self, key: ExpertKey, rows: tuple[int, ...] | None) -> ExpertRecord:
+        """`store.acquire`, for a step of an expert the backward did not hand over. On the disk tier the cache may
+        be full of records waiting in the queue for a worker (handed over by the backward, ES-MoE §4.1) beside the
+        stream's: a worker that waited for room there would wait for itself (every worker waiting so, until the
+        store's stall timeout), so while experts wait in the queue it steps them first, which releases their
+        records, and then acquires again. Where the cache has room the acquire never waits and nothing changes."""
+        if self.queue is None or self.updates.cache_room() is None:
+            return self.store.acquire(key, rows)
+        while True:
+            record = self.store.acquire(key, rows, give_way=self.queue.waiting)
+            if record is not None:
+                return record
+            self.queue.help()
+
+    def arrived(self) -> None:
+        """Experts were put in the queue: workers waiting for room in the cache give way to them (`_acquire`)."""
+        if self.updates.cache_room() is not None:
+            self.store.wake_waiters()
 
     @contextmanager
     def landed(self, key: ExpertKey, record: ExpertRecord | None, arrival: GradArrival | None,
@@ -54,7 +74,7 @@ class StoreSteps:
         here, once the engine's host worker has added the gradient."""
         if record is None:
             self.updates.ledger.wait_for_grad(key)
-            record = self.store.acquire(key, rows)
+            record = self._acquire(key, rows)
         held = _Held(record)
         try:
             self.store.require(key, rows)  # a handed-over record has the weights and gradient only

@@ -35,6 +35,7 @@ class WindowClock:
         self.step_seconds = 0.0
         self.overlapped_seconds = 0.0
         self._lock = threading.Lock()  # gradient hooks claim experts, and jobs end, on other threads
+        self._nesting = threading.local()  # `timed` bodies open on this thread
         self._jobs: list[tuple[int, float, float]] = []  # (window, start, end) of each expert step
         self._step_called: dict[int, float] = {}
         self._lr: float | None = None
@@ -59,14 +60,19 @@ class WindowClock:
 
     @contextmanager
     def timed(self, window: int):
-        """Time the body as an expert step of `window` (the window it was submitted in)."""
+        """Time the body as an expert step of `window` (the window it was submitted in). Nested (a job that steps
+        the queue's experts while it waits for room: `StepQueue.help`), only the outer one counts."""
+        depth = getattr(self._nesting, "depth", 0)
+        self._nesting.depth = depth + 1
         start = time.perf_counter()
         try:
             yield
         finally:
             end = time.perf_counter()
-            with self._lock:
-                self._jobs.append((window, start, end))
+            self._nesting.depth = depth
+            if depth == 0:
+                with self._lock:
+                    self._jobs.append((window, start, end))
 
     def step_called(self) -> None:
         """`step()` was called for the open window: steps after this moment no longer overlap its backward."""
