@@ -105,7 +105,8 @@ class ExpertOptimizer:
         self._clock = WindowClock()
         # Late-bound, so that a job always runs the optimizer's current `_step_experts` and `_batch_size`.
         self._queue = StepQueue(lambda: self.workers, lambda entries, *step: self._step_experts(entries, *step),
-                                lambda *args, **kwargs: self._batch_size(*args, **kwargs), self.updates.ledger.set_pending)
+                                lambda *args, **kwargs: self._batch_size(*args, **kwargs),
+                                self.updates.ledger.set_pending)
         self._records = StoreSteps(self.updates, self._queue)
         self._norms = GradNorms(self._records)
         # Removed by `close()`: a later optimizer on the same model (a second Trainer, `train()` again) must not find
@@ -132,7 +133,8 @@ class ExpertOptimizer:
         backward (`step()`), unless the records are `held` already (handed over by the backward)."""
         return batch_size(ready, workers, None if held else self.updates.cache_room())
 
-    def _disk_cache(self) -> bool:
+    def _cache_bound(self) -> bool:
+        """The disk tier: the records a step holds compete for the host cache with the stream's."""
         return self.updates.cache_room() is not None
 
     step_seconds = property(lambda self: self._clock.step_seconds,
@@ -187,7 +189,7 @@ class ExpertOptimizer:
                 wanted.setdefault(key, (key, record, arrival))
         taken = [wanted[key] for key in self._clock.claim(wanted, measure=not self.eager)]
         if not self.eager:
-            for batch in self._queue.batches(taken, one_each=self._disk_cache()):
+            for batch in self._queue.batches(taken, one_each=self._cache_bound()):
                 self._norms.track((key for key, _, _ in batch), self._queue.submit(self._norms.measure, batch))
         else:
             self._start_steps(taken, clip_coef=None, grad_scale=None, in_backward=True,
@@ -213,7 +215,7 @@ class ExpertOptimizer:
                 self._records.arrived()
             entries = [entry for entry in entries if entry[1] is None]
         # During backward on the disk tier the cache also holds what the stream reads: each expert goes alone.
-        one_each = per_expert or in_backward and self._disk_cache()
+        one_each = per_expert or in_backward and self._cache_bound()
         self._queue.start(entries, step, self._step_expert if per_expert else self._step_experts, one_each)
 
     def _step_experts(self, entries: list[Entry], lr: float, clip_coef: float | None, grad_scale: float | None,
