@@ -42,15 +42,18 @@ class _Engine:
     def __init__(self, store, numel):
         from hf_moe_offload.layouts import ExpertLayout, ExpertTensor
         from hf_moe_offload.offload.ledger import UpdateLedger
+        from hf_moe_offload.offload.updates import ExpertUpdates
 
         self.store = store
         self.coordinator = None
         layout = ExpertLayout([ExpertTensor("w", (numel,), True)], len(store), None)
         self.layers = [type("L", (), {"layout": layout})()]
         self.ledger = UpdateLedger()  # the optimizer's hooks and pending updates, as the engine keeps them
+        self.updates = ExpertUpdates(self)  # what the optimizer sees of an engine (offload/updates.py)
 
     device_pins = None
     plan = None  # unbound: the optimizer's default workers
+    depth = 1
 
     def synchronize(self):
         self.ledger.wait_all()

@@ -229,13 +229,16 @@ def _release_at_once(self, key, record):  # DeviceGradients.release_record minus
 @pytest.mark.parametrize("stage_experts,cache", [(2, 6), (None, 3)], ids=["slab", "expert by expert"])
 def test_deleting_the_release_wait_of_frozen_experts_fails(stage_experts, cache, tmp_path, monkeypatch):
     """A record handed back after a backward used it waits for the compute enqueued so far (and so for its upload):
-    released at once, the disk tier reads another expert into it while the upload may still be reading it."""
+    released at once, the disk tier reads another expert into it while the upload may still be reading it (the upload
+    reads the record's row through a view made for the copy: the simulation's `track_views` remembers that read)."""
     from hf_moe_offload.offload.gradients import DeviceGradients
 
-    _frozen_backward(tmp_path / "ok", SimulatedRuntime(seed=5, max_delay=0.002), stage_experts, cache)
+    _frozen_backward(tmp_path / "ok", SimulatedRuntime(seed=5, max_delay=0.002, track_views=True), stage_experts,
+                     cache)
     monkeypatch.setattr(DeviceGradients, "release_record", _release_at_once)
     with pytest.raises(HappensBeforeError, match="reused while still in use"):
-        _frozen_backward(tmp_path / "cut", SimulatedRuntime(seed=5, max_delay=0.002), stage_experts, cache)
+        _frozen_backward(tmp_path / "cut", SimulatedRuntime(seed=5, max_delay=0.002, track_views=True),
+                         stage_experts, cache)
 
 
 # --- (d) ---

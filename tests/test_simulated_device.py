@@ -64,10 +64,10 @@ def test_reusing_a_buffer_before_its_reader_is_done_raises():
 
 
 def test_a_read_through_a_temporary_view_is_remembered():
-    """An upload reads one row of a host block through a view made for the copy (a record's row): after that view is
-    gone, a host write into the same bytes must still wait for the read (a disk-tier record reused for another
-    expert), while the block's other rows are free to write."""
-    rt = SimulatedRuntime(seed=2, max_delay=0.05)
+    """`track_views`: an upload reads one row of a host block through a view made for the copy (a record's row):
+    after that view is gone, a host write into the same bytes must still wait for the read (a disk-tier record reused
+    for another expert), while the block's other rows are free to write."""
+    rt = SimulatedRuntime(seed=2, max_delay=0.05, track_views=True)
     side = rt.new_stream()
     block = rt.pinned_empty((2, 4), torch.float32)
     dst = rt.empty((4,), torch.float32, stream=side, persistent=True)
