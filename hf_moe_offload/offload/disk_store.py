@@ -239,8 +239,8 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
     def _load(self, key: ExpertKey, entry: _Entry, rows: set[int], block: bool,
               give_way: Callable[[], bool] | None = None) -> bool:
         """Fill this thread's LOADING `entry`: claim a cache buffer, read `rows` of the file into it (lock released),
-        -> CACHED. On failure, or when a speculative load finds nothing to evict (or a blocking one gives way: see
-        `_claim_buffer`), the entry is removed (on disk only again)."""
+        -> CACHED. On failure, a speculative load finding nothing to evict or a blocking one giving way
+        (`_claim_buffer`), the entry is removed (on disk only again)."""
         try:
             index = self._claim_buffer(block=block, for_key=key, give_way=give_way)
         except BaseException:
@@ -358,10 +358,8 @@ class DiskExpertStore(DiskOverlap, ExpertStore):
             self.release(key, dirty=True, grad_zeroed=True)
 
     def acquire(self, key, rows=None, give_way: Callable[[], bool] | None = None):
-        """`ExpertStore.acquire`. `give_way`: where the cache has no room for the record (every record in use), it
-        is asked while this thread waits (again after each `wake_waiters()`); True: stop waiting and return None, so
-        that the caller can first do what frees records (the expert optimizer's workers: step the records the
-        backward handed over, ES-MoE §4.1)."""
+        """`ExpertStore.acquire`; `give_way()`, asked while waiting for room (again at each `wake_waiters()`): True
+        returns None, so that the caller first frees records (optim/store_steps.py, ES-MoE §4.1)."""
         want = self._rows(rows)
         with self._lock:
             entry = self._entries.get(key)
