@@ -10,6 +10,7 @@ import re
 import torch
 
 from hf_moe_offload import OffloadConfig, enable_expert_offload
+from hf_moe_offload.offload.plan import OPTIMIZER_WORKERS
 from hf_moe_offload.optim import ExpertOptimizer
 from hf_moe_offload.runtime import use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
@@ -41,7 +42,7 @@ class _Coordinator:
         self.closed += 1
 
 
-def _step(model, engine, runtime=None):
+def _step(model, runtime=None):
     x = torch.randint(0, 96, (2, 7))
     with use_runtime(runtime) if runtime is not None else torch.enable_grad():
         model(x, labels=x).loss.backward()
@@ -51,9 +52,9 @@ def test_settings_come_from_the_plan(tmp_path):
     model = tiny_model("qwen3_moe", num_hidden_layers=2)
     engine = enable_expert_offload(model, OffloadConfig(mode="disk", offload_dir=str(tmp_path), host_cache_experts=10))
     updates = engine.updates
-    assert updates.default_workers() == updates.UNBOUND_WORKERS  # before the first forward binds the engine
+    assert updates.default_workers() == OPTIMIZER_WORKERS  # before the first forward binds the engine
     assert updates.cache_room() == 10 - engine.depth - 1
-    _step(model, engine)
+    _step(model)
     engine.synchronize()
     assert updates.default_workers() == engine.plan.optimizer_workers == 0  # the disk tier computing on the CPU
     assert ExpertOptimizer(engine).workers == 0
@@ -75,7 +76,7 @@ def test_a_shared_store_steps_only_what_this_process_owns():
     assert updates.shared and updates.owns((0, 2)) and not updates.owns((0, 3))
     before = {key: engine.store.read_param(key).clone() for key in engine.store.keys()}
     opt = ExpertOptimizer(engine, lr=1e-2, max_grad_norm=1.0)  # deferred: the norm is all-reduced
-    _step(model, engine)
+    _step(model)
     opt.step([])
     opt.synchronize()
     assert coordinator.closed == 1 and coordinator.reduced  # the window closed and the norm reduced through it
@@ -98,7 +99,7 @@ def test_device_pinned_experts_step_on_the_device():
     opt = ExpertOptimizer(engine, lr=1e-2)
     runtime = SimulatedRuntime(seed=0)
     for _ in range(3):  # the pins follow the first windows' loads
-        _step(model, engine, runtime)
+        _step(model, runtime)
         with use_runtime(runtime):
             opt.step()
     keys = list(engine.store.keys())

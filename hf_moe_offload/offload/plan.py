@@ -27,6 +27,8 @@ from .slab import default_chunk, slab_nbytes
 # written), so by default a cache of less than half the experts streams them one at a time (benchmarks/RESULTS.md,
 # "staged chunks on the disk tier").
 STAGE_MAX = 8
+# The expert optimizer's worker threads where the plan does not ask for none (and before the engine binds).
+OPTIMIZER_WORKERS = 2
 
 class Source(str, Enum):
     """Where a chunk's weights come from (offload/chunk_sources.py; `ChunkPlan.source`)."""
@@ -247,7 +249,7 @@ def resolve_plan(config: OffloadConfig, machine: Machine, store: StoreFacts, lay
         # the optimizer's workers, stepping each expert as its gradient arrives, queued behind the I/O while the
         # backward waited for both (benchmarks/RESULTS.md). On a device the workers overlap its backward (ES-MoE
         # §4.1).
-        optimizer_workers=0 if store.tier == "disk" and on_host else 2,
+        optimizer_workers=0 if store.tier == "disk" and on_host else OPTIMIZER_WORKERS,
     )
 
 

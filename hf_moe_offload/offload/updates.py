@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from .ledger import UpdateLedger
+from .plan import OPTIMIZER_WORKERS
 from .store import ExpertKey, ExpertRecord, ExpertStore
 
 if TYPE_CHECKING:
@@ -21,9 +22,6 @@ if TYPE_CHECKING:
 
 class ExpertUpdates:
     """The engine's surface for its expert optimizer (`OffloadEngine.updates`)."""
-
-    # The optimizer's workers before the engine binds (then the plan says: `OffloadPlan.optimizer_workers`).
-    UNBOUND_WORKERS = 2
 
     def __init__(self, engine):
         self._engine = engine  # the OffloadEngine (engine.py imports this module: no import back)
@@ -43,7 +41,7 @@ class ExpertUpdates:
     def default_workers(self) -> int:
         """Threads stepping experts where the user set none (`OffloadPlan.optimizer_workers`)."""
         plan = self._engine.plan  # None until the first forward binds the engine (offload/plan.py)
-        return self.UNBOUND_WORKERS if plan is None else plan.optimizer_workers
+        return OPTIMIZER_WORKERS if plan is None else plan.optimizer_workers
 
     def cache_room(self) -> int | None:
         """The disk tier: records the host cache holds beside the reads in flight (the stream's read-ahead and the
