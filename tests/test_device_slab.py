@@ -300,9 +300,9 @@ def _slow_steps_then_forward(tmp_path, monkeypatch) -> None:
 
     original = Opt._adam_many
 
-    def slow(self, steps, lr):
+    def slow(self, steps, lr, *scaling):
         time.sleep(0.02)
-        return original(self, steps, lr)
+        return original(self, steps, lr, *scaling)
 
     monkeypatch.setattr(Opt, "_adam_many", slow)
     with use_runtime(SimulatedRuntime(seed=9, max_delay=0.001)):
@@ -351,10 +351,10 @@ def test_device_pinned_experts_move_no_bytes_and_step_on_the_device(monkeypatch)
     original = Opt._adam_many
     mine: list = []
 
-    def spy(self, steps, lr):
+    def spy(self, steps, lr, *scaling):
         if self in mine:  # (not a worker some earlier test left running)
             stepped.extend((key, record) for key, record, _ in steps)
-        return original(self, steps, lr)
+        return original(self, steps, lr, *scaling)
 
     monkeypatch.setattr(Opt, "_adam_many", spy)
     with use_runtime(SimulatedRuntime(seed=3, max_delay=0.001)):

@@ -1,9 +1,12 @@
-"""The one-pass AdamW + compute-copy kernel (hf_moe_offload/optim/fused_adam.py; issue 35, item 2)."""
+"""The one-pass AdamW + compute-copy kernel (hf_moe_offload/optim/fused_adam.py) and the threads that run it."""
 
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 from torch.optim.adam import adam
@@ -39,8 +42,8 @@ def test_kernel_steps_like_torch_fused_adamw_and_writes_the_copy(dtype, decouple
         copy_ = torch.empty(n, dtype=dtype)
         for step, g in enumerate(grads, start=1):
             before = [t.clone() for t in ref]
-            fused_adam.adamw_with_copy([ours[0]], [g], [ours[2]], [ours[3]], [copy_], [step], lr=lr, beta1=0.9,
-                                       beta2=0.999, eps=1e-8, weight_decay=wd, decoupled=decoupled)
+            fused_adam.adamw_many([ours[0]], [g], [ours[2]], [ours[3]], [copy_], [step], [True], lr=lr, beta1=0.9,
+                                  beta2=0.999, eps=1e-8, weight_decay=wd, decoupled=decoupled)
             adam([ref[0]], [g.clone()], [ref[2]], [ref[3]], [], [torch.tensor(float(step - 1))], fused=True,
                  amsgrad=False, beta1=0.9, beta2=0.999, lr=lr, weight_decay=wd, eps=1e-8, maximize=False,
                  decoupled_weight_decay=decoupled)
@@ -71,9 +74,9 @@ def test_host_steps_write_the_copies_in_the_same_pass(clip, monkeypatch):
     kernel = fused_adam.kernel()
 
     class Counting:
-        def adamw_copy_(self, *args):
+        def adamw_many_(self, *args):
             calls["n"] += 1
-            return kernel.adamw_copy_(*args)
+            return kernel.adamw_many_(*args)
 
     results = []
     for available in (True, False):
@@ -127,3 +130,82 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     old = time.time() - fused_adam.STALE_LOCK_SECONDS - 60
     os.utime(lock, (old, old))
     assert fused_adam.clear_stale_lock(name) and not os.path.exists(lock)
+
+
+def _op_by_op(p, g, m, v, step, lr, wd, decoupled, grad_scale, clip_coef, dtype):
+    """The kernel's arithmetic as separate fp32 NumPy operations, each an IEEE rounding of its own, in the kernel's
+    order (what the per-tensor kernel with `prepare_grads_`'s separate unscale and clip passes computed, checked bit
+    for bit against it once when this kernel replaced it): the reference of the bit-for-bit test. (NumPy, not torch:
+    torch's vectorized CPU sqrt is not correctly rounded in every element.)"""
+    f = np.float32
+    p, g, m, v = (t.numpy() for t in (p, g, m, v))
+    g = g * f(1.0 / grad_scale) if grad_scale is not None else g
+    g = g * f(clip_coef) if clip_coef is not None else g
+    w = p * f(1 - lr * wd if decoupled else 1.0)
+    gi = g + f(0.0 if decoupled else wd) * p
+    mi = m + f(1 - 0.9) * (gi - m)
+    vi = f(0.999) * v + f(1 - 0.999) * gi * gi
+    denom = np.sqrt(vi) / f((1 - 0.999 ** step) ** 0.5) + f(1e-8)
+    w = w - f(lr / (1 - 0.9 ** step)) * mi / denom
+    w, mi, vi = (torch.from_numpy(np.ascontiguousarray(x, dtype=f)) for x in (w, mi, vi))
+    return w, mi, vi, w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("scaling", [(None, None), (1024.0, 0.37)])
+def test_one_call_steps_many_tensors_bit_for_bit_whatever_the_team(dtype, decoupled, scaling):
+    """Every tensor of a call (each with its own step count and decay flag, odd sizes so that thread ranges split
+    tensors mid-way and vector bodies meet scalar tails) in one parallel region, the gradient unscaled and clipped in
+    the same pass: bit for bit the operation-by-operation fp32 reference, for teams of 1 to 3 threads; the gradients
+    are left as they were."""
+    grad_scale, clip_coef = scaling
+    sizes, steps, decays = [1, 17, 100_003, 4096, 70_001], [1, 3, 7, 2, 5], [True, False, True, True, False]
+    gen = torch.Generator().manual_seed(11)
+    state = [[torch.randn(n, generator=gen) * s for n in sizes] for s in (1.0, 1e-3, 1e-3)]
+    state.append([torch.rand(n, generator=gen) * 1e-6 for n in sizes])
+    expected = [_op_by_op(p, g, m, v, step, 1e-3, 0.1 if d else 0.0, decoupled, grad_scale, clip_coef, dtype)
+                for p, g, m, v, step, d in zip(*state, steps, decays)]
+    for threads in (1, 2, 3):
+        p, g, m, v = ([t.clone() for t in column] for column in state)
+        copies = [torch.empty(n, dtype=dtype) for n in sizes]
+        fused_adam.adamw_many(p, g, m, v, copies, steps, decays, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                              weight_decay=0.1, decoupled=decoupled, grad_scale=grad_scale, clip_coef=clip_coef,
+                              threads=threads)
+        for i, want in enumerate(expected):
+            for got, ref in zip((p[i], m[i], v[i], copies[i]), want):
+                assert torch.equal(got, ref), (threads, i)
+            assert torch.equal(g[i], state[1][i])
+
+
+def test_the_kernel_call_releases_the_gil():
+    """While one thread runs the kernel (about 0.1 s or more here), another Python thread keeps running: it records
+    a time stamp in the middle half of the call. A call that held the GIL would leave that span empty."""
+    n = 8_000_000
+    p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+    copy_ = torch.empty(n, dtype=torch.bfloat16)
+    fused_adam.adamw_many([p], [g], [m], [v], [copy_], [1], [True], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                          weight_decay=0.0, decoupled=True, threads=1)  # built and warm
+    stamps, done = [], threading.Event()
+
+    def loop():
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+
+    other = threading.Thread(target=loop)
+    other.start()
+    try:
+        time.sleep(0.01)
+        for _ in range(3):
+            start = time.perf_counter()
+            fused_adam.adamw_many([p], [g], [m], [v], [copy_], [2], [True], lr=1e-3, beta1=0.9, beta2=0.999,
+                                  eps=1e-8, weight_decay=0.0, decoupled=True, threads=1)
+            end = time.perf_counter()
+            lo, hi = start + (end - start) / 4, end - (end - start) / 4
+            if any(lo <= t <= hi for t in stamps[-200_000:]):
+                break
+        else:
+            raise AssertionError(f"no Python progress during three calls of {end - start:.3f} s")
+    finally:
+        done.set()
+        other.join()

@@ -91,6 +91,11 @@ class OffloadConfig:
         "help": "experts computing on the CPU (host and disk tier), training: intra-op threads of their forward and "
                 "backward. None (default): one fewer than torch.get_num_threads() (at least 1), leaving a core to "
                 "the expert optimizer's steps and the disk tier's I/O, which run alongside"})
+    optimizer_threads: int | None = field(default=None, metadata={
+        "help": "host threads of the expert optimizer's steps, all its workers together (each worker's OpenMP team "
+                "is an even share, at least one). None (default): the cores this process may run on, less those the "
+                "step's other work keeps busy: 2 where a device computes (the thread launching its work and "
+                "autograd's), the experts' compute_threads where the CPU does"})
     # --- inference (generation, evaluation: offload/inference.py) ---
     inference: bool | None = field(default=None, metadata={
         "help": "None (default): a call runs in inference mode under torch.no_grad() or model.eval() (the disk "
@@ -138,6 +143,8 @@ class OffloadConfig:
             raise ValueError(f"OffloadConfig.stage_experts must be >= 1 or None, got {self.stage_experts}")
         if self.compute_threads is not None and self.compute_threads < 1:
             raise ValueError(f"OffloadConfig.compute_threads must be >= 1 or None, got {self.compute_threads}")
+        if self.optimizer_threads is not None and self.optimizer_threads < 1:
+            raise ValueError(f"OffloadConfig.optimizer_threads must be >= 1 or None, got {self.optimizer_threads}")
         if self.io_threads < 1:
             raise ValueError(f"OffloadConfig.io_threads must be >= 1, got {self.io_threads}")
         if not 0.0 <= self.pin_fraction <= 1.0:

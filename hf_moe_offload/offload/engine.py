@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
+from ..host_threads import set_thread_team
 from ..layouts import ExpertLayout
 from ..runtime import DeviceRuntime, Event, runtime_for
 from .chunk_sources import ChunkSources
@@ -36,7 +37,8 @@ from .gradients import DeviceGradients, HostGradients
 from .inference import PreGate
 from .ledger import UpdateCoordinator, UpdateLedger
 from .pinning import PinManager
-from .plan import GRADS_DOWNLOADED, Machine, OffloadPlan, StoreFacts, clamp_depth, pin_room, resolve_plan
+from .plan import (GRADS_DOWNLOADED, Machine, OffloadPlan, StoreFacts, clamp_depth, compute_threads, pin_room,
+                   resolve_plan)
 from .slab import DeviceSlab
 from .store import WEIGHTS_AND_GRAD, ExpertKey, ExpertStore
 from .streamed import OffloadedExpertsLayer
@@ -156,15 +158,15 @@ class OffloadEngine:
         they wait on each other (measured faster on both tiers: benchmarks/RESULTS.md, "the experts' threads").
         An asynchronous device computes elsewhere: nothing changes there."""
         before = torch.get_num_threads()
-        wanted = self.config.compute_threads if self.config.compute_threads is not None else max(1, before - 1)
+        wanted = compute_threads(self.config)
         if self.plan is None or not self.plan.limit_compute_threads or wanted == before:
             yield
             return
-        torch.set_num_threads(wanted)
+        set_thread_team(wanted)  # this thread's team only: the optimizer's workers size their own
         try:
             yield
         finally:
-            torch.set_num_threads(before)
+            set_thread_team(before)
 
     def freeze_experts(self) -> None:
         """The experts are not trained from now on (LoRA on the other parts): backward gives input gradients only."""

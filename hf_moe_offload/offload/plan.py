@@ -16,6 +16,7 @@ from enum import Enum
 
 import torch
 
+from ..host_threads import DEVICE_THREADS, optimizer_threads
 from .config import OffloadConfig
 from .device_pins import pins_within_budget
 from .slab import default_chunk, slab_nbytes
@@ -114,6 +115,7 @@ class OffloadPlan:
     limit_compute_threads: bool  # a training call's experts take `compute_threads` of the host's cores
     reuse_views: bool  # per-expert weights come from long-lived host buffers: cache their views
     optimizer_workers: int  # ExpertOptimizer's default worker count
+    optimizer_threads: int  # the expert optimizer's OpenMP threads, all workers' teams together (host_threads.py)
 
     @property
     def waits_for_device(self) -> bool:
@@ -250,7 +252,15 @@ def resolve_plan(config: OffloadConfig, machine: Machine, store: StoreFacts, lay
         # backward waited for both (benchmarks/RESULTS.md). On a device the workers overlap its backward (ES-MoE
         # §4.1).
         optimizer_workers=0 if store.tier == "disk" and on_host else OPTIMIZER_WORKERS,
+        optimizer_threads=optimizer_threads(config.optimizer_threads, reserved=compute_threads(config) if on_host
+                                            else DEVICE_THREADS),
     )
+
+
+def compute_threads(config: OffloadConfig) -> int:
+    """The intra-op threads of a training call's experts computing on the CPU (`OffloadConfig.compute_threads`, else
+    one fewer than the calling thread's, at least 1)."""
+    return config.compute_threads if config.compute_threads is not None else max(1, torch.get_num_threads() - 1)
 
 
 def _slab_chunk(config: OffloadConfig, machine: Machine, store: StoreFacts, layer_experts: list[int],

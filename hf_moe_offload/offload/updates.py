@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from ..host_threads import DEVICE_THREADS, optimizer_threads
 from .ledger import UpdateLedger
 from .plan import OPTIMIZER_WORKERS
 from .store import ExpertKey, ExpertRecord, ExpertStore
@@ -42,6 +43,14 @@ class ExpertUpdates:
         """Threads stepping experts where the user set none (`OffloadPlan.optimizer_workers`)."""
         plan = self._engine.plan  # None until the first forward binds the engine (offload/plan.py)
         return OPTIMIZER_WORKERS if plan is None else plan.optimizer_workers
+
+    def optimizer_threads(self) -> int:
+        """The optimizer's threads, all workers' teams together (`OffloadPlan.optimizer_threads`; before the engine
+        binds, as on a device)."""
+        plan = self._engine.plan
+        if plan is None:
+            return optimizer_threads(self._engine.config.optimizer_threads, reserved=DEVICE_THREADS)
+        return plan.optimizer_threads
 
     def cache_room(self) -> int | None:
         """The disk tier: records the host cache holds beside the reads in flight (the stream's read-ahead and the

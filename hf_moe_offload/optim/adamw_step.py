@@ -6,7 +6,8 @@ Every path that steps an expert (a worker's fused batch, the per-expert clipped 
 1. `prepare_grads_`: unscale (fp16 loss scaling), clip each expert by its own norm (`clip_mode="per_expert"`), clip
    by the window's global coefficient, in that order, each a multiplication in place;
 2. `adamw_update_`: weight decay (decoupled, or L2 folded into the gradient) and the Adam update, through torch's fused
-   kernel per decay group, or the one-pass kernel that also writes the compute copy (optim/fused_adam.py).
+   kernel per decay group, or the one-pass kernel that also writes the compute copy (optim/fused_adam.py): one call,
+   one parallel region for every expert handed over together, unscale and the global clip read in the same pass.
 
 The arithmetic is that of `torch.optim.AdamW(fused=True)` per tensor, each tensor with its own step count. Stepping
 per tensor matters even where one expert's tensors share a flat row: the fused kernel's vectorized body and scalar tail
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam
 
-from .fused_adam import adamw_with_copy, fits
+from .fused_adam import adamw_many, fits
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,19 @@ def prepare_grads_(grads: list[list[torch.Tensor]], grad_scale: float | None = N
         torch._foreach_mul_(flat, clip_coef)
 
 
-def adamw_update_(experts: list[ExpertTensors], lr: float, settings: AdamWSettings) -> bool:
-    """Weight decay and the Adam update of `experts` in two fused calls (the decayed tensors, the others), in place.
-    Where every expert has a compute copy the one-pass kernel can write, it does: returns True then (the copies are
-    current); False where they are still to be refreshed. The caller counts the step (`ExpertTensors.step` is not
+def adamw_update_(experts: list[ExpertTensors], lr: float, settings: AdamWSettings, grad_scale: float | None = None,
+                  clip_coef: float | None = None) -> bool:
+    """Unscale and clip by the global coefficient (`prepare_grads_`'s first and last stage), weight decay and the Adam
+    update of `experts`, in place. Where every expert has a compute copy the one-pass kernel can write, one call steps
+    them all, the gradients read unscaled and clipped in the same pass (left as they were): returns True then (the
+    copies are current). Otherwise `prepare_grads_` and torch's fused kernel, two calls (the decayed tensors, the
+    others): False, the copies still to be refreshed. The caller counts the step (`ExpertTensors.step` is not
     moved)."""
-    if all(e.copies is not None for e in experts) and _update_with_copies(experts, lr, settings):
+    if all(e.copies is not None for e in experts) and _update_with_copies(experts, lr, settings, grad_scale,
+                                                                          clip_coef):
         return True
+    if grad_scale is not None or clip_coef is not None:
+        prepare_grads_([e.grads for e in experts], grad_scale, clip_coef)
     beta1, beta2 = settings.betas
     for decayed in (True, False):
         params, grads, avgs, avg_sqs, counts = [], [], [], [], []
@@ -92,20 +99,20 @@ def adamw_update_(experts: list[ExpertTensors], lr: float, settings: AdamWSettin
     return False
 
 
-def _update_with_copies(experts: list[ExpertTensors], lr: float, settings: AdamWSettings) -> bool:
-    """`adamw_update_` through the one-pass kernel; False (nothing touched) where it does not apply."""
-    groups = {True: ([], [], [], [], [], []), False: ([], [], [], [], [], [])}
+def _update_with_copies(experts: list[ExpertTensors], lr: float, settings: AdamWSettings, grad_scale: float | None,
+                        clip_coef: float | None) -> bool:
+    """`adamw_update_` through the one-pass kernel, every tensor in one call; False (nothing touched) where it does
+    not apply."""
+    columns = ([], [], [], [], [], [], [])  # params, grads, moments, second moments, copies, steps, decays
     for e in experts:
-        for decay, *tensors in zip(e.decay, e.params, e.grads, e.exp_avgs, e.exp_avg_sqs, e.copies):
-            for out, t in zip(groups[decay], (*tensors, e.step + 1)):
-                out.append(t)
-    if not all(fits(*group[:5]) for group in groups.values()):
+        for row in zip(e.params, e.grads, e.exp_avgs, e.exp_avg_sqs, e.copies, [e.step + 1] * len(e.params), e.decay):
+            for column, t in zip(columns, row):
+                column.append(t)
+    if not fits(*columns[:5]) or len({c.dtype for c in columns[4]}) > 1:
         return False
     beta1, beta2 = settings.betas
-    for decayed, (params, grads, avgs, avg_sqs, copies, counts) in groups.items():
-        adamw_with_copy(params, grads, avgs, avg_sqs, copies, counts, lr=lr, beta1=beta1, beta2=beta2,
-                        eps=settings.eps, decoupled=settings.decoupled,
-                        weight_decay=settings.weight_decay if decayed else 0.0)
+    adamw_many(*columns, lr=lr, beta1=beta1, beta2=beta2, eps=settings.eps, weight_decay=settings.weight_decay,
+               decoupled=settings.decoupled, grad_scale=grad_scale, clip_coef=clip_coef)
     return True
 
 

@@ -106,7 +106,7 @@ class ExpertOptimizer:
         # Late-bound, so that a job always runs the optimizer's current `_step_experts` and `_batch_size`.
         self._queue = StepQueue(lambda: self.workers, lambda entries, *step: self._step_experts(entries, *step),
                                 lambda *args, **kwargs: self._batch_size(*args, **kwargs),
-                                self.updates.ledger.set_pending)
+                                self.updates.ledger.set_pending, self.updates.optimizer_threads)
         self._records = StoreSteps(self.updates, self._queue)
         self._norms = GradNorms(self._records)
         # Removed by `close()`: a later optimizer on the same model (a second Trainer, `train()` again) must not find
@@ -228,18 +228,20 @@ class ExpertOptimizer:
                      window: int) -> None:
         """A job: step one expert (`entries` holds one) clipped by its own norm (`clip_mode="per_expert"`)."""
         with self._clock.timed(window):
-            self._records.step_host(entries, lambda steps, lr: self._adam(*steps[0][:2], lr), lr, grad_scale,
+            self._records.step_host(entries, lambda steps, lr, *_: self._adam(*steps[0][:2], lr), lr, grad_scale,
                                     clip_coef, self.max_grad_norm)
 
     def _adam(self, key: ExpertKey, record: ExpertRecord, lr: float) -> bool:
         return self._adam_many([(key, record, self._records.views(key, record.grad))], lr)
 
-    def _adam_many(self, steps: list[Step], lr: float) -> bool:
+    def _adam_many(self, steps: list[Step], lr: float, grad_scale: float | None = None,
+                   clip_coef: float | None = None) -> bool:
         """The Adam update of several experts (key, record, its gradient per tensor in layout order, whether the
-        record's row or autograd's own tensors), counted in the store's step counts. Returns True where the update
-        wrote the compute copies too (the caller only moves the version: `refresh_compute(copied=True)`)."""
+        record's row or autograd's own tensors), their gradients unscaled and clipped by `clip_coef` first, counted
+        in the store's step counts. Returns True where the update wrote the compute copies too (the caller only moves
+        the version: `refresh_compute(copied=True)`)."""
         settings = AdamWSettings(self.betas, self.eps, self.weight_decay, self.decoupled)
-        copied = adamw_update_([self._records.tensors(*step) for step in steps], lr, settings)
+        copied = adamw_update_([self._records.tensors(*step) for step in steps], lr, settings, grad_scale, clip_coef)
         for key, _, _ in steps:
             self.store.steps[key] += 1
         return copied

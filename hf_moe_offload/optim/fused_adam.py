@@ -25,11 +25,14 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
+#include <omp.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <vector>
 
 // Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays a (quiet) NaN.
 static inline uint16_t bf16_bits(float f) {
@@ -40,59 +43,110 @@ static inline uint16_t bf16_bits(float f) {
   return static_cast<uint16_t>(b >> 16);
 }
 
-template <bool BF16>
-static void adamw_copy_range(float* p, const float* g, float* m, float* v, uint16_t* c, int64_t begin, int64_t end,
-                             float step_size, float bc2_sqrt, float b2, float one_minus_b1, float one_minus_b2,
-                             float decay, float l2, float eps) {
+// One tensor of the call: its place in the concatenated element range and its own step's constants.
+struct Span {
+  float* p; const float* g; float* m; float* v; uint16_t* c;
+  int64_t start, n;
+  float step_size, bc2_sqrt, decay, l2;
+};
+
+struct Common { float b2, one_minus_b1, one_minus_b2, eps, unscale, clip; };
+
+// The gradient is unscaled, then clipped, each a rounding of its own (as the separate passes it replaces), then
+// torch's AdamW in fp32, operation by operation (no FMA contraction), so the split of the range changes no bit.
+template <int COPY, bool UNSCALE, bool CLIP>
+static void step_range(const Span& s, const Common& k, int64_t begin, int64_t end) {
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
-    float w = p[i] * decay;
-    float gi = g[i] + l2 * p[i];
-    float mi = m[i] + one_minus_b1 * (gi - m[i]);  // torch: exp_avg.lerp_(grad, 1 - beta1)
-    float vi = b2 * v[i] + one_minus_b2 * gi * gi;
-    float denom = std::sqrt(vi) / bc2_sqrt + eps;
-    w = w - step_size * mi / denom;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = w;
-    c[i] = BF16 ? bf16_bits(w) : c10::Half(w).x;
+    float g = s.g[i];
+    if (UNSCALE) g = g * k.unscale;
+    if (CLIP) g = g * k.clip;
+    float w = s.p[i] * s.decay;
+    float gi = g + s.l2 * s.p[i];
+    float mi = s.m[i] + k.one_minus_b1 * (gi - s.m[i]);  // torch: exp_avg.lerp_(grad, 1 - beta1)
+    float vi = k.b2 * s.v[i] + k.one_minus_b2 * gi * gi;
+    float denom = std::sqrt(vi) / s.bc2_sqrt + k.eps;
+    w = w - s.step_size * mi / denom;
+    s.m[i] = mi;
+    s.v[i] = vi;
+    s.p[i] = w;
+    if (COPY == 1) s.c[i] = bf16_bits(w);
+    if (COPY == 2) s.c[i] = c10::Half(w).x;
   }
 }
 
-void adamw_copy_(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq, at::Tensor copy,
-                 double lr, double beta1, double beta2, double eps, double weight_decay, double step,
-                 bool decoupled) {
-  for (const auto& t : {param, grad, exp_avg, exp_avg_sq}) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
-                "adamw_copy_: fp32 contiguous CPU tensors expected");
-    TORCH_CHECK(t.numel() == param.numel(), "adamw_copy_: sizes differ");
+using RangeFn = void (*)(const Span&, const Common&, int64_t, int64_t);
+
+template <int COPY>
+static RangeFn pick(bool unscale, bool clip) {
+  if (unscale) return clip ? step_range<COPY, true, true> : step_range<COPY, true, false>;
+  return clip ? step_range<COPY, false, true> : step_range<COPY, false, false>;
+}
+
+static void check_state(const at::Tensor& t, int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel,
+              "adamw_many_: fp32 contiguous CPU tensors of one size per parameter expected");
+}
+
+// One AdamW step of every tensor given (each with its own step count and decay), in one parallel region of
+// `threads` threads over all their elements together, writing each compute copy (bf16/fp16) in the same pass.
+// Runs without the GIL: the Python threads launching device work and handing gradients over go on meanwhile.
+void adamw_many_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, std::vector<at::Tensor> exp_avgs,
+                 std::vector<at::Tensor> exp_avg_sqs, std::vector<at::Tensor> copies, std::vector<double> steps,
+                 std::vector<bool> decays, double lr, double beta1, double beta2, double eps, double weight_decay,
+                 bool decoupled, std::optional<double> unscale, std::optional<double> clip, int64_t threads) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && copies.size() == n &&
+              steps.size() == n && decays.size() == n, "adamw_many_: one entry per parameter in every list");
+  int mode = 0;
+  std::vector<Span> spans;
+  spans.reserve(n);
+  int64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t numel = params[i].numel();
+    for (const auto& t : {params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]}) check_state(t, numel);
+    const auto& c = copies[i];
+    TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.numel() == numel &&
+                (c.scalar_type() == at::kBFloat16 || c.scalar_type() == at::kHalf),
+                "adamw_many_: each copy must be a contiguous bf16/fp16 CPU tensor of its parameter's size");
+    const int m = c.scalar_type() == at::kBFloat16 ? 1 : 2;
+    TORCH_CHECK(mode == 0 || mode == m, "adamw_many_: the copies of one call share a dtype");
+    mode = m;
+    const double bias_correction1 = 1.0 - std::pow(beta1, steps[i]);
+    const double bias_correction2 = 1.0 - std::pow(beta2, steps[i]);
+    const double wd = decays[i] ? weight_decay : 0.0;
+    spans.push_back({params[i].data_ptr<float>(), grads[i].data_ptr<float>(), exp_avgs[i].data_ptr<float>(),
+                     exp_avg_sqs[i].data_ptr<float>(), reinterpret_cast<uint16_t*>(c.data_ptr()), total, numel,
+                     static_cast<float>(lr / bias_correction1), static_cast<float>(std::sqrt(bias_correction2)),
+                     decoupled ? static_cast<float>(1.0 - lr * wd) : 1.0f,
+                     decoupled ? 0.0f : static_cast<float>(wd)});
+    total += numel;
   }
-  TORCH_CHECK(copy.device().is_cpu() && copy.is_contiguous() && copy.numel() == param.numel() &&
-              (copy.scalar_type() == at::kBFloat16 || copy.scalar_type() == at::kHalf),
-              "adamw_copy_: the copy must be a contiguous bf16/fp16 CPU tensor of the same size");
-  float* p = param.data_ptr<float>();
-  const float* g = grad.data_ptr<float>();
-  float* m = exp_avg.data_ptr<float>();
-  float* v = exp_avg_sq.data_ptr<float>();
-  const bool bf16 = copy.scalar_type() == at::kBFloat16;
-  uint16_t* c = reinterpret_cast<uint16_t*>(copy.data_ptr());
-  const double bias_correction1 = 1.0 - std::pow(beta1, step);
-  const double bias_correction2 = 1.0 - std::pow(beta2, step);
-  const float step_size = static_cast<float>(lr / bias_correction1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-  const float b2 = static_cast<float>(beta2);
-  const float one_minus_b1 = static_cast<float>(1.0 - beta1), one_minus_b2 = static_cast<float>(1.0 - beta2);
-  const float decay = decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
-  const float l2 = decoupled ? 0.0f : static_cast<float>(weight_decay);
-  const float epsf = static_cast<float>(eps);
-  at::parallel_for(0, param.numel(), 16384, [&](int64_t begin, int64_t end) {
-    if (bf16)
-      adamw_copy_range<true>(p, g, m, v, c, begin, end, step_size, bc2_sqrt, b2, one_minus_b1, one_minus_b2, decay,
-                             l2, epsf);
-    else
-      adamw_copy_range<false>(p, g, m, v, c, begin, end, step_size, bc2_sqrt, b2, one_minus_b1, one_minus_b2, decay,
-                              l2, epsf);
-  });
+  if (total == 0) return;
+  const Common k{static_cast<float>(beta2), static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2),
+                 static_cast<float>(eps), static_cast<float>(unscale.value_or(1.0)),
+                 static_cast<float>(clip.value_or(1.0))};
+  const RangeFn fn = mode == 1 ? pick<1>(unscale.has_value(), clip.has_value())
+                               : pick<2>(unscale.has_value(), clip.has_value());
+  // Below this many elements a fork and join costs more than the step.
+  const int team = total < 32768 ? 1 : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, total / 4096)));
+  const int64_t unit = 64;  // each thread's range starts on a 256-byte boundary of the concatenated range
+#pragma omp parallel num_threads(team) if (team > 1)
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t units = (total + unit - 1) / unit, per = (units + nt - 1) / nt;
+    const int64_t begin = std::min(total, t * per * unit), end = std::min(total, (t + 1) * per * unit);
+    auto it = std::upper_bound(spans.begin(), spans.end(), begin,
+                               [](int64_t x, const Span& s) { return x < s.start; });
+    for (auto s = it == spans.begin() ? it : it - 1; s != spans.end() && s->start < end; ++s) {
+      const int64_t b = std::max(begin, s->start) - s->start, e = std::min(end, s->start + s->n) - s->start;
+      if (b < e) fn(*s, k, b, e);
+    }
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("adamw_many_", &adamw_many_, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 """
 
@@ -125,11 +179,10 @@ def _build():
         # machines never loads a build for another.
         isa = torch.backends.cpu.get_cpu_capability()
         flags = _ISA_FLAGS.get(isa, [])
-        name = f"hf_moe_offload_adamw_copy_{isa.lower()}"
+        name = f"hf_moe_offload_adamw_many_{isa.lower()}"
         clear_stale_lock(name)
         logger.info("compiling the fused AdamW + compute-copy kernel for %s (once per machine, cached)", isa)
-        return load_inline(name=name, cpp_sources=_SOURCE,
-                           functions=["adamw_copy_"],
+        return load_inline(name=name, cpp_sources=_SOURCE,  # binds itself (PYBIND11_MODULE): without the GIL
                            # -fno-math-errno lets sqrt vectorize; no FMA contraction: torch's rounding, op by op.
                            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", *flags],
                            extra_ldflags=["-fopenmp"], verbose=False)
@@ -167,14 +220,18 @@ def fits(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
     return ok and kernel() is not None
 
 
-def adamw_with_copy(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                    exp_avg_sqs: list[torch.Tensor], copies: list[torch.Tensor], steps: list[int], *, lr: float,
-                    beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool) -> None:
-    """One AdamW step per tensor (each with its own step count, already incremented: the count this step uses) that
-    also writes each `copies[i]` (bf16/fp16, the same size). Only where `fits`."""
-    k = kernel()
-    for p, g, m, v, c, step in zip(params, grads, exp_avgs, exp_avg_sqs, copies, steps):
-        k.adamw_copy_(p, g, m, v, c, lr, beta1, beta2, eps, weight_decay, float(step), decoupled)
+def adamw_many(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+               exp_avg_sqs: list[torch.Tensor], copies: list[torch.Tensor], steps: list[int], decays: list[bool], *,
+               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
+               grad_scale: float | None = None, clip_coef: float | None = None, threads: int | None = None) -> None:
+    """One AdamW step of every tensor (each with its own step count, already incremented: the count this step uses,
+    and its own `decays` flag for `weight_decay`) that also writes each `copies[i]` (bf16/fp16, the same size), in one
+    parallel region of `threads` threads (default: the calling thread's intra-op team, `torch.get_num_threads()`)
+    without the GIL. Each gradient is read divided by `grad_scale` and times `clip_coef` (each a rounding of its own,
+    as `prepare_grads_`'s passes) but left as it was. Only where `fits`."""
+    kernel().adamw_many_(params, grads, exp_avgs, exp_avg_sqs, copies, [float(s) for s in steps], decays, lr, beta1,
+                         beta2, eps, weight_decay, decoupled, None if grad_scale is None else 1.0 / grad_scale,
+                         clip_coef, torch.get_num_threads() if threads is None else threads)
 
 
-__all__ = ["adamw_with_copy", "clear_stale_lock", "fits", "kernel"]
+__all__ = ["adamw_many", "clear_stale_lock", "fits", "kernel"]

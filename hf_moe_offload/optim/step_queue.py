@@ -12,6 +12,8 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ..host_threads import set_thread_team, team_size
+
 
 class InlineExecutor:
     """`ExpertOptimizer(workers=0)`: a job runs at once on the thread that submits it; its Future comes back done
@@ -42,13 +44,16 @@ def batch_size(ready: int, workers: int, room: int | None = None) -> int:
 class StepQueue:
     """The workers, and the experts handed over with their records waiting for one.
 
-    `workers()`: the pool's size, read at the first job (0: jobs run inline). `run(entries, *step)`: steps a batch,
+    `workers()`: the pool's size, read at the first job (0: jobs run inline); `threads()`: the OpenMP threads of all
+    workers together, split evenly into their teams. `run(entries, *step)`: steps a batch,
     `step` the arguments every entry of a batch shares, the window last. `share(ready, workers, held=True)`: experts
     per job. `pending(key, future)`: an expert's update, done once a worker stepped it."""
 
     def __init__(self, workers: Callable[[], int], run: Callable, share: Callable[..., int],
-                 pending: Callable[[object, Future], None]):
+                 pending: Callable[[object, Future], None], threads: Callable[[], int] | None = None):
         self._workers, self._run, self._share_of, self._pending = workers, run, share, pending
+        self._threads = threads  # the workers' OpenMP threads, all teams together (None: as the process sets)
+        self.team: int | None = None  # each worker's team, sized inside the worker (host_threads.py)
         self.executor: ThreadPoolExecutor | InlineExecutor | None = None  # made at the first job (`pool`)
         self._lock = threading.Lock()
         self._ready: deque = deque()  # (entry, its update's Future, step) of experts waiting for a worker
@@ -58,8 +63,14 @@ class StepQueue:
     def pool(self) -> ThreadPoolExecutor | InlineExecutor:
         if self.executor is None:
             workers = self._workers()
-            self.executor = (InlineExecutor() if workers == 0
-                             else ThreadPoolExecutor(max_workers=workers, thread_name_prefix="expert-adam"))
+            if workers == 0:
+                self.executor = InlineExecutor()
+            else:
+                # Each worker sizes its own team in its own thread: all teams together within the budget.
+                self.team = None if self._threads is None else team_size(self._threads(), workers)
+                self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="expert-adam",
+                                                   initializer=None if self.team is None else set_thread_team,
+                                                   initargs=() if self.team is None else (self.team,))
         return self.executor
 
     def submit(self, fn, *args) -> Future:

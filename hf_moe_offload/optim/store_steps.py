@@ -21,7 +21,8 @@ from .adamw_step import ExpertTensors, prepare_grads_
 Entry = tuple[ExpertKey, ExpertRecord | None, GradArrival | None]
 # (key, record, its gradient per tensor in layout order): what an update is handed
 Step = tuple[ExpertKey, ExpertRecord, list[torch.Tensor]]
-Update = Callable[[list[Step], float], bool]
+# (steps, lr, grad_scale, clip_coef) -> whether the compute copies were written (optim/adamw_step.py `adamw_update_`)
+Update = Callable[[list[Step], float, float | None, float | None], bool]
 
 
 class _Held:
@@ -99,7 +100,8 @@ class StoreSteps:
     def step_host(self, entries: list[Entry], update: Update, lr: float, grad_scale: float | None,
                   clip_coef: float | None, max_norm: float | None) -> None:
         """Land `entries`' gradients, step those that have one (unscaled, clipped by their own norm to `max_norm`,
-        clipped by `clip_coef`, then `update`d) and clear them. Clipping by an expert's own norm takes the norm over
+        clipped by `clip_coef`, then `update`d: without `max_norm` the update unscales and clips, in its own pass
+        where it can) and clear them. Clipping by an expert's own norm takes the norm over
         its gradient row, so there the gradient is landed in the row rather than used in place."""
         with ExitStack() as stack:
             helds = [stack.enter_context(self.landed(key, record, arrival, None, dirty=True,
@@ -111,11 +113,13 @@ class StoreSteps:
             steps = [(key, held.record,
                       held.grads if held.grads is not None else self.views(key, held.record.current_grad()))
                      for key, held in ready]
-            prepare_grads_([grads for _, _, grads in steps], grad_scale, clip_coef, max_norm,
-                           [held.record.grad for _, held in ready])
+            if max_norm is not None:  # each expert's own norm is taken unscaled: the passes run before the update
+                prepare_grads_([grads for _, _, grads in steps], grad_scale, clip_coef, max_norm,
+                               [held.record.grad for _, held in ready])
+                grad_scale = clip_coef = None
             for _, held in ready:
                 self.store.note_host_write(held.record)  # no upload may still be reading these weights
-            copied = update(steps, lr)
+            copied = update(steps, lr, grad_scale, clip_coef)
             for key, held in ready:  # stale, not zeroed in a pass: the next gradient is copied in
                 held.record.clear_grad(self.store.lazy_grad_zero)
                 held.grad_zeroed = True
@@ -131,9 +135,11 @@ class StoreSteps:
             return
         records = [self.updates.device_record(key) for key in keys]
         steps = [(key, record, self.views(key, record.current_grad())) for key, record in zip(keys, records)]
-        prepare_grads_([grads for _, _, grads in steps], grad_scale, clip_coef, max_norm,
-                       [record.grad for _, record, _ in steps])
-        copied = update(steps, lr())
+        if max_norm is not None:
+            prepare_grads_([grads for _, _, grads in steps], grad_scale, clip_coef, max_norm,
+                           [record.grad for _, record, _ in steps])
+            grad_scale = clip_coef = None
+        copied = update(steps, lr(), grad_scale, clip_coef)
         for key, record, _ in steps:
             record.clear_grad(lazy=False)
             record.refresh_compute(copied)

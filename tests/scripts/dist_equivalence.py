@@ -240,11 +240,11 @@ def run_mode(spec: str) -> dict:
         opt = ExpertAwareOptimizer(opt, expert_opt)
         adam_many = expert_opt._adam_many
 
-        def counted_adam_many(steps, lr):  # every expert step goes through it (one expert, a layer's, step()'s)
-            with lock:
+        def counted_adam_many(steps, lr, *scaling):  # every expert step goes through it (one expert, a layer's,
+            with lock:                                  # step()'s)
                 for key, _, _ in steps:
                     updates[key] += 1
-            return adam_many(steps, lr)
+            return adam_many(steps, lr, *scaling)
 
         expert_opt._adam_many = counted_adam_many
     per_step = []
