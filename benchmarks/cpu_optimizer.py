@@ -3,10 +3,12 @@
 eager mode of the grouped host path; batched fused calls, as in the deferred mode's `step()`),
 (1b) the same with bf16 compute copies refreshed by every step (a GPU's default under autocast): torch's fused AdamW
 followed by the copy, against our steps writing the copy in the same pass (optim/fused_adam.py) and in a second pass,
+(0) the host Adam in the training layout of a GPU step (the main thread busy in Python, a copy loop beside it) against
+torch's fused AdamW alone on the same cores,
 (2) step time of an offloaded MoE with expert steps overlapped with backward (eager, ES-MoE §4.1) vs the same
 steps all after backward (deferred).
 
-    python benchmarks/cpu_optimizer.py [--quick]
+    python benchmarks/cpu_optimizer.py [--quick] [--layout-only] [--out FILE]
 
 Writes benchmarks/cpu_optimizer.json. Ratios are measured in the same invocation, the variants interleaved.
 """
@@ -20,6 +22,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -52,7 +55,8 @@ class _Engine:
         self.updates = ExpertUpdates(self)  # what the optimizer sees of an engine (offload/updates.py)
 
     device_pins = None
-    plan = None  # unbound: the optimizer's default workers
+    plan = None  # unbound: the optimizer's default workers and threads
+    config = OffloadConfig()
     depth = 1
 
     def synchronize(self):
@@ -187,6 +191,98 @@ def with_copies(num_experts: int, numel: int, reps: int) -> dict:
     return out
 
 
+class _Load:
+    """What runs beside the host Adam in a training step on a GPU: the main thread in Python (launching the device's
+    work; here a loop counting, half the time, and waiting the other half) and a copy loop (the uploads' staging;
+    here 64 MiB copies back and forth)."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.spins = 0
+        self.threads = [threading.Thread(target=self._copy, daemon=True)]
+
+    def _copy(self):
+        a, b = torch.empty(16 * 2**20), torch.empty(16 * 2**20)
+        while not self.stop.is_set():
+            b.copy_(a)
+            a.copy_(b)
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def spin_until(self, future) -> None:
+        """The main thread until `future` is done: 1 ms of Python, then 1 ms waiting (as on a device sync)."""
+        while not future.done():
+            until = time.perf_counter() + 1e-3
+            while time.perf_counter() < until:
+                self.spins += 1
+            time.sleep(1e-3)
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def training_layout(num_experts: int, numel: int, reps: int) -> dict:
+    """Params/s of the host Adam as it runs while a GPU trains: bf16 copies refreshed in the step, `step()` on the
+    workers while the main thread runs Python and a copy loop runs beside it (`_Load`). Ours with the thread budget
+    the plan gives a device (`OffloadConfig.optimizer_threads` unset: the cores less 2) and with each worker's team
+    as large as the machine (how the workers ran before the budget), against torch's fused AdamW alone on the same
+    cores with nothing beside it (the floor the issue measures against) and under the same load."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hf_moe_offload.host_threads import DEVICE_THREADS, available_cores, optimizer_threads
+
+    torch.manual_seed(0)
+    keys = [(0, e) for e in range(num_experts)]
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in keys]
+    for p in params:
+        p.grad = torch.randn(numel) * 1e-3
+    ref = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+    side = ThreadPoolExecutor(1)  # torch's step off the main thread, as the workers are
+
+    def torch_loaded():
+        with _Load() as load:
+            load.spin_until(side.submit(ref.step))
+
+    cores = available_cores()
+    budget = optimizer_threads(None, DEVICE_THREADS)
+
+    def ours(threads: int):
+        store = HostExpertStore(keys, numel, torch.bfloat16, OffloadStats())
+        engine = _Engine(store, numel)
+        engine.config = OffloadConfig(optimizer_threads=threads)
+        opt = ExpertOptimizer(engine, lr=1e-3, weight_decay=0.01, workers=2, defer_steps=True,
+                              boundary_fn=lambda: True)
+
+        def land():
+            for k in keys:
+                store.acquire(k).add_grad(params[0].grad)
+                store.has_grad[k] = True
+
+        def run():
+            with _Load() as load:
+                load.spin_until(side.submit(lambda: (opt.step(), engine.synchronize())))
+        return opt, run, land
+
+    variants = {"ours_budget": ours(budget), "ours_full_teams": ours(2 * cores)}
+    times = interleaved_rounds({"torch_fused_alone": ref.step, "torch_fused_loaded": torch_loaded,
+                                **{name: run for name, (_, run, _) in variants.items()}}, reps, warmup=1,
+                               setup=lambda name: variants[name][2]() if name in variants else None)
+    for opt, _, _ in variants.values():
+        opt._pool.shutdown()
+    side.shutdown()
+    out = {"experts": num_experts, "params_per_expert": numel, "cores": cores, "budget": budget}
+    for name, ts in times.items():
+        out[f"{name}_params_per_s"] = num_experts * numel / statistics.median(ts)
+    for name in ("torch_fused_loaded", *variants):
+        out[f"ratio_{name}_vs_torch_alone"] = median_ratio(times["torch_fused_alone"], times[name])
+    return out
+
+
 def overlap(num_experts: int, steps: int, tier: str) -> dict:
     base = make_model(num_experts, hidden=256, inter=1024, layers=4)
     batches = [torch.randint(0, 512, (8, 64)) for _ in range(steps)]
@@ -215,7 +311,25 @@ def overlap(num_experts: int, steps: int, tier: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layout-only", action="store_true", help="only the training layout (the GPU session's step)")
+    ap.add_argument("--out", default=os.path.join(HERE, "cpu_optimizer.json"))
     args = ap.parse_args()
+    sizes = [(64, 256 * 1024), (16, 2 * 1024 * 1024)]
+    lay = [training_layout(e, n, 3 if args.quick else 8) for e, n in sizes]
+    print("\nHost Adam in the training layout (M params/s; main thread busy, a copy loop beside it; bf16 copies)")
+    print(f"{'experts':>7} {'params/expert':>13} {'torch alone':>11} {'torch loaded':>12} {'ours':>6} {'ratio':>6} "
+          f"{'full teams':>10} {'ratio':>6}  (ratios vs torch alone; ours: {lay[0]['budget']} of "
+          f"{lay[0]['cores']} cores)")
+    for r in lay:
+        print(f"{r['experts']:>7} {r['params_per_expert']:>13} {r['torch_fused_alone_params_per_s'] / 1e6:>11.0f} "
+              f"{r['torch_fused_loaded_params_per_s'] / 1e6:>12.0f} {r['ours_budget_params_per_s'] / 1e6:>6.0f} "
+              f"{r['ratio_ours_budget_vs_torch_alone']:>6.2f} {r['ours_full_teams_params_per_s'] / 1e6:>10.0f} "
+              f"{r['ratio_ours_full_teams_vs_torch_alone']:>6.2f}")
+    if args.layout_only:
+        with open(args.out, "w") as f:
+            json.dump({"machine": platform.platform(), "threads": torch.get_num_threads(), "layout": lay}, f,
+                      indent=2)
+        return
     torch.set_num_threads(2)
     tp = [throughput(64, 256 * 1024, 3 if args.quick else 10), throughput(16, 2 * 1024 * 1024, 3 if args.quick else 8)]
     print("\nPer-expert Adam throughput (M params/s)")
@@ -242,9 +356,9 @@ def main() -> None:
     for r in ov:
         print(f"{r['tier']:>5} {r['experts_per_layer']:>4} {r['overlapped_step_s']:>12.3f} "
               f"{r['after_backward_step_s']:>11.3f} {r['speedup']:>8.2f}")
-    with open(os.path.join(HERE, "cpu_optimizer.json"), "w") as f:
-        json.dump({"machine": platform.platform(), "threads": torch.get_num_threads(), "throughput": tp,
-                   "with_copies": cp, "overlap": ov}, f, indent=2)
+    with open(args.out, "w") as f:
+        json.dump({"machine": platform.platform(), "threads": torch.get_num_threads(), "layout": lay,
+                   "throughput": tp, "with_copies": cp, "overlap": ov}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,20 @@ def test_reusing_a_buffer_before_its_reader_is_done_raises():
     rt.copy_(slot, src, side)
 
 
+def test_a_conflict_names_the_code_on_both_sides():
+    """The error names where the buffer was declared and where the unordered access is (file, line, function,
+    thread): a rare conflict in a long suite can be traced from its message alone."""
+    rt = SimulatedRuntime(seed=0)
+    side = rt.new_stream()
+    dst = rt.empty((4,), torch.float32, stream=side, persistent=True)
+    rt.copy_(dst, rt.pinned_empty((4,), torch.float32), side)
+    with pytest.raises(HappensBeforeError) as err:
+        rt.access(dst)
+    here = os.path.basename(__file__)
+    assert f"declared at {here}:" in str(err.value) and "test_a_conflict_names_the_code_on_both_sides" in str(err.value)
+    assert str(err.value).count(here) == 2 and "MainThread" in str(err.value)
+
+
 def test_a_read_through_a_temporary_view_is_remembered():
     """`track_views`: an upload reads one row of a host block through a view made for the copy (a record's row):
     after that view is gone, a host write into the same bytes must still wait for the read (a disk-tier record reused

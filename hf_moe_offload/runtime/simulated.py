@@ -22,8 +22,10 @@ Operations that raise on a worker are re-raised by the next `synchronize`, `run_
 
 from __future__ import annotations
 
+import os
 import queue
 import random
+import sys
 import threading
 import time
 import weakref
@@ -31,7 +33,10 @@ from collections.abc import Callable
 
 import torch
 
+from . import base
 from .base import HOST, DeviceRuntime, Event, HappensBeforeError
+
+_BASE_FILE = base.__file__
 
 Clock = dict[str, int]
 
@@ -80,7 +85,7 @@ class _SimEvent(Event):
 
 
 class _Buffer:
-    __slots__ = ("ref", "span", "name", "alloc", "persistent", "recorded", "last_write", "reads")
+    __slots__ = ("ref", "span", "name", "alloc", "persistent", "recorded", "last_write", "reads", "where")
 
     def __init__(self, t: torch.Tensor, name: str, alloc: str | None, persistent: bool, track_views: bool = False):
         # Alive while the tensor object is, or with `track_views` while a view's base is (a read through a temporary
@@ -93,6 +98,7 @@ class _Buffer:
         self.recorded: set[str] = set()
         self.last_write: tuple[str, int] | None = None
         self.reads: dict[str, int] = {}
+        self.where = _declared_at()  # named in a conflict's message: which code declared this buffer
 
 
 class SimulatedRuntime(DeviceRuntime):
@@ -100,7 +106,8 @@ class SimulatedRuntime(DeviceRuntime):
     `free_memory`: the device memory it reports free (None: unbounded). `track_views`: remember an access made
     through a view for as long as the view's base lives, not only while the view object does (stricter: catches a
     host write into bytes an upload read through a temporary view; not yet the default: the optimizer suite under it
-    raised once on a worker's host write against a slab block's write on compute, not yet triaged)."""
+    raised once in CI on a worker's host write against a (6, P) write on compute and did not again in three runs of
+    the pipelining and optimizer suites (one cut short); a conflict's message names the code on each side)."""
 
     name = "simulated"
     asynchronous = True
@@ -312,14 +319,16 @@ class SimulatedRuntime(DeviceRuntime):
             if info.last_write is not None and not before(info.last_write):
                 raise HappensBeforeError(
                     f"{verb} of {info.name} on {who} is not ordered after its write on {info.last_write[0]}: wait "
-                    "for an event recorded after that write (wait_event / Event.synchronize) first"
+                    f"for an event recorded after that write (wait_event / Event.synchronize) first ({info.name} "
+                    f"declared at {info.where}; this {verb} at {_declared_at()})"
                 )
             if write:
                 for reader, rpos in info.reads.items():
                     if not before((reader, rpos)):
                         raise HappensBeforeError(
                             f"write of {info.name} on {who} is not ordered after its read on {reader}: the buffer is "
-                            "reused while still in use; wait for an event recorded after that read first"
+                            "reused while still in use; wait for an event recorded after that read first "
+                            f"({info.name} declared at {info.where}; this write at {_declared_at()})"
                         )
             if (info.alloc is not None and not info.persistent and who not in (info.alloc, "host")
                     and who not in info.recorded):
@@ -332,6 +341,16 @@ class SimulatedRuntime(DeviceRuntime):
                 info.last_write, info.reads = (who, pos), {}
             else:
                 info.reads[who] = pos
+
+
+def _declared_at() -> str:
+    """The first caller outside this runtime (file:line, function, thread): where a buffer was declared or used."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in (__file__, _BASE_FILE):
+        frame = frame.f_back
+    where = "?" if frame is None else (f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} "
+                                       f"{frame.f_code.co_name}")
+    return f"{where} on thread {threading.current_thread().name}"
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
