@@ -163,7 +163,10 @@ def export_adapter(adapter_dir: str, out_dir: str, server: str = "vllm", layout:
             raise UserError(f"{server} does not load the {layout} expert layout for {family}: {reason}; pass --layout "
                             f"{wanted} (or leave --layout out){alt}, or --server peft for peft's own layouts")
         layout = wanted
-    if not config.get("target_parameters"):
+    experts = bool(config.get("target_parameters")) or any(".experts." in k for k in tensors)
+    if not experts:
+        layout, reason = "no expert", "the adapter has no LoRA on the experts (its other modules keep their names)"
+    elif not config.get("target_parameters"):
         config, tensors = relayout_fused(model, config, tensors, adapter_dir)
     folded: list[str] = []
     if server != "peft":
