@@ -19,7 +19,7 @@ from torch import nn
 
 from .adapter_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OLD_TRANSPOSED, PEFT_PREFIX, BaseModel, _base_config,
                              _meta_model, _per_expert_layout, is_old_transposed)
-from .adapter_serving import LOADERS, SERVERS, _family_leaves, served_layout
+from .adapter_serving import LOADERS, SERVERS, served_layout, sglang_leaf_names
 from .errors import UserError
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
@@ -60,7 +60,7 @@ def _expected_modules(model: nn.Module, server: str) -> dict[str, _Module]:
     from .moe_path import experts_layers
 
     found: dict[str, _Module] = {}
-    leaves = _family_leaves(model) if server == "sglang" else {}
+    leaves = sglang_leaf_names(model) if server == "sglang" else {}
     for tensor, modules in _per_expert_layout(model).items():
         if isinstance(modules, UserError):
             continue

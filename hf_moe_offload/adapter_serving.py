@@ -66,7 +66,7 @@ def served_layout(model_type: str, server: str) -> tuple[str, str]:
     raise UserError(f"unknown server {server!r}; choose one of {', '.join(SERVERS)}")
 
 
-def _family_leaves(model: nn.Module) -> dict[str, str]:
+def sglang_leaf_names(model: nn.Module) -> dict[str, str]:
     """The family's per-expert leaf names -> SGLang's: a gate/up tensor's two modules in row order (gate first), a
     down tensor's one."""
     leaves = {}
@@ -81,7 +81,7 @@ def _family_leaves(model: nn.Module) -> dict[str, str]:
 
 def sglang_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert keys renamed to SGLang's leaf names (Mixtral's w1 / w3 / w2 -> gate_proj / up_proj / down_proj)."""
-    leaves = _family_leaves(model)
+    leaves = sglang_leaf_names(model)
     out = {}
     for key, value in tensors.items():
         module, _, suffix = key.rpartition(".lora_")
@@ -231,4 +231,4 @@ def add_cli(sub) -> None:
 
 
 __all__ = ["LOADERS", "SERVERS", "ServedAdapter", "export_adapter", "export_per_expert_adapter", "fold_scaling",
-           "served_layout", "sglang_names"]
+           "served_layout", "sglang_leaf_names", "sglang_names"]

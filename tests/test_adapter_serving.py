@@ -314,3 +314,23 @@ def test_the_export_names_peft_0_19_0s_transposed_layout(tmp_path):
     _edit(adapter_dir, tensors=_old_transposed)
     with pytest.raises(UserError, match=r"peft <= 0.19.0.*peft >= 0.19.1"):
         export_per_expert_adapter(adapter_dir, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("dtype,u", [(torch.float32, 2.0 ** -24), (torch.bfloat16, 2.0 ** -8),
+                                     (torch.float16, 2.0 ** -11)])
+def test_the_fold_rounds_lora_b_once_in_its_dtype(dtype, u, tmp_path):
+    """q_proj (rank 6 = the largest, so not padded) under rsLoRA and alpha 24: peft's scaling 24 / sqrt(6), the
+    server's 8 / 6. The exported lora_B is the exact product rounded once to the factor's dtype (round to nearest:
+    relative error at most u, 2^-(mantissa bits + 1)); lora_A is unchanged."""
+    _, adapter_dir = _adapter("gpt_oss", tmp_path)  # vLLM: peft's fused layout, the keys unchanged
+    _edit(adapter_dir, tensors=lambda t: t.update({k: v.to(dtype) for k, v in t.items()}))
+    done = export_adapter(adapter_dir, str(tmp_path / "out"), server="vllm")
+    before = load_file(os.path.join(adapter_dir, ADAPTER_WEIGHTS))
+    after = load_file(os.path.join(done.out_dir, ADAPTER_WEIGHTS))
+    ratio = (24 / 6 ** 0.5) / (8 / 6)
+    b, folded = before[f"{Q}.lora_B.weight"], after[f"{Q}.lora_B.weight"]
+    exact = b.double() * ratio
+    assert folded.dtype == dtype and torch.equal(folded, exact.to(dtype))
+    assert bool(((folded.double() - exact).abs() <= u * exact.abs()).all())
+    assert not torch.equal(folded.double(), exact)  # the ratio is no power of two: it rounds
+    assert torch.equal(after[f"{Q}.lora_A.weight"], before[f"{Q}.lora_A.weight"])
