@@ -149,9 +149,11 @@ def _key_problems(tensors: dict[str, torch.Tensor]) -> tuple[list[Problem], dict
             continue
         suffix = next((s for s in SUFFIXES if key.endswith(s)), None)
         if suffix is None:
-            why = ("it holds an adapter name (peft's in-memory key)" if ".lora_A." in key or ".lora_B." in key
-                   else "DoRA's magnitude" if "lora_magnitude_vector" in key
-                   else "modules_to_save" if "modules_to_save" in key else "an unsupported LoRA weight")
+            why = ("DoRA's magnitude" if "lora_magnitude_vector" in key
+                   else "modules_to_save" if "modules_to_save" in key
+                   else "a LoRA bias (lora_bias)" if key.endswith(".bias")
+                   else "it holds an adapter name (peft's in-memory key)" if ".lora_A." in key or ".lora_B." in key
+                   else "an unsupported LoRA weight")
             out.append(Problem("key-name", f"{key}: {why}; vLLM refuses the adapter ('is unsupported LoRA weight'), "
                                            "SGLang drops it",
                                "save with peft's save_pretrained, without lora_bias, DoRA or modules_to_save"))

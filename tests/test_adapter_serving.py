@@ -271,6 +271,13 @@ def test_the_checker_catches_each_rule(rule, family, server, source, config, ten
     assert all(p.error and p.fix for p in problems)
 
 
+def test_key_name_problems_say_what_the_key_is(tmp_path):
+    _, good = _good(tmp_path)
+    _edit(good, tensors=lambda t: (_with_adapter_name(t, Q), t.update({f"{UP3}.lora_B.bias": torch.zeros(24)})))
+    said = [("lora_bias" in p.message, "adapter name" in p.message) for p in check_adapter(good, "vllm")]
+    assert sorted(said) == [(False, True), (False, True), (True, False)]  # q_proj's two keys, the bias
+
+
 def test_without_a_base_model_names_and_shapes_are_unchecked_and_said(tmp_path):
     _, good = _good(tmp_path)
     _edit(good, config=lambda c: c.update(base_model_name_or_path=None))
