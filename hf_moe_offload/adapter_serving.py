@@ -79,9 +79,12 @@ def sglang_leaf_names(model: nn.Module) -> dict[str, str]:
     return leaves
 
 
-def sglang_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert keys renamed to SGLang's leaf names (Mixtral's w1 / w3 / w2 -> gate_proj / up_proj / down_proj)."""
+def sglang_names(model: nn.Module, tensors: dict[str, torch.Tensor], back: bool = False) -> dict[str, torch.Tensor]:
+    """Per-expert keys renamed to SGLang's leaf names (Mixtral's w1 / w3 / w2 -> gate_proj / up_proj / down_proj), or
+    `back` to the family's Hub names."""
     leaves = sglang_leaf_names(model)
+    if back:
+        leaves = {v: k for k, v in leaves.items()}
     out = {}
     for key, value in tensors.items():
         module, _, suffix = key.rpartition(".lora_")
@@ -166,8 +169,8 @@ def export_adapter(adapter_dir: str, out_dir: str, server: str = "vllm", layout:
     experts = bool(config.get("target_parameters")) or any(".experts." in k for k in tensors)
     if not experts:
         layout, reason = "no expert", "the adapter has no LoRA on the experts (its other modules keep their names)"
-    elif not config.get("target_parameters"):
-        config, tensors = relayout_fused(model, config, tensors, adapter_dir)
+    elif not config.get("target_parameters"):  # a per-expert adapter, under the Hub's or SGLang's names
+        config, tensors = relayout_fused(model, config, sglang_names(model, tensors, back=True), adapter_dir)
     folded: list[str] = []
     if server != "peft":
         config, tensors, folded = fold_scaling(model, config, tensors, adapter_dir)

@@ -341,3 +341,15 @@ def test_the_fold_rounds_lora_b_once_in_its_dtype(dtype, u, tmp_path):
     assert bool(((folded.double() - exact).abs() <= u * exact.abs()).all())
     assert not torch.equal(folded.double(), exact)  # the ratio is no power of two: it rounds
     assert torch.equal(after[f"{Q}.lora_A.weight"], before[f"{Q}.lora_A.weight"])
+
+
+def test_sglangs_mixtral_names_export_back_to_vllms(tmp_path):
+    """An SGLang export (Mixtral: gate_proj / up_proj / down_proj) read again and written for vLLM (w1 / w3 / w2) is
+    the direct vLLM export, bit for bit."""
+    _, adapter_dir = _adapter("mixtral", tmp_path)
+    sglang = export_adapter(adapter_dir, str(tmp_path / "sglang"), server="sglang").out_dir
+    direct = load_file(os.path.join(export_adapter(adapter_dir, str(tmp_path / "vllm")).out_dir, ADAPTER_WEIGHTS))
+    again = load_file(os.path.join(export_adapter(sglang, str(tmp_path / "again")).out_dir, ADAPTER_WEIGHTS))
+    assert any(".w1." in k for k in direct) and not any(".w1." in k for k in load_file(
+        os.path.join(sglang, ADAPTER_WEIGHTS)))
+    assert again.keys() == direct.keys() and all(torch.equal(again[k], direct[k]) for k in direct)
