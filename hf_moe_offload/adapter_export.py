@@ -1,4 +1,4 @@
-"""peft LoRA on fused experts <-> one LoRA per expert and projection, the layout serving engines load.
+"""peft LoRA on fused experts <-> one LoRA per expert and projection (which one a server loads: adapter_serving.py).
 
 peft's `LoraConfig(target_parameters=[...])` trains one `ParamWrapper` per fused (E, ...) expert tensor
 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`); several tensors of one experts module nest, the first in the
@@ -10,7 +10,7 @@ Each wrapper holds every expert's factors in one pair of matrices (peft 0.21, `P
 
 and expert e's weight changes by `scaling * B_e @ A_e`, an (out, in) matrix in `nn.Linear`'s orientation (the
 weight's own for tensors stored (E, out, in); its transpose for gpt-oss's (E, in, out)). Serving engines load MoE
-LoRA per expert module instead (`...mlp.experts.3.gate_proj.lora_A.weight`, Mixtral's
+LoRA per expert module for most families (`...mlp.experts.3.gate_proj.lora_A.weight`, Mixtral's
 `...block_sparse_moe.experts.3.w1.lora_A.weight`), the names of the family's per-expert Hub checkpoint.
 
 The export is a re-indexing: per expert and Hub module, lora_A = A_e and lora_B = the rows of B_e that are that
