@@ -32,7 +32,9 @@ from .offload import (
 from .offload.checkpoint import load_offloaded_pretrained
 from .offload.expert_lora import expert_target_parameters
 from .offload.saving import save_merged_lora, save_offloaded_pretrained
-from .adapter_export import export_per_expert_adapter, import_per_expert_adapter
+from .adapter_check import check_adapter
+from .adapter_export import import_per_expert_adapter
+from .adapter_serving import export_adapter, export_per_expert_adapter
 from .lm_loss import ChunkedLossTrainer, chunked_causal_lm_loss
 from .trainer import OffloadTrainer
 from .optim import ExpertAwareOptimizer, ExpertOptimizer, ExpertOptimizerCallback, latest_complete_checkpoint
@@ -64,6 +66,8 @@ __all__ = [
     "save_offloaded_pretrained",
     "save_merged_lora",
     "expert_target_parameters",
+    "check_adapter",
+    "export_adapter",
     "export_per_expert_adapter",
     "import_per_expert_adapter",
     "load_offloaded_pretrained",

