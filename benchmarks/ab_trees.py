@@ -7,6 +7,7 @@ step; the table gives each tier's median per-step time per checkout and the medi
 
     git worktree add /tmp/before <commit>
     python benchmarks/ab_trees.py /tmp/before . --rounds 5     # A: the commit, B: this tree
+    python benchmarks/ab_trees.py /tmp/before . --tiers host --dtype bf16   # the host Adam's one-pass kernel
 
 Writes benchmarks/ab_trees.json.
 """
@@ -30,7 +31,9 @@ import hf_moe_offload
 from hf_moe_offload import (ExpertAwareOptimizer, ExpertOptimizer, MoEGPTConfig, MoEGPTForCausalLM, OffloadConfig,
                             enable_expert_offload)
 assert hf_moe_offload.__file__.startswith(sys.argv[1]), hf_moe_offload.__file__
-tier, steps = sys.argv[2], int(sys.argv[3])
+tier, steps, dtype = sys.argv[2], int(sys.argv[3]), sys.argv[4]
+# bf16: the store keeps bf16 compute copies that every host step refreshes (the GPU's layout), under CPU autocast
+half = {"compute_dtype": torch.bfloat16} if dtype == "bf16" else {}
 torch.manual_seed(0)
 torch.set_num_threads(2)
 config = MoEGPTConfig(vocab_size=512, max_position_embeddings=128, hidden_size=128, num_hidden_layers=4,
@@ -39,14 +42,16 @@ config = MoEGPTConfig(vocab_size=512, max_position_embeddings=128, hidden_size=1
 model = MoEGPTForCausalLM(config)
 with tempfile.TemporaryDirectory() as folder:
     kw = {"offload_dir": folder, "host_cache_experts": 12} if tier == "disk" else {}
-    engine = enable_expert_offload(model, OffloadConfig(mode=tier, **kw))
+    engine = enable_expert_offload(model, OffloadConfig(mode=tier, **kw, **half))
     opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), ExpertOptimizer(engine, lr=1e-3))
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 512, (8, 128), generator=g) for _ in range(steps + 1)]
     times = []
     for x in batches:
         t0 = time.perf_counter()
-        model(x, labels=x).loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(half)):
+            loss = model(x, labels=x).loss
+        loss.backward()
         opt.step()
         opt.zero_grad()
         engine.step_barrier()
@@ -56,8 +61,8 @@ print(statistics.median(times[1:]))
 """
 
 
-def run(tree: str, tier: str, steps: int) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, os.path.abspath(tree), tier, str(steps)],
+def run(tree: str, tier: str, steps: int, dtype: str = "fp32") -> float:
+    out = subprocess.run([sys.executable, "-c", CHILD, os.path.abspath(tree), tier, str(steps), dtype],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.path.abspath(tree)})
     if out.returncode:
         raise RuntimeError(f"{tree} ({tier}) failed:\n{out.stderr[-2000:]}")
@@ -71,6 +76,8 @@ def main() -> dict:
     ap.add_argument("--tiers", default="host,disk")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: bf16 compute copies refreshed by every host step, under CPU autocast")
     ap.add_argument("--out", default=os.path.join(HERE, "ab_trees.json"))
     args = ap.parse_args()
     tiers = args.tiers.split(",")
@@ -79,7 +86,7 @@ def main() -> dict:
         for tier in tiers:
             order = "ab" if r % 2 == 0 else "ba"
             for side in order:
-                times[(tier, side)].append(run(getattr(args, side), tier, args.steps))
+                times[(tier, side)].append(run(getattr(args, side), tier, args.steps, args.dtype))
             print(f"round {r} {tier}: A {times[(tier, 'a')][-1]:.3f} s, B {times[(tier, 'b')][-1]:.3f} s", flush=True)
     rows = []
     for tier in tiers:
@@ -88,13 +95,14 @@ def main() -> dict:
                      "b_over_a": statistics.median(y / x for x, y in zip(a, b)),
                      "b_over_a_range": [min(y / x for x, y in zip(a, b)), max(y / x for x, y in zip(a, b))]})
     print(f"\nA: {args.a}  B: {args.b}; {args.rounds} rounds, median of {args.steps} steps each, MoE-GPT 4 layers "
-          f"(2 MoE x 16 experts, d=128), batch 8 x 128, 2 threads, {platform.processor() or 'cpu'}")
+          f"(2 MoE x 16 experts, d=128), batch 8 x 128, {args.dtype}, 2 threads, {platform.processor() or 'cpu'}")
     print(f"{'tier':>5} {'A step s':>9} {'B step s':>9} {'B / A':>6} {'range':>13}")
     for row in rows:
         lo, hi = row["b_over_a_range"]
         print(f"{row['tier']:>5} {row['a_step_s']:>9.3f} {row['b_step_s']:>9.3f} {row['b_over_a']:>6.3f} "
               f"{lo:>6.3f}-{hi:<6.3f}")
-    result = {"a": args.a, "b": args.b, "rounds": args.rounds, "steps": args.steps, "machine": platform.platform(),
+    result = {"a": args.a, "b": args.b, "rounds": args.rounds, "steps": args.steps, "dtype": args.dtype,
+              "machine": platform.platform(),
               "rows": rows}
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)

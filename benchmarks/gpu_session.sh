@@ -5,21 +5,23 @@
 #   bash benchmarks/gpu_session.sh           # on the lent GPU machine (the device tool: carry [".whl"]); $OUT
 #                                            # receives each step's log, JSON and summary line as the step ends
 #
-# The GPU machine has python3 with torch (CUDA), transformers, accelerate and peft, but no network and no datasets
-# (../shared/ENVIRONMENT.md). Budget (seconds; the limits come from the H200 runs of 2026-11-28, benchmarks/RESULTS.md):
-#   installs from .whl/ 18; the two JIT builds (DeepSpeed's CPU-Adam, our fused host Adam) run in the background
-#   during step 1, which needs neither;
-#   1 cuda_tests    100  tests/test_cuda.py under TORCH_CUDA_SANITIZER=1 (66 tests: 67 s without the sanitizer with
+# The GPU machine has python3 with torch (CUDA), transformers, accelerate and peft, but no network, no datasets and no
+# bitsandbytes (../shared/ENVIRONMENT.md). Budget (seconds; the limits come from the H200 runs of 2026-11-28,
+# benchmarks/RESULTS.md), in priority order:
+#   installs from .whl/ 18;
+#   1 host_adam      60  the host Adam in the training layout on the machine's 16 cores (cpu_optimizer.py
+#                        --layout-only: ours with the thread budget vs torch's fused AdamW alone; no GPU needed), our
+#                        fused kernel's JIT build (~30 s) included; first, so that even a short window measures it;
+#                        DeepSpeed's CPU-Adam then builds in the background during step 2, which needs neither
+#   2 cuda_tests     90  tests/test_cuda.py under TORCH_CUDA_SANITIZER=1 (66 tests: 67 s without the sanitizer with
 #                        -n 8; with it, 61 of them in 75 s)
-#   2 train_qwen3   150  Qwen3-MoE shape (16 layers x 64 experts, top-8, d=1024), resident vs DeepSpeed ZeRO-2
+#   3 train_qwen3   150  Qwen3-MoE shape (16 layers x 64 experts, top-8, d=1024), resident vs DeepSpeed ZeRO-2
 #                        offload vs ours (host tier, defaults) at 16k tokens per step, 2 timed steps, 1 round, with
-#                        `estimate`'s predicted step beside each measured one (the three at 16k: under 150 s; 2k and
-#                        16k together did not fit in 150 s: building the model and each peer dominates)
-#   3 decode        110  decoding the same family at 8 layers (bf16, batch 1): resident, accelerate's CPU offload, ours
-#                        host with the device cache off and with half the experts, ours disk; 1 round of 16 tokens
-#                        (at 16 layers the five loads alone took ~90 s)
-#   4 lora_nf4       60  LoRA on every expert of Qwen3-30B-A3B's shape, nf4 experts on the disk tier, 2 of its 48
-#                        layers (the store is filled and quantized on the host), 2 steps; needs bitsandbytes there
+#                        `estimate`'s predicted step beside each measured one (the three at 16k: under 150 s)
+#   4 decode         70  decoding the same family at 8 layers (bf16, batch 1): ours host with the device cache off and
+#                        with half the experts, ours disk; 1 round of 16 tokens (never finished yet: first to shrink)
+#   5 lora_nf4       50  LoRA on every expert of Qwen3-30B-A3B's shape, nf4 experts on the disk tier, 2 of its 48
+#                        layers, 2 steps; bitsandbytes travels unpacked in .whl/bnb (CUDA 13.0 and CPU libraries only)
 # The limits add up to 420 s; with installs ~440 s. A step that cannot finish within what is left of the
 # GPU_SESSION_BUDGET_S (default 460 s from the start) is skipped and says so in the summary.
 set -uo pipefail
@@ -33,7 +35,15 @@ if [ "${1:-}" = "prepare" ]; then
     tokenizers==0.23.3 pydantic pydantic-core annotated-types typing-inspection typing_extensions hjson
   # DeepSpeed (the training peer, benchmark-only) has no wheel on the index: built here without its ops.
   DS_BUILD_OPS=0 python3 -m pip wheel --quiet deepspeed==0.19.8 --no-deps --no-build-isolation -w .whl
-  du -sh .whl  # the device tool carries at most 64 MiB (bitsandbytes' wheel is too large: see step 4)
+  # bitsandbytes: its wheel (41 MiB) is mostly one library per CUDA version; the GPU machine's torch is built for
+  # CUDA 13.0, so only bitsandbytes/ with the CUDA 13.0 and CPU libraries travels (~5 MiB), on PYTHONPATH there.
+  rm -rf .whl/bnb /tmp/bnb-wheel && mkdir -p .whl/bnb /tmp/bnb-wheel
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_24_x86_64 -d /tmp/bnb-wheel bitsandbytes==0.50.2
+  python3 -m zipfile -e /tmp/bnb-wheel/bitsandbytes-*.whl /tmp/bnb-wheel/unpacked
+  cp -r /tmp/bnb-wheel/unpacked/bitsandbytes .whl/bnb/
+  find .whl/bnb -name 'libbitsandbytes_*' ! -name '*cuda130*' ! -name '*_cpu*' -delete
+  du -sh .whl .whl/bnb  # the device tool carries at most 64 MiB
   exit 0
 fi
 
@@ -42,7 +52,7 @@ mkdir -p "$OUT"
 START=$SECONDS
 BUDGET=${GPU_SESSION_BUDGET_S:-460}
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:.whl/bnb:. PYTHONUNBUFFERED=1
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 summary "start $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') installs $((SECONDS - START))s"
 
@@ -69,35 +79,37 @@ cat "$OUT/gpu.txt"
 python3 -c "import bitsandbytes" 2>/dev/null && HAS_BNB=1 || HAS_BNB=0
 summary "bitsandbytes on this machine: $HAS_BNB"
 
-# The JIT builds, in the background while step 1 runs (it needs neither).
-( python3 -c "from hf_moe_offload.optim.fused_adam import kernel; print('fused adam', kernel())"
-  python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('cpu adam built')"
+# 1. The host Adam in the training layout (the machine's cores, no GPU work), on a quiet machine: first.
+step host_adam 60 python3 benchmarks/cpu_optimizer.py --layout-only --quick --out "$OUT/host_adam.json"
+
+# DeepSpeed's CPU-Adam builds in the background while step 2 runs (it needs it not).
+( python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('cpu adam built')"
 ) > "$OUT/builds.log" 2>&1 &
 BUILDS=$!
 
-# 1. The CUDA tests (the CPU suites' comparisons on the GPU, the slab, the device pins and cache, quantized uploads)
+# 2. The CUDA tests (the CPU suites' comparisons on the GPU, the slab, the device pins and cache, quantized uploads)
 #    under the stream sanitizer.
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-step cuda_tests 100 env TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE $XDIST \
+step cuda_tests 90 env TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE $XDIST \
   tests/test_cuda.py
 wait $BUILDS
 summary "builds: $(tr '\n' ' ' < "$OUT/builds.log" | tail -c 200)"
 
-# 2. Training: resident vs DeepSpeed ZeRO-2 offload vs ours (host tier, defaults: pins on the GPU), 16k tokens.
+# 3. Training: resident vs DeepSpeed ZeRO-2 offload vs ours (host tier, defaults: pins on the GPU), 16k tokens.
 step train_qwen3 150 python3 benchmarks/gpu_train_qwen3.py --tokens 16384 --variants resident,ds-zero2,host-pin \
   --steps 2 --rounds 1 --out "$OUT/train_qwen3.json"
 
-# 3. Decoding (8 layers): resident, accelerate's CPU offload, ours host (device cache off / half the experts), ours disk.
-step decode 110 python3 benchmarks/generate.py --device cuda --layers 8 --experts 64 --hidden 1024 --inter 512 \
+# 4. Decoding (8 layers): ours host (device cache off / half the experts), ours disk.
+step decode 70 python3 benchmarks/generate.py --device cuda --layers 8 --experts 64 --hidden 1024 --inter 512 \
   --top-k 8 --dtype bf16 --batch 1 --cache 256 --rounds 1 --new-tokens 16 --prompt-tokens 16 \
   --variants "ours host, device cache 0;ours host, device cache 1/2;ours disk, device cache 0" --out "$OUT/decode.json"
 
-# 4. LoRA on nf4 experts at Qwen3-30B-A3B's shape (needs bitsandbytes on the GPU machine).
+# 5. LoRA on nf4 experts at Qwen3-30B-A3B's shape (bitsandbytes carried in .whl/bnb).
 if [ "$HAS_BNB" = 1 ]; then
-  step lora_nf4 60 python3 benchmarks/real_shape_lora.py --device cuda --layers 2 --steps 2 --cache-experts 256 \
+  step lora_nf4 50 python3 benchmarks/real_shape_lora.py --device cuda --layers 2 --steps 2 --cache-experts 256 \
     --offload-dir /tmp/real-shape-experts --out "$OUT/lora_nf4.json"
 else
-  summary "lora_nf4 skipped: no bitsandbytes on this machine (its wheel is too large to carry)"
+  summary "lora_nf4 skipped: bitsandbytes did not import (run 'prepare' here first: it unpacks it into .whl/bnb)"
 fi
 
 summary "end $((SECONDS - START))s of ${BUDGET}s"

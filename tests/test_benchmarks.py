@@ -38,6 +38,17 @@ def test_cpu_optimizer_copy_refresh_harness():
     assert out["ratio_one_pass_vs_torch"] > 0 and out["ratio_two_pass_vs_torch"] > 0
 
 
+def test_cpu_optimizer_training_layout_harness():
+    """The host Adam in the training layout (the GPU session's first step): all four variants run under the load, ours
+    with the plan's budget for a device."""
+    from hf_moe_offload.host_threads import DEVICE_THREADS, optimizer_threads
+
+    out = bench("cpu_optimizer").training_layout(4, 4096, reps=1)
+    variants = ("torch_fused_alone", "torch_fused_loaded", "ours_budget", "ours_full_teams")
+    assert all(out[f"{name}_params_per_s"] > 0 for name in variants)
+    assert out["budget"] == optimizer_threads(None, DEVICE_THREADS)
+
+
 def test_offload_step_time_harness_moves_at_least_the_minimum(tmp_path, monkeypatch):
     """Every tier trains; the disk tiers' bytes are at least `minimum_bytes` (a lower bound: if the accounting or the
     bound were wrong, a ratio below 1 would show it); the host tier moves nothing."""
