@@ -142,6 +142,10 @@ class MoELayer:
         return executor(hidden_states, plan, self.experts)
 
 
+# NOTE: torch.compile runs this eagerly (one graph break before and after each MoE layer's experts): the tokens per
+# expert it reads back, the store's records and the engine's bookkeeping change every call, and guards on them would
+# recompile every call; the compiled graphs are the attention, norms and routers between.
+@torch.compiler.disable
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The function registered as experts implementation "hf_moe_offload": the module's layer on its installed path,

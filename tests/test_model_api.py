@@ -27,14 +27,14 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 VOCAB = 99
 
 
-def tiny(dtype=torch.float32, seed: int = 0, **kw) -> Qwen3MoeForCausalLM:
+def tiny(dtype=torch.float32, seed: int = 0, layers: int = 2) -> Qwen3MoeForCausalLM:
     """The issue's shape: moe_intermediate_size 12 (24 bytes in bf16: not a multiple of 16, which transformers'
     grouped_mm on the CPU refuses: resident models here run the package's resident grouped path, the same kernels
     as the offloaded host tier)."""
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
                          num_key_value_heads=2, intermediate_size=37, moe_intermediate_size=12, num_experts=8,
-                         num_experts_per_tok=2, use_cache=False, **kw)
+                         num_experts_per_tok=2, use_cache=False)
     model = Qwen3MoeForCausalLM(cfg).to(dtype)
     model.set_attn_implementation("sdpa")
     model.set_experts_implementation("hf_moe_offload")
@@ -311,3 +311,91 @@ def test_save_pretrained_round_trip(tier, tmp_path):
         torch.testing.assert_close(state[name], value, atol=0, rtol=0)
     offload(back, tier, tmp_path / "b")
     torch.testing.assert_close(logits(back, x), want, atol=0, rtol=0)
+
+
+# --- torch.compile ---
+# One inductor rounding apart from eager (fusions reorder the attention's and norms' sums): fp32 1e-5; bf16 and
+# fp16 two ulps at the logits' magnitude (~1).
+COMPILE_ATOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_compiled_offloaded_model_gives_the_eager_outputs_and_compiles_once(tier, dtype, tmp_path):
+    """The experts run eagerly (a graph break around each MoE layer's experts, moe_path.experts_forward); the graphs
+    between compile once for a shape: calls with other tokens (other routing, other disk-tier cache and decode-cache
+    bookkeeping) add none."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny(dtype, layers=1).eval()  # one layer: compile time is per graph
+    offload(model, tier, tmp_path)
+    compiled = torch.compile(model)
+    for seed in range(3):
+        x = tokens(seed)
+        want = logits(model, x)
+        torch.testing.assert_close(logits(compiled, x), want, atol=COMPILE_ATOL[dtype], rtol=0)
+        if seed == 0:
+            graphs = counters["stats"]["unique_graphs"]
+            assert graphs > 0
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"]
+
+
+# --- peft and the Trainer ---
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_peft_lora_on_attention_merges_and_unloads_on_an_offloaded_model(tier, tmp_path):
+    """`get_peft_model` and `merge_and_unload` on an offloaded model: LoRA on attention merges into the resident
+    layers, the experts stay offloaded, and the merged model computes what the adapted one did (fp32: 1e-5, the
+    merged weight rounds W + BA once)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny()
+    offload(model, tier, tmp_path)
+    x = tokens()
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                  init_lora_weights=False)).eval()
+    want = logits(peft_model, x)
+    merged = peft_model.merge_and_unload()
+    assert get_offload_engine(merged) is not None
+    torch.testing.assert_close(logits(merged, x), want, atol=1e-5, rtol=0)
+
+
+def test_merging_lora_into_offloaded_expert_tensors_is_refused_with_the_way_out(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny()
+    offload(model, "host", tmp_path, train_experts=False)
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"]))
+    logits(peft_model, tokens())
+    with pytest.raises(RuntimeError, match="disable_expert_offload"):
+        peft_model.merge_and_unload()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_the_stock_trainer_trains_and_saves_an_offloaded_model(tier, tmp_path):
+    """transformers' own `Trainer` (its accelerate wrapping, its `save_model`) with the expert optimizer's callback:
+    the saved folder loads without hf_moe_offload and computes the trained model's logits (1e-5: streamed against
+    transformers' eager experts)."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from hf_moe_offload import ExpertOptimizerCallback
+
+    model = tiny()
+    offload(model, tier, tmp_path)
+    ids = torch.randint(0, VOCAB, (8, 9), generator=torch.Generator().manual_seed(3)).tolist()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
+                             learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    x = tokens()
+    before = logits(model.eval(), x)
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}),
+                      callbacks=[ExpertOptimizerCallback()])
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    get_offload_engine(model).synchronize()
+    after = logits(model.eval(), x)
+    assert (after - before).abs().max() > 1e-3
+    plain = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "final", experts_implementation="eager").eval()
+    torch.testing.assert_close(logits(plain, x), after, atol=1e-5, rtol=0)
