@@ -367,7 +367,8 @@ def test_merging_lora_into_offloaded_expert_tensors_is_refused_with_the_way_out(
 
     model = tiny()
     offload(model, "host", tmp_path, train_experts=False)
-    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"]))
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=[],
+                                                  target_parameters=["mlp.experts.gate_up_proj"]))
     logits(peft_model, tokens())
     with pytest.raises(RuntimeError, match="disable_expert_offload"):
         peft_model.merge_and_unload()

@@ -97,7 +97,7 @@ class OffloadEngine:
         self.updates = ExpertUpdates(self)  # what the expert optimizer sees (offload/updates.py)
 
     def __deepcopy__(self, memo: dict) -> "OffloadEngine":
-        """`copy.deepcopy(model)`: an engine of the copy's own, unbound, over a copy of the store (offload/copies.py)."""
+        """`copy.deepcopy(model)`: an engine of the copy's own, unbound, over a copy of the store (copies.py)."""
         return copy_engine(self, memo)
 
     # --- device binding ---

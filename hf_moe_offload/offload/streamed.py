@@ -29,7 +29,8 @@ from .store import WEIGHTS, ExpertKey
 
 Segment = tuple[int, int, int]  # (expert, first token, tokens) in the call's expert-sorted input
 # An empty, non-persistent buffer the offload leaves on each experts module: `model.to(dtype)`, `.half()`, ... convert
-# it with the module's other tensors, so the offloaded experts' dtype follows the model's (`OffloadedExpertsLayer.meta`).
+# it with the module's other tensors, so the offloaded experts' dtype follows the model's
+# (`OffloadedExpertsLayer.meta`).
 DTYPE_BUFFER = "_offloaded_experts_dtype"
 
 
@@ -98,7 +99,8 @@ class OffloadedExpertsLayer:
         marker = self.module._buffers.get(DTYPE_BUFFER)
         if marker is None:
             return self._meta
-        return {n: (shape, marker.dtype if dtype.is_floating_point else dtype) for n, (shape, dtype) in self._meta.items()}
+        return {n: (shape, marker.dtype if dtype.is_floating_point else dtype)
+                for n, (shape, dtype) in self._meta.items()}
 
     @meta.setter
     def meta(self, value: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
