@@ -19,6 +19,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 import hf_moe_offload  # noqa: F401  (registers experts implementation "hf_moe_offload")
 from hf_moe_offload import (ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, disable_expert_offload,
                             enable_expert_offload, get_offload_engine, reference_copy)
+from hf_moe_offload.moe_path import attached_path
 from hf_moe_offload.offload.plan import resolve_plan
 from hf_moe_offload.runtime import use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
@@ -226,7 +227,7 @@ def test_a_model_on_the_meta_device_is_refused_with_the_way_out(tier, tmp_path):
         model = tiny()
     with pytest.raises(ValueError, match="meta device.*load_offloaded_pretrained"):
         offload(model, tier, tmp_path)
-    assert get_offload_engine(model) is None and model.config._experts_implementation != "hf_moe_offload"
+    assert get_offload_engine(model) is None and attached_path(model) is None  # nothing installed
     assert not os.path.exists(tmp_path / "experts")  # nothing created
 
 
