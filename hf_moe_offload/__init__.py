@@ -28,6 +28,7 @@ from .offload import (
     disable_expert_offload,
     enable_expert_offload,
     get_offload_engine,
+    reference_copy,
 )
 from .offload.checkpoint import load_offloaded_pretrained
 from .offload.expert_lora import expert_target_parameters
@@ -63,6 +64,7 @@ __all__ = [
     "enable_expert_offload",
     "disable_expert_offload",
     "get_offload_engine",
+    "reference_copy",
     "save_offloaded_pretrained",
     "save_merged_lora",
     "expert_target_parameters",

@@ -3,7 +3,9 @@
 transformers sends each experts module decorated with `@use_experts_implementation` (Mixtral, Qwen3-MoE, OLMoE,
 gpt-oss, DeepSeek, GLM, Granite, ... and MoE-GPT) through one signature, `experts(hidden_states, top_k_index,
 top_k_weights)`, and picks the function from the `ExpertsInterface` registry by `config._experts_implementation`.
-This module registers ours there, "hf_moe_offload", and runs every MoE layer of a model through one pipeline:
+This module registers ours there, "hf_moe_offload", and runs every MoE layer of a model through one pipeline (a
+model that only chose it, `experts_implementation="hf_moe_offload"`, runs its resident experts through the same
+dispatch, grouped experts and combine):
 
     plan (DispatchPlan: rows sorted by expert, dropped assignments removed)
       -> exchange + partitions: the layer's executor, if any
@@ -140,17 +142,21 @@ class MoELayer:
         return executor(hidden_states, plan, self.experts)
 
 
+# NOTE: torch.compile runs this eagerly (one graph break before and after each MoE layer's experts): the tokens per
+# expert it reads back, the store's records and the engine's bookkeeping change every call, and guards on them would
+# recompile every call; the compiled graphs are the attention, norms and routers between.
+@torch.compiler.disable
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The function registered as experts implementation "hf_moe_offload"."""
+    """The function registered as experts implementation "hf_moe_offload": the module's layer on its installed path,
+    or, where no feature is installed (`from_pretrained(..., experts_implementation="hf_moe_offload")`,
+    `set_experts_implementation("hf_moe_offload")`), the resident experts through the same dispatch and combine."""
     layer = _LAYERS.get(module)
-    if layer is None:
-        raise RuntimeError(
-            f"{type(module).__name__} runs experts_implementation={IMPLEMENTATION!r} but is not on an installed "
-            "hf_moe_offload path (its features were disabled on another model object, or the module was moved); set "
-            "another implementation with model.set_experts_implementation(...)"
-        )
-    return layer.forward(hidden_states, top_k_index, top_k_weights)
+    if layer is not None:
+        return layer.forward(hidden_states, top_k_index, top_k_weights)
+    experts = sorted_experts(module)
+    plan = DispatchPlan.build(top_k_weights, top_k_index, experts.layout.num_experts)
+    return run_moe(hidden_states, plan, experts)
 
 
 ExpertsInterface.register(IMPLEMENTATION, experts_forward)

@@ -1,6 +1,6 @@
 """ES-MoE expert offload: expert store tiers, chunked streaming of the experts, pinning, adaptive mode."""
 
-from .api import disable_expert_offload, enable_expert_offload, find_expert_modules, get_offload_engine
+from .api import disable_expert_offload, enable_expert_offload, find_expert_modules, get_offload_engine, reference_copy
 from .config import OffloadConfig
 from .engine import OffloadEngine
 from ..layouts import ExpertLayout, ExpertTensor, layout_for
@@ -23,6 +23,7 @@ __all__ = [
     "disable_expert_offload",
     "get_offload_engine",
     "find_expert_modules",
+    "reference_copy",
     "ExpertLayout",
     "ExpertTensor",
     "layout_for",

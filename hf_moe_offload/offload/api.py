@@ -9,6 +9,7 @@ experts under their standard names, whatever the tier. `disable_expert_offload(m
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import math
@@ -19,12 +20,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..moe_path import MoELayer, attached_path, experts_layers, find_experts_modules, holding_path, moe_path
+from ..moe_path import (IMPLEMENTATION, MoELayer, attached_path, experts_layers, find_experts_modules, holding_path,
+                        moe_path)
 from .config import OffloadConfig
+from .copies import copy_engine
 from .engine import OffloadEngine
 from .resident import ResidentEngine
 from .inference import PreGate, Router, find_router
 from .stand_ins import stand_in_parameter
+from .streamed import DTYPE_BUFFER
 from .quantized import store_quantization
 from .planner import HEADROOM, MemoryEstimate, choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
 from .disk_store import DiskExpertStore
@@ -65,6 +69,8 @@ def enable_expert_offload(
             "(hf_moe_offload/layouts.py)"
         )
     modules = [module for _, module, _ in found]
+    if _initialize:
+        _refuse_meta_experts(found)
     device = config.resolved_device()
     layouts = [layout for _, _, layout in found]
     model_dtype = getattr(modules[0], layouts[0].tensors[0].name).dtype
@@ -91,6 +97,18 @@ def enable_expert_offload(
     store.flush()
     path.engine = engine
     return engine
+
+
+def _refuse_meta_experts(found: list) -> None:
+    """Experts with no values (a model built on the meta device) cannot fill a store, on any tier."""
+    empty = [name for name, module, layout in found
+             if any(getattr(module, t.name).device.type == "meta" for t in layout.tensors)]
+    if empty:
+        raise ValueError(
+            f"the experts of {empty[0]} are on the meta device (the model was built without weights): nothing to put "
+            "in the expert store. Load the weights first (from_pretrained, or load_state_dict(state, assign=True)), "
+            "or build the model with its experts streamed straight into the store: "
+            "hf_moe_offload.load_offloaded_pretrained(path, OffloadConfig(...))")
 
 
 def _resolve_mode(config: OffloadConfig, device: torch.device, est: MemoryEstimate, first_experts: nn.Module) -> str:
@@ -202,7 +220,10 @@ def _put_layer_in_store(streamed, route: MoELayer, store: ExpertStore, initializ
             for e in range(layout.num_experts):
                 tensors = [getattr(module, t.name)[e].detach().float() for t in layout.tensors]
                 store.write_param((streamed.layer, e), layout.pack(tensors, flat))
+    first = module._parameters[layout.tensors[0].name]
     streamed.meta = _detach_parameters(module, layout, stand_ins=not store.trainable)
+    module.register_buffer(DTYPE_BUFFER, torch.empty(0, dtype=first.dtype, device=first.device if first.device.type
+                                                     != "meta" else "cpu"), persistent=False)
     loaded: set[str] = set()  # state-dict keys the last load wrote into the store
     streamed.handles = [
         module._register_state_dict_hook(functools.partial(_state_dict_hook, layer=streamed)),
@@ -211,8 +232,22 @@ def _put_layer_in_store(streamed, route: MoELayer, store: ExpertStore, initializ
         # Frozen experts' stand-ins are parameters whose values the pre-hook took from the state dict into the
         # store: not missing.
         module.register_load_state_dict_post_hook(functools.partial(_load_state_dict_post_hook, loaded=loaded)),
+        module.register_forward_pre_hook(_require_offload_implementation),
     ]
     route.set_streamed(streamed)
+
+
+def _require_offload_implementation(module: nn.Module, args) -> None:
+    """Offloaded experts compute only through experts implementation "hf_moe_offload": another one (set with
+    `set_experts_implementation`) would look for tensors that are in the store now."""
+    chosen = getattr(getattr(module, "config", None), "_experts_implementation", IMPLEMENTATION)
+    if chosen != IMPLEMENTATION:
+        raise RuntimeError(
+            f"the experts of this {type(module).__name__} are offloaded to the expert store, which only "
+            f"experts_implementation={IMPLEMENTATION!r} computes from, but the model was switched to {chosen!r}. To "
+            f"use {chosen!r}, call hf_moe_offload.disable_expert_offload(model) first (the experts come back as "
+            f"parameters), then model.set_experts_implementation({chosen!r}); to keep the experts offloaded, call "
+            f"model.set_experts_implementation({IMPLEMENTATION!r})")
 
 
 def _router(model: nn.Module, route) -> Router | None:
@@ -316,6 +351,22 @@ def _load_state_dict_post_hook(module, incompatible_keys, loaded: set[str]) -> N
     loaded.clear()
 
 
+def reference_copy(model: nn.Module) -> nn.Module:
+    """A frozen copy of `model` to compare against while `model` trains (what TRL's `create_reference_model` makes:
+    a deep copy, no parameter requiring gradients, in eval mode). Where the experts are offloaded, the copy's are
+    frozen and kept weights only, in the model's dtype (bf16: 2 bytes per expert parameter, where `copy.deepcopy`
+    copies a trained store's 16: fp32 weights, gradient and two Adam moments); it never sees `model`'s updates."""
+    engine = get_offload_engine(model)
+    memo: dict = {}
+    if engine is not None and engine.store is not None:
+        model_dtype = next(iter(engine.layers[0].meta.values()))[1]
+        copy_engine(engine, memo, weights_only_row_dtype(model_dtype))
+    ref = copy.deepcopy(model, memo)
+    for param in ref.parameters():
+        param.requires_grad_(False)
+    return ref.eval()
+
+
 def disable_expert_offload(model: nn.Module) -> None:
     """Bring every expert back as an ordinary `nn.Parameter` and drop the store (reverses enable_expert_offload)."""
     engine = get_offload_engine(model)
@@ -329,6 +380,7 @@ def disable_expert_offload(model: nn.Module) -> None:
             tensors = {n: _expert_tensor(layer, n) for n in layer.meta}
             for handle in layer.handles:
                 handle.remove()
+            module._buffers.pop(DTYPE_BUFFER, None)
             for n, t in tensors.items():
                 module.register_parameter(n, nn.Parameter(t))
             route.set_streamed(None)
@@ -339,6 +391,7 @@ def disable_expert_offload(model: nn.Module) -> None:
 
 __all__ = [
     "enable_expert_offload",
+    "reference_copy",
     "disable_expert_offload",
     "get_offload_engine",
     "find_expert_modules",

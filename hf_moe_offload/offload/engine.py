@@ -30,6 +30,7 @@ from ..host_threads import set_thread_team
 from ..layouts import ExpertLayout
 from ..runtime import DeviceRuntime, Event, runtime_for
 from .chunk_sources import ChunkSources
+from .copies import copy_engine
 from .config import OffloadConfig
 from .decoding import DecodePath
 from .device_pins import DevicePins
@@ -65,15 +66,19 @@ class OffloadEngine:
         self.store = store
         self.stats = stats
         self.mode = mode
-        self.device: torch.device | None = None  # bound on the first forward
-        self.runtime: DeviceRuntime | None = None
-        self.stager: DeviceStager | HostStager | None = None
-        cache = getattr(store, "cache_experts", None)
-        self._cache = cache
-        self.depth = clamp_depth(config.prefetch_depth, cache)
-        self.pin_fraction = config.pin_fraction
         self.train_experts = config.train_experts  # False (frozen experts, e.g. LoRA): input gradients only
         self.layers = [OffloadedExpertsLayer(self, i, m, layout) for i, (m, layout) in enumerate(layers_modules)]
+        self._compose(pregate)
+
+    def _compose(self, pregate: PreGate | None) -> None:
+        """The parts over the store and layers, unbound (what a new engine and a copy start from)."""
+        self.device: torch.device | None = None  # bound on the first forward (set last: bound = device set)
+        self.runtime: DeviceRuntime | None = None
+        self.stager: DeviceStager | HostStager | None = None
+        cache = getattr(self.store, "cache_experts", None)
+        self._cache = cache
+        self.depth = clamp_depth(self.config.prefetch_depth, cache)
+        self.pin_fraction = self.config.pin_fraction
         # --- resolved at bind (offload/plan.py) ---
         self.plan: OffloadPlan | None = None
         self.slab: DeviceSlab | None = None  # a device's training calls (offload/slab.py)
@@ -89,9 +94,13 @@ class OffloadEngine:
         self.coordinator: UpdateCoordinator | None = None  # several processes sharing the store
         self._state_dict_experts = True  # `experts_left_out_of_state_dict`
         # Inference calls: decode cache, device cache, pre-gating, compute on host (offload/decoding.py)
-        self.decoding = DecodePath(self, pregate, cache if cache is not None else len(store.keys()))
+        self.decoding = DecodePath(self, pregate, cache if cache is not None else len(self.store.keys()))
         self.pins = PinManager(self)  # pinning (ES-MoE §4.3; offload/pinning.py)
         self.updates = ExpertUpdates(self)  # what the expert optimizer sees (offload/updates.py)
+
+    def __deepcopy__(self, memo: dict) -> "OffloadEngine":
+        """`copy.deepcopy(model)`: an engine of the copy's own, unbound, over a copy of the store (copies.py)."""
+        return copy_engine(self, memo)
 
     # --- device binding ---
     def bind(self, device: torch.device) -> None:
@@ -109,27 +118,31 @@ class OffloadEngine:
                 f"OffloadConfig.device is {self.config.device} but the inputs are on {device}: move the model "
                 "and its inputs there, or leave OffloadConfig.device unset (the engine then uses the inputs' device)"
             )
-        self.device = device
-        self.runtime = runtime_for(device)
-        self.plan = plan = resolve_plan(self.config, Machine.of(self.runtime, device), StoreFacts.of(self.store),
-                                        [layer.num_experts for layer in self.layers], self.depth,
-                                        shared_store=self.coordinator is not None, where=str(device))
-        if plan.compute_dtype != self.store.compute_dtype:
+        # Everything is resolved and built first, then taken in one step: a failure leaves the engine unbound (and a
+        # later forward binds afresh), never half-bound.
+        runtime = runtime_for(device)
+        plan = resolve_plan(self.config, Machine.of(runtime, device), StoreFacts.of(self.store),
+                            [layer.num_experts for layer in self.layers], self.depth,
+                            shared_store=self.coordinator is not None, where=str(device))
+        if plan.compute_dtype != self.store.compute_dtype:  # the store's own switch: a retry finds it done
             self.store.use_compute_dtype(plan.compute_dtype)
             logger.info("expert offload: streaming %s copies of the experts (autocast at the first forward)",
                         plan.compute_dtype)
+        slab = device_pins = None
         if plan.slab_experts:
-            self.slab = DeviceSlab(self.runtime, self.store.numel, plan.compute_dtype, plan.slab_experts, self.stats)
+            slab = DeviceSlab(runtime, self.store.numel, plan.compute_dtype, plan.slab_experts, self.stats)
         elif plan.waits_for_device:
             logger.info("expert offload: no room for the slab's two chunks (host cache %s experts): streaming one "
                         "expert at a time", self._cache)
         if plan.device_pins:
-            self.device_pins = DevicePins(self.runtime, self.store, plan.device_pins, self.stats)
-        self.store.bind_runtime(self.runtime)
+            device_pins = DevicePins(runtime, self.store, plan.device_pins, self.stats)
+        stager = (DeviceStager if plan.waits_for_device else HostStager)(
+            runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1), self.stats)
+        self.store.bind_runtime(runtime)
+        self.runtime, self.plan, self.slab, self.device_pins, self.stager = runtime, plan, slab, device_pins, stager
         self.gradients = (DeviceGradients if plan.gradients == GRADS_DOWNLOADED else HostGradients)(self)
-        stager = DeviceStager if plan.waits_for_device else HostStager
-        self.stager = stager(self.runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1), self.stats)
         self.decoding.bind(plan)
+        self.device = device
         logger.debug("expert offload: computing on %s (runtime %s)", device, self.runtime.name)
 
     @property

@@ -28,6 +28,10 @@ from .plan import Phase, Source
 from .store import WEIGHTS, ExpertKey
 
 Segment = tuple[int, int, int]  # (expert, first token, tokens) in the call's expert-sorted input
+# An empty, non-persistent buffer the offload leaves on each experts module: `model.to(dtype)`, `.half()`, ... convert
+# it with the module's other tensors, so the offloaded experts' dtype follows the model's
+# (`OffloadedExpertsLayer.meta`).
+DTYPE_BUFFER = "_offloaded_experts_dtype"
 
 
 @dataclass(frozen=True)
@@ -82,11 +86,30 @@ class OffloadedExpertsLayer:
         # parameters, whose gradients the recompute in backward accumulates.
         expert_names = set(layout.names())
         self.shared_parameters = [p for n, p in module.named_parameters() if n not in expert_names]
-        self.meta: dict[str, tuple[torch.Size, torch.dtype]] = {}  # expert tensor -> (shape, dtype) on the module
+        self._meta: dict[str, tuple[torch.Size, torch.dtype]] = {}  # expert tensor -> (shape, dtype) when offloaded
         self.handles: list = []  # the module's state-dict hooks (offload/api.py)
         self._recompute_forced = 0  # > 0 inside `recomputing()`
         self._view_cache: dict[tuple, list[torch.Tensor]] = {}  # see `_tensors`
         self._lora: ExpertLora | None = None  # peft's adapters on the expert tensors, as of the last `on_route`
+
+    @property
+    def meta(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Each expert tensor's (shape, dtype) as the module shows it now: its floating tensors in the dtype the model
+        was last moved to (`DTYPE_BUFFER`), the others as they were."""
+        marker = self.module._buffers.get(DTYPE_BUFFER)
+        if marker is None:
+            return self._meta
+        return {n: (shape, marker.dtype if dtype.is_floating_point else dtype)
+                for n, (shape, dtype) in self._meta.items()}
+
+    @meta.setter
+    def meta(self, value: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+        self._meta = value
+
+    def __getstate__(self) -> dict:
+        # A copy (`copy.deepcopy` of the model, offload/copies.py) starts with no call in flight, no adapters taken
+        # and no views of the original store's buffers.
+        return {**self.__dict__, "_view_cache": {}, "_lora": None, "_outstanding": 0, "_recompute_forced": 0}
 
     @contextmanager
     def recomputing(self):
@@ -449,4 +472,4 @@ class _StreamedExperts(torch.autograd.Function):
         return gx, None, None, None, *g_shared
 
 
-__all__ = ["ChunkPlan", "OffloadedExpertsLayer"]
+__all__ = ["DTYPE_BUFFER", "ChunkPlan", "OffloadedExpertsLayer"]
