@@ -8,9 +8,9 @@ import json
 
 import torch
 
-from . import estimate as estimate_module
+from . import estimate as estimate_module  # late-bound: `estimate.estimate` patched in tests is the one run
 from .errors import UserError
-from .estimate import FLAG_FIELDS, METHODS, Estimate, Workload, estimate
+from .estimate import FLAG_FIELDS, METHODS, Estimate, Workload
 from .flags import add_dataclass_arguments, dataclass_values
 from .offload.config import OffloadConfig
 from .offload.quantized import QUANTIZED_STORAGES
@@ -82,8 +82,9 @@ def run_cli(args) -> int:
     gpu_memory = args.gpu_memory or (GPUS[args.gpu].memory_gb if args.gpu else None)
     rates = (resolve_rates(args.gpu, args.gpu_tflops, args.gpu_efficiency, args.pcie_gbps, args.host_adam_gps,
                            args.disk_gbps) if device == "cuda" and not args.measure else None)
-    est = estimate(config, w, device_budget=int(gpu_memory * gb) if gpu_memory and device == "cuda" else None,
-                   host_budget=int(args.host_memory * gb) if args.host_memory else None, rates=rates)
+    device_budget = int(gpu_memory * gb) if gpu_memory and device == "cuda" else None
+    est = estimate_module.estimate(config, w, device_budget=device_budget, rates=rates,
+                                   host_budget=int(args.host_memory * gb) if args.host_memory else None)
     print(f"config: {source}")
     print(render(est))
     out = est.as_dict()
@@ -92,8 +93,8 @@ def run_cli(args) -> int:
 
         if args.device == "cuda" and device == "cpu":
             print("\nno GPU here: --measure times this CPU, so its figures are a CPU step, not a GPU's")
-        m = measure(config, dtype, w.batch_size, w.seq_len, pin_fraction=w.pin_fraction,
-                    device=torch.device(device), host_budget=int(args.host_memory * gb / 4) if args.host_memory else None)
+        m = measure(config, dtype, w.batch_size, w.seq_len, pin_fraction=w.pin_fraction, device=torch.device(device),
+                    host_budget=int(args.host_memory * gb / 4) if args.host_memory else None)
         steps = predict(est, m, config.num_hidden_layers)
         print(render_measured(est, m, steps))
         out["measured"] = dataclasses.asdict(m)

@@ -257,7 +257,8 @@ def render_measured(est, m: Measured, steps: dict[str, StepTime]) -> str:
     sliced = (f" (the measured layer had {m.experts_measured} of {est.num_experts // est.moe_layers} experts: "
               "more would not fit a quarter of host memory)" if m.experts_measured < est.num_experts // est.moe_layers
               else "")
-    lines = ["", f"measured on {m.device} in {m.seconds:.0f} s, {m.dtype}, {m.tokens:,} tokens per micro-batch{sliced}:",
+    lines = ["",
+             f"measured on {m.device} in {m.seconds:.0f} s, {m.dtype}, {m.tokens:,} tokens per micro-batch{sliced}:",
              f"  one layer forward+backward {m.layer_s * 1e3:,.1f} ms resident, {m.offloaded_layer_s * 1e3:,.1f} ms "
              f"with its experts streamed (forward {m.layer_forward_s * 1e3:,.1f} ms); embedding, head and loss "
              f"{m.rest_s * 1e3:,.1f} ms; device AdamW {m.device_adam_params_per_s / 1e9:.2f} G params/s; host Adam "
@@ -267,10 +268,11 @@ def render_measured(est, m: Measured, steps: dict[str, StepTime]) -> str:
     for tier, st in steps.items():
         f = st.floors
         lines.append(f"{tier:<8}{f['GPU compute']:>9.3f}{f['PCIe link']:>9.3f}{f['host Adam']:>11.3f}"
-                     f"{st.window_s:>9.3f}{st.tokens_per_s:>11,.0f}  {st.binding}")
+                     f"{st.window_s:>9.3f}{st.tokens_per_s:>11,.0f}  "
+                     f"{st.binding if m.on_gpu else st.binding.replace('GPU compute', 'compute (CPU)')}")
     if not m.on_gpu:
-        lines.append("measured on the CPU: this CPU's step, not a GPU's (no GPU compute, no link); a floor: it leaves out "
-                     "the disk tier, data loading and anything outside forward, backward and the optimizers")
+        lines.append("measured on the CPU: this CPU's step, not a GPU's (no GPU compute, no link); a floor: it leaves "
+                     "out the disk tier, data loading and anything outside forward, backward and the optimizers")
     else:
         lines.append("not yet compared with a measured GPU step (docs/estimate.md); the disk tier is not measured")
     if w.micro_batches > 1:
