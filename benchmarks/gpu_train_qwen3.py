@@ -333,7 +333,7 @@ def table(args, tokens: int, device: torch.device, progress=lambda result: None)
               "transfer_s": transfer_floor, "h2d_GB_per_s": bandwidth / 1e9 if bandwidth else None}
     largest = max(v for k, v in floors.items() if k in ("resident_step_s", "host_adam_s", "transfer_s") and v)
     predicted = predicted_steps(base.config, batch, seq, device, adam_rate, bandwidth)
-    measured = measured_steps(base.config, batch, seq, device) if args.measure else {}
+    measured = measured_steps(base.config, batch, seq, device, list(final)) if args.measure else {}
     for name, row in final.items():
         if "step_s" in row:
             row["x_largest_floor"] = row["step_s"] / largest
@@ -346,15 +346,19 @@ def table(args, tokens: int, device: torch.device, progress=lambda result: None)
     return {**snapshot(final), "floors": floors}
 
 
-def measured_steps(config, batch: int, seq: int, device: torch.device) -> dict[str, float]:
+def measured_steps(config, batch: int, seq: int, device: torch.device, variants: list[str]) -> dict[str, float]:
     """The step `hf-moe-offload estimate --measure` predicts (rates measured on `device` at this shape and batch) for
-    the resident model and for ours with and without pins. Its resident model computes in bf16 (the estimate's
-    model dtype), where the resident variant keeps fp32 weights under autocast."""
+    those of `variants` it models: the resident model, ours with pins (one measuring) and without (another). Its
+    resident model computes in bf16 (the estimate's model dtype), where the resident variant keeps fp32 weights
+    under autocast."""
     from hf_moe_offload.estimate import Workload, estimate
     from hf_moe_offload.measure import measure, predict
 
     out = {}
     for names, pins in ((("resident", "host-pin"), 0.25), (("host",), 0.0)):
+        names = [name for name in names if name in variants]
+        if not names:
+            continue
         w = Workload(method="full", dtype=torch.bfloat16, batch_size=batch, seq_len=seq, device=device.type,
                      pin_fraction=pins)
         est = estimate(config, w, host_budget=1 << 50)
