@@ -91,7 +91,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from hf_moe_offload import OffloadConfig, enable_expert_offload, expert_target_parameters
-    from hf_moe_offload.estimate import Workload, estimate, render
+    from hf_moe_offload.estimate import Workload, estimate
+    from hf_moe_offload.estimate_cli import render
 
     config = qwen3_30b_a3b_config(args.layers)
     workload = Workload(method="lora-experts", expert_storage=args.storage, dtype=torch.bfloat16, batch_size=1,

@@ -15,11 +15,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_debug_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     # Import lazily so that `hf-moe-offload --help` stays fast.
-    from . import adapter_check, adapter_serving, estimate, generate, hub, train
+    from . import adapter_check, adapter_serving, estimate_cli, generate, hub, train
     from .fairseq import convert
 
     train.add_cli(sub)
-    estimate.add_cli(sub)
+    estimate_cli.add_cli(sub)
     generate.add_cli(sub)
     convert.add_cli(sub)
     hub.add_cli(sub)

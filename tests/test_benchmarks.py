@@ -97,18 +97,66 @@ def test_lm_head_memory_harness():
 def test_gpu_train_qwen3_harness_on_the_simulated_device(tmp_path):
     """benchmarks/gpu_train_qwen3.py (issue 35's GPU benchmark against DeepSpeed) at a tiny size on the CPU, the
     offloaded variants on the simulated device: the slab path's bytes are counted (at least the routed experts'
-    weights up and gradients down) and every variant trains to a finite loss. The DeepSpeed rows need a GPU."""
+    weights up and gradients down), every variant trains to a finite loss, and `estimate --measure`'s prediction
+    stands beside the measured steps. The DeepSpeed rows need a GPU."""
     from hf_moe_offload.runtime import use_runtime
     from hf_moe_offload.runtime.simulated import SimulatedRuntime
 
     with use_runtime(SimulatedRuntime(seed=0, max_delay=0.0)):
-        (result,) = bench("gpu_train_qwen3").main(["--quick", "--device", "cpu", "--out", str(tmp_path / "q.json")])
+        (result,) = bench("gpu_train_qwen3").main(["--quick", "--device", "cpu", "--measure",
+                                                   "--out", str(tmp_path / "q.json")])
     rows = {r["variant"]: r for r in result["rows"]}
     assert set(rows) == {"resident", "host", "host-pin", "host-fp32"}
     assert all(math.isfinite(r["last_loss"]) and r["step_s"] > 0 for r in rows.values())
+    # `estimate --measure`'s prediction beside the measured step (host-fp32 has no estimate row)
+    assert all(rows[name]["measure_predicted_step_s"] > 0 for name in ("resident", "host", "host-pin"))
     for name in ("host", "host-pin", "host-fp32"):
         assert rows[name]["h2d_GB"] > 0 and rows[name]["d2h_GB"] > 0
     assert os.path.exists(tmp_path / "q.json")
+
+
+def test_gpu_train_qwen3_records_an_oom_and_writes_each_variant_as_it_ends(tmp_path, monkeypatch):
+    """A variant that runs out of memory in a timed round (as under a GPU memory cap) is recorded as "OOM" and the
+    others go on; the JSON on disk holds every variant's row as soon as its round ended (read here when the last
+    variant starts its first timed step: the first variant's time and the OOM are there already)."""
+    import json
+
+    from hf_moe_offload.runtime import use_runtime
+    from hf_moe_offload.runtime.simulated import SimulatedRuntime
+
+    q = bench("gpu_train_qwen3")
+    out = tmp_path / "q.json"
+    real, calls, seen = q.Variant.step, {}, []
+
+    def step(self, x):
+        calls[self.name] = calls.get(self.name, 0) + 1
+        if self.name == "host" and calls[self.name] > 1:  # past its warm-up
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if self.name == "host-pin" and calls[self.name] == 2:
+            seen.append({r["variant"]: r for r in json.loads(out.read_text())[-1]["rows"]})
+        return real(self, x)
+
+    monkeypatch.setattr(q.Variant, "step", step)
+    with use_runtime(SimulatedRuntime(seed=0, max_delay=0.0)):
+        (result,) = q.main(["--quick", "--device", "cpu", "--variants", "resident,host,host-pin", "--out", str(out)])
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert rows["host"]["error"] == "OOM" and "step_s" not in rows["host"]
+    assert rows["resident"]["step_s"] > 0 and rows["host-pin"]["step_s"] > 0
+    (early,) = seen
+    assert early["resident"]["step_s"] > 0 and early["host"]["error"] == "OOM" and "host-pin" not in early
+    final = json.loads(out.read_text())[-1]
+    assert final["complete"] and {r["variant"] for r in final["rows"]} == {"resident", "host", "host-pin"}
+
+
+def test_gpu_train_qwen3_cap_below_peers():
+    """At the benchmark's default shape the cap sits between our host tier's device figure and ZeRO-2's floor, below
+    the resident figure, at 2k tokens; at 16k tokens our activations exceed ZeRO-2's floor and no cap separates them."""
+    q = bench("gpu_train_qwen3")
+    config = q.qwen3_config(16, 64, 1024, 512, 8, 32000, 512)
+    cap = q.cap_below_peers(config, 2048, 512)
+    assert cap["ours_host_tier_GB"] < cap["cap_GB"] < cap["zero2_floor_GB"] < cap["resident_GB"]
+    with pytest.raises(SystemExit, match="no cap separates"):
+        q.cap_below_peers(config, 16384, 512)
 
 
 def test_slab_dispatch_harness():
