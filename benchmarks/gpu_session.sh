@@ -1,33 +1,29 @@
 #!/usr/bin/env bash
-# Every GPU claim in two calls on a lent GPU: the first within 8 minutes of device time, installs included, steps in
-# priority order; the second (`more`) at once after it.
+# Every GPU claim in one run of at most 8 minutes of device time, installs included, steps in priority order.
 #
 #   bash benchmarks/gpu_session.sh prepare   # here, with the package index: the wheels the GPU machine lacks -> .whl/
 #   bash benchmarks/gpu_session.sh           # on the lent GPU machine (the device tool: carry [".whl"]); $OUT
 #                                            # receives each step's log, JSON and summary line as the step ends
-#   bash benchmarks/gpu_session.sh more      # the second call, at once after the first
 #
 # The GPU machine has python3 with torch (CUDA), transformers, accelerate and peft, but no network, no datasets and no
-# bitsandbytes (../shared/ENVIRONMENT.md). Two calls: the first (420 s of limits; with installs ~440 s) holds what the
-# training claims need, in priority order; `more` (300 s), right after it while the machine is warm, what is left.
-# Limits in seconds (from the H200 runs of 2026-11-28, benchmarks/RESULTS.md; the new steps' are estimates):
+# bitsandbytes (../shared/ENVIRONMENT.md). Limits in seconds, in priority order (from the H200 runs of 2026-11-28,
+# benchmarks/RESULTS.md, cut to fit; the new steps' are estimates: a step cut at its limit keeps what it wrote):
 #   installs from .whl/ 18;
-#   1 host_adam        50  the host Adam in the training layout on the machine's 16 cores (cpu_optimizer.py
+#   1 host_adam        45  the host Adam in the training layout on the machine's 16 cores (cpu_optimizer.py
 #                          --layout-only: ours with the thread budget vs torch's fused AdamW alone; no GPU needed), our
 #                          fused kernel's JIT build (~30 s) included: first, so that even a short window measures it
-#   2 cuda_tests       80  tests/test_cuda.py under TORCH_CUDA_SANITIZER=1, while DeepSpeed's CPU-Adam builds (~60 s)
-#   3 train_qwen3     170  Qwen3-MoE shape (16 layers x 64 experts, top-8, d=1024) at 16k tokens: resident vs
+#   2 cuda_tests       60  tests/test_cuda.py under TORCH_CUDA_SANITIZER=1, while DeepSpeed's CPU-Adam builds (~60 s)
+#   3 train_qwen3     140  Qwen3-MoE shape (16 layers x 64 experts, top-8, d=1024) at 16k tokens: resident vs
 #                          DeepSpeed ZeRO-2 offload vs ours (host tier, defaults), 2 timed steps, 1 round, `estimate`'s
-#                          and `estimate --measure`'s predicted steps beside them
-#   4 train_qwen3_cap 120  2k tokens at a GPU memory cap where resident and ZeRO-2 do not fit: ZeRO-3 with parameter
+#                          and `estimate --measure`'s predicted steps beside them (the JSON written after each variant)
+#   4 train_qwen3_cap  85  2k tokens at a GPU memory cap where resident and ZeRO-2 do not fit: ZeRO-3 with parameter
 #                          offload vs ours
-#   more:
-#   5 decode          110  decoding the same family at 8 layers (bf16, batch 1), ours host (device cache off / half
+#   5 decode           50  decoding the same family at 8 layers (bf16, batch 1), ours host (device cache off / half
 #                          the experts) and disk against the resident model; 1 round of 16 tokens
-#   6 lora_nf4         60  LoRA on every expert of Qwen3-30B-A3B's shape, nf4 experts on the disk tier, 2 of its 48
+#   6 lora_nf4         40  LoRA on every expert of Qwen3-30B-A3B's shape, nf4 experts on the disk tier, 2 of its 48
 #                          layers, 2 steps; bitsandbytes travels unpacked in .whl/bnb (CUDA 13.0 and CPU libraries)
-# A step that cannot finish within what is left of GPU_SESSION_BUDGET_S (default 460 s from the call's start) is
-# skipped and says so in the summary.
+# The limits add up to 420 s; with installs ~440 s. A step that cannot finish within what is left of the
+# GPU_SESSION_BUDGET_S (default 460 s from the start) is skipped and says so in the summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -83,10 +79,8 @@ cat "$OUT/gpu.txt"
 python3 -c "import bitsandbytes" 2>/dev/null && HAS_BNB=1 || HAS_BNB=0
 summary "bitsandbytes on this machine: $HAS_BNB"
 
-if [ "${1:-}" != "more" ]; then
-# --- the first call (420 s of limits) ---
 # 1. The host Adam in the training layout (the machine's cores, no GPU work), on a quiet machine: first.
-step host_adam 50 python3 benchmarks/cpu_optimizer.py --layout-only --quick --out "$OUT/host_adam.json"
+step host_adam 45 python3 benchmarks/cpu_optimizer.py --layout-only --quick --out "$OUT/host_adam.json"
 
 # DeepSpeed's CPU-Adam builds in the background while step 2 runs (it needs it not).
 ( python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('cpu adam built')"
@@ -96,35 +90,32 @@ BUILDS=$!
 # 2. The CUDA tests (the CPU suites' comparisons on the GPU, the slab, the device pins and cache, quantized uploads)
 #    under the stream sanitizer.
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-step cuda_tests 80 env TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE $XDIST \
+step cuda_tests 60 env TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE $XDIST \
   tests/test_cuda.py
 wait $BUILDS
 summary "builds: $(tr '\n' ' ' < "$OUT/builds.log" | tail -c 200)"
 
 # 3. Training at 16k tokens: resident vs DeepSpeed ZeRO-2 offload vs ours (host tier, defaults: pins on the GPU), with
 #    `estimate`'s and `estimate --measure`'s predicted step beside each measured one.
-step train_qwen3 170 python3 benchmarks/gpu_train_qwen3.py --tokens 16384 --variants resident,ds-zero2,host-pin \
+step train_qwen3 140 python3 benchmarks/gpu_train_qwen3.py --tokens 16384 --variants resident,ds-zero2,host-pin \
   --steps 2 --rounds 1 --measure --out "$OUT/train_qwen3.json"
 
 # 4. At a GPU memory cap where the resident model and ZeRO-2 do not fit (2k tokens): ZeRO-3 with parameter offload vs
 #    ours; the others record OOM.
-step train_qwen3_cap 120 python3 benchmarks/gpu_train_qwen3.py --tokens 2048 --gpu-memory-gb below-peers \
+step train_qwen3_cap 85 python3 benchmarks/gpu_train_qwen3.py --tokens 2048 --gpu-memory-gb below-peers \
   --variants resident,ds-zero2,ds-zero3,host-pin --steps 2 --rounds 1 --out "$OUT/train_qwen3_cap.json"
 
-else
-# --- `more`: a second call right after the first, in the same warm window (300 s of limits) ---
 # 5. Decoding (8 layers): ours host (device cache off / half the experts), ours disk, against the resident model.
-step decode 110 python3 benchmarks/generate.py --device cuda --layers 8 --experts 64 --hidden 1024 --inter 512 \
+step decode 50 python3 benchmarks/generate.py --device cuda --layers 8 --experts 64 --hidden 1024 --inter 512 \
   --top-k 8 --dtype bf16 --batch 1 --cache 256 --rounds 1 --new-tokens 16 --prompt-tokens 16 \
   --variants "ours host, device cache 0;ours host, device cache 1/2;ours disk, device cache 0" --out "$OUT/decode.json"
 
 # 6. LoRA on nf4 experts at Qwen3-30B-A3B's shape (bitsandbytes carried in .whl/bnb).
 if [ "$HAS_BNB" = 1 ]; then
-  step lora_nf4 60 python3 benchmarks/real_shape_lora.py --device cuda --layers 2 --steps 2 --cache-experts 256 \
+  step lora_nf4 40 python3 benchmarks/real_shape_lora.py --device cuda --layers 2 --steps 2 --cache-experts 256 \
     --offload-dir /tmp/real-shape-experts --out "$OUT/lora_nf4.json"
 else
   summary "lora_nf4 skipped: bitsandbytes did not import (run 'prepare' here first: it unpacks it into .whl/bnb)"
-fi
 fi
 
 summary "end $((SECONDS - START))s of ${BUDGET}s"

@@ -218,21 +218,14 @@ def test_lora_experts_harness(tmp_path):
 
 
 def test_the_gpu_session_fits_its_device_window():
-    """benchmarks/gpu_session.sh runs on a lent GPU for at most 8 minutes of device time, installs included: its first
-    call's steps' limits add up to at most 420 s (the host Adam first), the second call's (`more`) to at most 300 s,
-    each step names its limit, and the script parses."""
+    """benchmarks/gpu_session.sh runs on a lent GPU for at most 8 minutes of device time, installs included: its
+    steps' limits add up to at most 420 s (the host Adam first), each step names its limit, and the script parses."""
     import re
     import subprocess
 
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_session.sh")
     text = open(script).read()
-    first, more = text.split("\nelse\n# --- `more`", 1)
-
-    def limits(part: str) -> list[int]:
-        return [int(m.group(2)) for m in re.finditer(r"^\s*step (\S+) (\d+) ", part, re.M)]
-
-    # The first call within 8 minutes with its installs; `more` within what a 15-minute lease leaves after it.
-    assert len(limits(first)) >= 4 and sum(limits(first)) <= 420, limits(first)
-    assert limits(more) and sum(limits(more)) <= 300, limits(more)
-    assert "step host_adam" in first.split("step train_qwen3")[0]  # the host Adam is measured first
+    limits = [int(m.group(2)) for m in re.finditer(r"^\s*step (\S+) (\d+) ", text, re.M)]
+    assert len(limits) >= 4 and sum(limits) <= 420, limits
+    assert text.index("step host_adam") < text.index("step train_qwen3")  # the host Adam is measured first
     assert subprocess.run(["bash", "-n", script]).returncode == 0
