@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UserError
+from .runtime import runtime_for
 from .time_model import Rates, StepTime, step_time
 
 # Attributes that hold a config's routed expert count, and those that make its first layers dense.
@@ -104,13 +105,17 @@ def one_layer_config(config, max_experts: int | None = None, layers: int = 1):
     return cfg
 
 
-def _link_rates(device: torch.device, repeats: int) -> tuple[float, float]:
-    host = torch.empty(LINK_BYTES, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(LINK_BYTES, dtype=torch.uint8, device=device)
-    sync = torch.cuda.synchronize
-    t = _interleaved({"up": lambda: dev.copy_(host, non_blocking=True),
-                      "down": lambda: host.copy_(dev, non_blocking=True)}, repeats, 1, sync)
-    return LINK_BYTES / t["up"], LINK_BYTES / t["down"]
+def _link_rates(runtime, repeats: int, nbytes: int = LINK_BYTES) -> tuple[float, float]:
+    """Bytes per second of page-locked copies up to the device and back, through the package's device runtime (as the
+    engine copies: on a copy stream of its own, waited for by an event), each direction timed to its completion."""
+    stream = runtime.new_stream()
+    host = runtime.pinned_empty((nbytes,), torch.uint8)
+    dev = runtime.empty((nbytes,), torch.uint8, stream=stream, persistent=True)
+    done = lambda: runtime.record(stream).synchronize()  # noqa: E731
+    t = _interleaved({"up": lambda: runtime.copy_(dev, host, stream),
+                      "down": lambda: runtime.copy_(host, dev, stream)}, repeats, 1, done)
+    runtime.free(dev)
+    return nbytes / t["up"], nbytes / t["down"]
 
 
 def measure(config, dtype: torch.dtype, batch_size: int, seq_len: int, pin_fraction: float = 0.0,
@@ -192,7 +197,7 @@ def measure(config, dtype: torch.dtype, batch_size: int, seq_len: int, pin_fract
 
     h2d = d2h = None
     if cuda:
-        h2d, d2h = _link_rates(device, repeats)
+        h2d, d2h = _link_rates(runtime_for(device), repeats)
     layer = max(0.0, t["2 resident"] - t["1 resident"])
     rest = max(0.0, t["1 resident"] - layer)
     offloaded = max(0.0, t["2 offloaded"] - rest) / 2

@@ -162,3 +162,18 @@ def test_the_cli_measures_on_the_cpu_where_no_gpu_is_and_says_so(tmp_path, capsy
     assert set(data["measured_steps"]) == {"device", "host"}
     assert all(s["window_s"] > 0 for s in data["measured_steps"].values())
     assert main(["estimate", str(tmp_path / "model"), "--method", "lora", "--measure"]) == 2
+
+
+def test_the_link_is_timed_through_the_device_runtime_in_order():
+    """The link's copies go through the device runtime as the engine's do: on the simulated device (asynchronous
+    streams, every access checked for its happens-before edge) both directions run, land the bytes and give rates; a
+    copy that was not waited for would raise there. A byte copy has no dtype to autocast: nothing to run under it."""
+    from hf_moe_offload.measure import _link_rates
+    from hf_moe_offload.runtime.simulated import SimulatedRuntime
+
+    rt = SimulatedRuntime(seed=4, max_delay=0.002, track_views=True)
+    checks = rt.checks
+    up, down = _link_rates(rt, repeats=2, nbytes=1 << 16)
+    assert up > 0 and down > 0
+    assert rt.copies == 2 * 3 and rt.checks > checks  # warm-up and two rounds, both directions, all checked
+    rt.check()

@@ -53,7 +53,6 @@ class StepQueue:
                  pending: Callable[[object, Future], None], threads: Callable[[], int] | None = None):
         self._workers, self._run, self._share_of, self._pending = workers, run, share, pending
         self._threads = threads  # the workers' OpenMP threads, all teams together (None: as the process sets)
-        self.team: int | None = None  # each worker's team, sized inside the worker (host_threads.py)
         self.executor: ThreadPoolExecutor | InlineExecutor | None = None  # made at the first job (`pool`)
         self._lock = threading.Lock()
         self._ready: deque = deque()  # (entry, its update's Future, step) of experts waiting for a worker
@@ -67,10 +66,10 @@ class StepQueue:
                 self.executor = InlineExecutor()
             else:
                 # Each worker sizes its own team in its own thread: all teams together within the budget.
-                self.team = None if self._threads is None else team_size(self._threads(), workers)
+                team = None if self._threads is None else team_size(self._threads(), workers)
                 self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="expert-adam",
-                                                   initializer=None if self.team is None else set_thread_team,
-                                                   initargs=() if self.team is None else (self.team,))
+                                                   initializer=None if team is None else set_thread_team,
+                                                   initargs=() if team is None else (team,))
         return self.executor
 
     def submit(self, fn, *args) -> Future:
