@@ -29,9 +29,9 @@ warm-up or in a timed round, is recorded as "OOM" and the others go on; the JSON
 round, so a run stopped at its time limit keeps what each variant measured so far.
 
 Per variant: step time, x resident, GPU busy fraction (kernel time from the torch profiler over the wall time of one
-profiled step), H2D / D2H bytes per step and their share of the floor (the routed experts' weights up once and their
-gradients down once in bf16), host Adam seconds per step (ours: the expert steps' busy time), peak GPU memory. The
-floors measured in the same run: the resident step, the host Adam over the expert parameters (torch's fused CPU
+profiled step), H2D / D2H bytes per step and their share of the floor (each routed expert not pinned on the device
+up for its forward and once more for its backward, its gradient down once, in bf16: `transfer_floors`), the pins'
+moves, host Adam seconds per step (ours: the expert steps' busy time), peak GPU memory. The floors measured in the same run: the resident step, the host Adam over the expert parameters (torch's fused CPU
 AdamW), the transfers at the measured H2D bandwidth. Beside each measured step, `hf-moe-offload estimate`'s predicted
 one (its time model with the link and host Adam rates measured here) and, with `--measure`, `estimate --measure`'s
 (every rate measured at this shape and batch: hf_moe_offload/measure.py). Writes
@@ -159,6 +159,17 @@ def gpu_busy_fraction(variant: Variant, x: torch.Tensor) -> float | None:
     return kernels / wall
 
 
+def transfer_floors(engine) -> tuple[int, int]:
+    """Bytes per step a host-tier training step cannot avoid moving (no checkpointing here): each routed expert that
+    is not pinned on the device goes up once for the forward and once more for its backward (which needs the weights
+    again), and its gradient comes down once, in the compute dtype (the last step's routing and pins)."""
+    width = engine.store.numel * engine.store.compute_dtype.itemsize
+    pinned = set(engine.device_pins.keys()) if engine.device_pins is not None else set()
+    moved = sum(1 for l, layer in enumerate(engine.layers) for e, n in enumerate(layer.last_counts)
+                if n and (l, e) not in pinned)
+    return max(1, 2 * moved * width), max(1, moved * width)
+
+
 def host_adam_floor(params: int, repeats: int = 3) -> tuple[float, float]:
     """(seconds, params/s) of torch's fused CPU AdamW over `params` parameters: the host Adam floor."""
     p = torch.zeros(params, requires_grad=True)
@@ -253,9 +264,11 @@ def table(args, tokens: int, device: torch.device, progress=lambda result: None)
         if variant.engine is not None:
             n = len(times[name]) * len(batches)
             st = variant.engine.stats
+            up_floor, down_floor = transfer_floors(variant.engine)
             row.update({"h2d_GB": st.h2d_bytes / n / 1e9, "h2d_reupload_GB": st.h2d_reupload_bytes / n / 1e9,
-                        "d2h_GB": st.d2h_bytes / n / 1e9, "h2d_over_floor": st.h2d_bytes / n / weights_bf16,
-                        "d2h_over_floor": st.d2h_bytes / n / weights_bf16,
+                        "d2h_GB": st.d2h_bytes / n / 1e9, "h2d_over_floor": st.h2d_bytes / n / up_floor,
+                        "d2h_over_floor": st.d2h_bytes / n / down_floor,
+                        "pin_move_GB": st.pin_move_bytes / n / 1e9,
                         "host_adam_s": statistics.median(adam[name]) if adam[name] else None})
         return row
 

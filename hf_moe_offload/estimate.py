@@ -216,7 +216,7 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
             parts["staging block"] = staging
         needs = TierNeeds(tier, 0, 0, n_experts * record if disk else 0, parts=parts)
         if cuda:
-            needs.h2d_bytes_per_step = int(stream.uploads(w.gradient_checkpointing) * upload)
+            needs.h2d_bytes_per_step = int(stream.uploads(w.gradient_checkpointing, w.frozen_experts) * upload)
             needs.d2h_bytes_per_step = (n_experts - stream.device_pins) * p * item if not w.frozen_experts else 0
         if disk:
             if w.frozen_experts:
@@ -301,11 +301,13 @@ class _Stream:
                                     p, w.dtype, budget, k)
         return cls(layer_experts, layers, k, pins, slab_nbytes(k, p, w.dtype))
 
-    def uploads(self, checkpointing: bool) -> float:
+    def uploads(self, checkpointing: bool, frozen: bool = False) -> float:
         """Experts uploaded per step, every expert routed: the forward's, the checkpoint's recompute's, and the
         backward's but those the slab's two blocks still hold where the backward starts (the forward's last two
         chunks; with checkpointing, each layer's backward follows that layer's recompute, whose last two chunks it
-        reuses: ES-MoE §4.1's reverse order)."""
+        reuses: ES-MoE §4.1's reverse order, and where a chunk is a whole layer the recompute of the last two layers
+        finds them from the forward). Frozen experts keep their versions from step to step, so the next forward
+        finds the two chunks the backward ended on (layer 0's first two) as well."""
         per_layer = self.layer_experts - self.device_pins / self.layers  # the pins are spread over the layers
         total = per_layer * self.layers
         if not self.chunk:
@@ -313,10 +315,12 @@ class _Stream:
         k = self.chunk
         rest = per_layer % k if per_layer > k else 0
         last_two = min(per_layer, k + (rest or k))  # a layer's last two chunks
-        if checkpointing:
-            return 2 * total + (total - self.layers * last_two)
         held = last_two if per_layer > k else min(total, 2 * per_layer)  # a chunk is a layer at most
-        return 2 * total - held
+        first_two = min(per_layer, 2 * k) if per_layer > k else held
+        next_forward = first_two if frozen else 0
+        if checkpointing:  # the recompute runs a layer's chunks in forward order: it finds only whole layers
+            return 2 * total + (total - self.layers * last_two) - (0 if per_layer > k else held) - next_forward
+        return 2 * total - held - next_forward
 
 
 def _largest_batch(config, model, w: Workload, item: int, layers: int, n_experts: int, keeps_graphs: bool,

@@ -112,6 +112,8 @@ def test_gpu_train_qwen3_harness_on_the_simulated_device(tmp_path):
     assert all(rows[name]["measure_predicted_step_s"] > 0 for name in ("resident", "host", "host-pin"))
     for name in ("host", "host-pin", "host-fp32"):
         assert rows[name]["h2d_GB"] > 0 and rows[name]["d2h_GB"] > 0
+        # at most 1.3x what a step cannot avoid moving (the floor from the last step's routing and pins)
+        assert rows[name]["h2d_over_floor"] <= 1.3 and rows[name]["d2h_over_floor"] <= 1.3, rows[name]
     assert os.path.exists(tmp_path / "q.json")
 
 

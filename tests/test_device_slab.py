@@ -110,6 +110,55 @@ def test_bytes_moved_are_the_routed_experts_once(autocast, compute_dtype, stream
         engine.store.release((0, 0))
 
 
+@pytest.mark.parametrize("pin_fraction,chunk,checkpointing", [
+    (0.0, None, False), (0.25, None, True), (0.0, 3, False), (0.0, 3, True)])
+def test_uploads_per_training_step_are_at_their_floor(pin_fraction, chunk, checkpointing):
+    """Bytes uploaded per training step (bf16 copies, 3 layers x 8 experts, all routed, the second step: pins up)
+    against what each pass needs. F = the routed experts not pinned on the device, all layers. The forward uploads
+    F; a backward (or checkpointing's recompute) uploads them again except what a slab block still holds from the
+    pass before: the last two chunks (two whole layers, where a chunk is a layer). With checkpointing the backward
+    of each layer finds its recompute's last two chunks. The floor the engine is held to, each routed expert once per
+    pass that computes it (2F; 3F with the recompute), is then met within 1.3x (here below it)."""
+    layers, experts = 3, 8
+    with use_runtime(SimulatedRuntime(seed=3, max_delay=0.0)):
+        model = _qwen3(experts, layers=layers)
+        bench("slab_dispatch").round_robin_routing(model, experts)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        config = OffloadConfig(mode="host", pin_fraction=pin_fraction, compute_dtype=torch.bfloat16,
+                               **({} if chunk is None else {"stage_experts": chunk}))
+        engine = enable_expert_offload(model, config)
+        model.train()
+        opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), ExpertOptimizer(engine, lr=1e-3))
+        x = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(4))
+        for _ in range(2):
+            engine.stats.reset()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x, labels=x).loss
+            pinned = [sum(1 for key in (engine.device_pins.keys() if engine.device_pins else ()) if key[0] == layer)
+                      for layer in range(layers)]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            engine.step_barrier()
+        assert _routed(model, engine) == [experts] * layers
+        assert sum(pinned) == (layers * 2 if pin_fraction else 0)
+        u = [experts - p for p in pinned]  # uploaded per layer and pass
+        k = chunk or experts
+        tail = k + (experts % k or k) if k < experts else None  # rows in a layer's last two chunks
+        held = u[-1] + u[-2] if tail is None else tail  # what the turnaround finds in the slab's two blocks
+        if not checkpointing:
+            expected = 2 * sum(u) - held
+        elif tail is None:  # the recompute finds the last two layers; each backward its recompute's layer
+            expected = 2 * sum(u) - held
+        else:  # the recompute runs its chunks in forward order: each backward finds that layer's last two
+            expected = 3 * sum(u) - layers * tail
+        width = 2 * engine.store.numel
+        assert engine.stats.h2d_bytes == expected * width, (engine.stats.h2d_bytes / width, expected)
+        floor = (3 if checkpointing else 2) * sum(u) * width
+        assert engine.stats.h2d_bytes <= 1.3 * floor
+
+
 def test_compute_copies_default_to_the_autocast_dtype_on_both_tiers(tmp_path):
     """The switch at the first forward on a device under autocast (`ExpertStore.use_compute_dtype`): host and disk
     tier records get bf16 copies equal to their fp32 weights cast (what autocast computes with), the disk tier's

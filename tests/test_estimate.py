@@ -7,6 +7,8 @@ device. Agreement asked: within 10% (every expert gets tokens: 2 x 64 tokens, to
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import pytest
@@ -53,10 +55,13 @@ def _offloaded(model, method: str, tier: str, storage: str, tmp_path, cache: int
 
 
 def _run(config, method: str, tier: str, storage: str, tmp_path, cache: int | None = None, steps: int = 2,
-         pin_fraction: float = 0.0):
+         pin_fraction: float = 0.0, checkpointing: bool = False):
     """Train `steps` steps (the last one measured) -> (engine, its stats' deltas over the last step)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()
     engine, model, opt = _offloaded(model, method, tier, storage, tmp_path, cache, pin_fraction,
                                     LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     g = torch.Generator().manual_seed(1)
@@ -134,14 +139,19 @@ def test_the_host_store_agrees_with_the_estimate(method, storage, tmp_path):
     _within(sum(storages.values()), est.tiers["host"].parts["expert store"])
 
 
-@pytest.mark.parametrize("method,storage", [("lora", "nf4"), ("lora", "auto"), ("full", "auto")])
-def test_the_uploads_per_step_agree_with_the_estimate(method, storage, tmp_path):
+@pytest.mark.parametrize("method,storage,checkpointing", [
+    ("lora", "nf4", False), ("lora", "auto", False), ("full", "auto", False), ("full", "auto", True)])
+def test_the_uploads_per_step_agree_with_the_estimate(method, storage, checkpointing, tmp_path):
     """On a device (simulated): every expert up for the forward and again for the backward (quantized: its bytes),
-    but the forward's last two chunks, which the slab still holds."""
+    but the forward's last two chunks, which the slab still holds; with checkpointing, up again for the recompute,
+    which finds the last two layers in the slab, and the backward finds each layer's from its recompute. Three
+    layers: with two, frozen experts' next forward would find both in the slab (nothing uploaded)."""
     config = _config()
-    est = estimate(config, _workload(method, storage, device="cuda"), device_budget=1 << 40, host_budget=1 << 40)
+    config.num_hidden_layers = 3
+    workload = dataclasses.replace(_workload(method, storage, device="cuda"), gradient_checkpointing=checkpointing)
+    est = estimate(config, workload, device_budget=1 << 40, host_budget=1 << 40)
     with use_runtime(SimulatedRuntime(seed=2, max_delay=0.0005)):
-        engine, step = _run(config, method, "host", storage, tmp_path)
+        engine, step = _run(config, method, "host", storage, tmp_path, checkpointing=checkpointing)
     _within(step["h2d_bytes"], est.tiers["host"].h2d_bytes_per_step)
 
 
@@ -235,8 +245,10 @@ def test_bytes_per_step_agree_with_a_simulated_device_run(method, tier, dtype, s
                                                            pin_fraction, cache, tmp_path):
     """Uploads (the forward's, the checkpoint recompute's, the backward's but what the slab still holds), the
     trained experts' gradients down, and the disk tier's reads of frozen experts: within 5% of a simulated-device
-    run of the same shape, measured at the third step (the pins are placed)."""
+    run of the same shape, measured at the third step (the pins are placed). Three layers: frozen experts' forward
+    finds the two the backward ended on in the slab."""
     config = _config()
+    config.num_hidden_layers = 3
     w = Workload(method=method, expert_storage=storage, dtype=dtype, batch_size=BATCH, seq_len=SEQ, lora_r=8,
                  host_cache_experts=cache, device="cuda", pin_fraction=pin_fraction,
                  gradient_checkpointing=checkpointing)
@@ -292,6 +304,7 @@ def test_the_step_time_is_the_largest_floor_and_says_which_binds():
     from hf_moe_offload.time_model import GPUS, resolve_rates
 
     config = _config()
+    config.num_hidden_layers = 3  # with two, frozen experts stay in the slab's two blocks: no link time
     rates = resolve_rates("h100", host_adam_gps=1.0)
     assert rates.gpu_tflops == GPUS["h100"].bf16_tflops and rates.host_adam_source == "given"
     for method, micro in (("full", 1), ("full", 4), ("lora-experts", 1)):

@@ -191,8 +191,8 @@ class ChunkSources:
 
     def _slab_chunks(self, layer: int, chunks: list[list[Segment]], phase: Phase) -> Iterator:
         """The slab's pipeline (offload/slab.py): each chunk's weights in a device block, the next chunk's upload
-        enqueued before this one is yielded (double buffering); a backward's chunk a block still holds from the
-        forward is not uploaded again."""
+        enqueued before this one is yielded (double buffering); a chunk a block still holds at the same versions (a
+        backward's from its forward) is not uploaded again."""
         engine = self.engine
         keep = phase == Phase.BACKWARD
         slab, store, pins = engine.slab, engine.store, engine.device_pins
@@ -236,7 +236,7 @@ class ChunkSources:
     def _upload_chunk(self, layer: int, chunk: list[Segment], after: list[list[Segment]], rows_wanted,
                       backward: bool) -> tuple:
         """Acquire a chunk's records (once their updates are done), start reading the next chunk's (`after`), and
-        enqueue its upload into the next slab block, unless a backward finds it still in a block ->
+        enqueue its upload into the next slab block, unless a block still holds it ->
         (chunk, keys, records, weights, ready, block index)."""
         engine = self.engine
         store, slab, pins = engine.store, engine.slab, engine.device_pins
@@ -256,8 +256,9 @@ class ChunkSources:
                 self.prefetch(ahead[: engine.depth + 1], rows_wanted, False)
             held = [(key, pins.version(key) if record is None else record.version)
                     for key, record in zip(keys, records)]
-            # A backward may find the chunk still in a block (the forward's last chunks): no upload.
-            reused = slab.reuse(held) if backward else None
+            # A pass may find the chunk still in a block: no upload. A backward finds the forward's last chunks there,
+            # and under activation checkpointing the recompute of the last layer finds the forward's.
+            reused = slab.reuse(held)
             if reused is None:
                 sources = []
                 for (key, version), record in zip(held, records):

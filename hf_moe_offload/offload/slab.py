@@ -56,8 +56,9 @@ class DeviceSlab:
 
     `upload(sources)` fills the next block (after the compute stream is done with what it held: `done`) and returns
     (weights, ready, index); compute waits for `ready` (`wait`) before reading the weights and calls `done(index)`
-    after its last use. A block remembers which experts at which versions it holds (`holding`), so that a backward
-    finding them still there skips their upload.
+    after its last use. A block remembers which experts at which versions it holds (`holding`), so that a pass
+    finding them still there (a backward after its forward; the recompute of activation checkpointing after the
+    forward) skips their upload.
     """
 
     def __init__(self, runtime: DeviceRuntime, numel: int, dtype: torch.dtype, experts: int, stats: OffloadStats):
