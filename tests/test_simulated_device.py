@@ -93,6 +93,33 @@ def test_a_read_through_a_temporary_view_is_remembered():
     rt.access(block[0], write=True, stream=HOST)
 
 
+def test_memory_a_live_tensor_moved_off_is_judged_afresh():
+    """`track_views` follows a view's base; a base moved to other memory (`set_`) leaves its old bytes to whatever the
+    allocator hands them to next, and that tensor's accesses are not judged by the moved base's past writes. (Skips
+    where the allocator does not hand the same address back within 64 tries.)"""
+    rt = SimulatedRuntime(seed=0, max_delay=0.05, track_views=True)
+    side = rt.new_stream()
+    n = 1 << 24  # 64 MiB: past glibc's largest mmap threshold, so freed at once and its address handed back
+    base = torch.zeros(n)
+    view = base[: n // 2]
+    rt.access(view, write=True, stream=side)  # a write not yet ordered before the host
+    old = base.untyped_storage().data_ptr()
+    base.set_(torch.zeros(n).untyped_storage())  # the base is alive, over other memory
+    del view  # the last holder of the old memory
+    held = []
+    for _ in range(64):
+        fresh = torch.empty(n)
+        if fresh.untyped_storage().data_ptr() == old:
+            break
+        held.append(fresh)
+    else:
+        pytest.skip("the allocator did not hand the freed address back")
+    rt.access(fresh[:4], write=True, stream=HOST)  # new memory as far as anyone can tell: no conflict
+    rt.access(base[:4], write=True, stream=side)  # the moved base is still checked, over its new memory
+    with pytest.raises(HappensBeforeError, match="not ordered after its write on"):
+        rt.access(base[:4], stream=HOST)
+
+
 def test_freeing_a_persistent_buffer_needs_its_other_streams_uses_done():
     """A persistent buffer's owner declares its end (`free`): compute's read of it must be ordered before the host
     by then (the allocator may hand the memory to the copy stream's next allocation at once)."""

@@ -100,6 +100,13 @@ class _Buffer:
         self.reads: dict[str, int] = {}
         self.where = _declared_at()  # named in a conflict's message: which code declared this buffer
 
+    def holds(self, key: int) -> bool:
+        """Whether the memory at `key` is still the memory this record describes: the tensor it follows is alive and
+        still over that memory (`set_` or a storage resize can move a live tensor off it, and the freed bytes may be
+        handed to a new tensor, whose accesses must not be judged by this record's)."""
+        t = self.ref()
+        return t is not None and t.untyped_storage().data_ptr() == key
+
 
 class SimulatedRuntime(DeviceRuntime):
     """See the module docstring. `seed` fixes the delays; `delay_fn(stream_name, op_name) -> seconds` adds more;
@@ -299,7 +306,7 @@ class SimulatedRuntime(DeviceRuntime):
         record's row and the whole record, two records of one block: only bytes shared are a conflict)."""
         key = t.untyped_storage().data_ptr()
         span = _span(t)
-        alive = [b for b in self._buffers.get(key, ()) if b.ref() is not None]  # freed memory's address is reused
+        alive = [b for b in self._buffers.get(key, ()) if b.holds(key)]  # freed memory's address is reused
         own = next((b for b in alive if b.span == span), None)
         if own is None:
             own = _Buffer(t, f"tensor{tuple(t.shape)}", None, True, self.track_views)
