@@ -6,7 +6,7 @@ read and uploaded per token.
     python benchmarks/generate.py            # CPU: Qwen3-MoE, 4 layers, 16 experts/layer, d=256; cache 8 of 64 experts
     python benchmarks/generate.py --quick    # fewer tokens and rounds
     python benchmarks/generate.py --device cuda --layers 16 --experts 64 --hidden 1024 --inter 512 --top-k 8 \
-        --dtype bf16 --batch 1,8 --cache 256   # a GPU (issue 37): ours host / disk (a quarter of the experts in the
+        --dtype bf16 --batch 1,8 --cache 256   # a GPU: ours host / disk (a quarter of the experts in the
                                                # host cache) with a device cache of 0, 1/4, 1/2 of the experts,
                                                # accelerate's CPU and disk offload, the resident model
     python benchmarks/generate.py --model-path outputs/moe-gpt-small --cache 4   # the main job's trained model

@@ -126,7 +126,7 @@ def table(hidden: int, inter: int, experts: int, batch: int, seq: int, steps: in
 def main() -> None:
     if "--family" in sys.argv:
         family = sys.argv[sys.argv.index("--family") + 1]
-        if family == "qwen3_moe":  # issue 35: the Qwen3-MoE shape against DeepSpeed ZeRO-Offload
+        if family == "qwen3_moe":  # the Qwen3-MoE shape against DeepSpeed ZeRO-Offload
             from gpu_train_qwen3 import main as qwen3_main
 
             rest = sys.argv[1:]

@@ -1,5 +1,5 @@
 """Offloaded training of a Qwen3-MoE-shaped model on one GPU against the peer a user would pick, DeepSpeed
-ZeRO-Offload, in one invocation (issue 35). Run through `benchmarks/gpu_offload.py --family qwen3_moe` or directly:
+ZeRO-Offload, in one invocation. Run through `benchmarks/gpu_offload.py --family qwen3_moe` or directly:
 
     python benchmarks/gpu_train_qwen3.py                         # 16 layers x 64 experts, top-8, d=1024, ffn 512
     python benchmarks/gpu_train_qwen3.py --tokens 8192,16384     # more tokens per step

@@ -1,4 +1,4 @@
-"""LoRA on every expert matrix (peft `target_parameters`): experts resident against experts streamed (issue 38).
+"""LoRA on every expert matrix (peft `target_parameters`): experts resident against experts streamed.
 
 python benchmarks/lora_experts.py [--layers 4 --experts 32 --hidden 256 --expert-ffn 512 --steps 6 --rounds 2
                                    --dtype bf16]
@@ -7,7 +7,7 @@ A Qwen3-MoE of the given shape (random weights, in `--dtype`) is saved once; eac
 (peak RSS is per process): `resident` (peft's own path: the parametrization forms W + BA for the whole layer in each
 forward), `host` and `disk` (frozen experts offloaded to a weights-only store in the model's dtype, the disk tier
 with a quarter of the experts cached; the low-rank term added in the streamed pass), and the quantized stores
-`host-nf4`, `disk-int8`, `disk-nf4` (bitsandbytes' formats, dequantized per chunk; issue 38 item 2). LoRA r=16 on
+`host-nf4`, `disk-int8`, `disk-nf4` (bitsandbytes' formats, dequantized per chunk). LoRA r=16 on
 every expert matrix and on q/k/v/o, AdamW lr 1e-3, batch 4 x 128 tokens. Reported: peak RSS over the process's
 baseline after imports, the store's bytes, the median step time (the first step left out) and its ratio to the
 resident run's in the same round, the bytes read from the store per step. Variants alternate round by round; a ratio

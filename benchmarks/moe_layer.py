@@ -60,7 +60,7 @@ def ours(E: int) -> torch.nn.Module:
 
 
 def ours_loop(E: int):
-    """Ours with the per-expert loop (experts one after another), as before the grouped GEMM (issue 14, item 4)."""
+    """Ours with the per-expert loop (experts one after another), as before the grouped GEMM."""
     block, run = ours(E)
 
     def looped(x):

@@ -64,7 +64,7 @@ def train_steps(model, opt, batches) -> tuple[float, float, int, float]:
 
 
 def minimum_bytes(engine, cache_experts: int) -> tuple[float, float]:
-    """The fewest bytes a disk tier with this cache must read and write per step (issue 14). AdamW steps every expert
+    """The fewest bytes a disk tier with this cache must read and write per step. AdamW steps every expert
     each step (one without tokens has a zero gradient, as in the plain model: weight decay and moment decay), so of
     the K experts at most C = `cache_experts` stay in host memory and the other K - C have their Adam moments read
     and their weights and moments written once. Their weights are read twice if they had tokens (forward, and again
@@ -166,7 +166,7 @@ def step_time_table(expert_counts, steps: int, batch: int, seq: int, rounds: int
 
 def checksum_table(expert_counts, steps: int, batch: int, seq: int, rounds: int = 3) -> list[dict]:
     """The disk tier's cost of checking every row it reads and writes: the same batches with the shipped checksum
-    (XXH3-64), with zlib's CRC32 (the checksum before issue 14) and with none (a constant: nothing is checked),
+    (XXH3-64), with zlib's CRC32 (the checksum before XXH3) and with none (a constant: nothing is checked),
     interleaved round after round in this invocation; median round, ratios against no checksum. Swapping the hash
     function is a benchmark-only patch of the store module."""
     import zlib
@@ -202,7 +202,7 @@ def checksum_table(expert_counts, steps: int, batch: int, seq: int, rounds: int 
 
 
 def compute_path_table(experts: int, steps: int, batch: int, seq: int, rounds: int = 4) -> list[dict]:
-    """What the experts' compute path costs on the CPU, apart from the I/O (issue 14): the host tier with its experts
+    """What the experts' compute path costs on the CPU, apart from the I/O: the host tier with its experts
     on every thread (`compute_threads=2`) and on one (the default on 2 cores), and the disk tier one expert at a time
     (`stage_experts=1`) and in staged chunks (the default with every expert cached; forced with a quarter cached,
     where the default is one at a time), each with every expert cached (no I/O) and with a quarter cached; all on the same batches, interleaved round after round; median round against resident."""

@@ -1,4 +1,4 @@
-"""LoRA on every expert of a model of Qwen3-30B-A3B's shape, its experts in 4 bits on the disk tier (issue 38).
+"""LoRA on every expert of a model of Qwen3-30B-A3B's shape, its experts in 4 bits on the disk tier.
 
 python benchmarks/real_shape_lora.py [--storage nf4 --lora-r 8 --seq-len 128 --steps 3 --cache-experts 256
                                       --offload-dir /tmp/real-shape-experts] [--layers 48]

@@ -1,4 +1,4 @@
-"""Reliability runs of the main job (issue 11): repeated long default-path runs, and SIGKILLs during checkpoint saves.
+"""Reliability runs of the main job: repeated long default-path runs, and SIGKILLs during checkpoint saves.
 
     python benchmarks/reliability.py --repeat 3          # the issue's 300-step disk-tier command, 3 times in a row
     python benchmarks/reliability.py --kills 10          # kill -9 during checkpoint saves, then --resume

@@ -1,7 +1,7 @@
-"""What a training step launches on an asynchronous device, expert by expert vs through the slab (issue 35), counted on
+"""What a training step launches on an asynchronous device, expert by expert vs through the slab, counted on
 the CPU with the simulated device: aten ops dispatched on the compute thread (each a kernel launch or a view on a
 GPU), GEMMs among them, and copies enqueued on the side streams (uploads and gradient downloads). Timings on the
-simulated device mean nothing; these counts are what the GPU profile of issue 35 measured per layer (470 mm, ~2,000
+simulated device mean nothing; these counts are what the GPU profile (RESULTS.md, H200, 2026-11-25) measured per layer (470 mm, ~2,000
 launches per MoE layer at 64 experts, top-8).
 
     python benchmarks/slab_dispatch.py            # Qwen3-MoE d=64, 2 layers, 8 / 32 / 128 experts, every expert routed

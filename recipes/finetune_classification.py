@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
     jobs.tune_host_memory(args)
-    # Defaults per method, tuned on the offline tweets with the main job's model (RESULTS.md, issue 16).
+    # Defaults per method, tuned on the offline tweets with the main job's model (benchmarks/RESULTS.md).
     experts_lora = args.method == "lora" and "experts" in args.lora_targets
     if args.lr is None:
         args.lr = (1e-3 if experts_lora else 3e-3) if args.method == "lora" else 3e-4
