@@ -56,7 +56,7 @@ class OffloadTrainer(Trainer):
         if args.fp16:
             raise ValueError("the dense optimizer on the host (OffloadConfig.dense_optimizer_on_host) does not take "
                              "fp16 loss scaling: train in bf16 or fp32")
-        if "adamw" not in str(args.optim):
+        if "adamw" not in getattr(args.optim, "value", str(args.optim)):
             raise ValueError(f"the dense optimizer on the host is AdamW; the Trainer asks for optim={args.optim}")
         decay = set(self.get_decay_parameter_names(opt_model))
         named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]

@@ -243,3 +243,43 @@ def test_auto_choice_and_device_bytes():
     assert not dense_on_host(None, n, torch.bfloat16, budget=n, asynchronous=False)
     assert dense_on_host(True, n, torch.bfloat16, budget=None, asynchronous=False)
     assert not dense_on_host(False, n, torch.bfloat16, budget=n, asynchronous=True)
+
+
+@pytest.mark.slow
+def test_trainer_steps_the_dense_weights_on_the_host_and_resumes(tmp_path):
+    """`OffloadTrainer` with `dense_optimizer_on_host=True` and the expert callback (accumulation, global clipping)
+    gives the weights of the same run with the Trainer's own fused AdamW on the device, bit for bit (one global norm,
+    the same per-tensor arithmetic); resumed from its checkpoint in a new model, it ends on the same weights too."""
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from hf_moe_offload import ExpertOptimizerCallback, OffloadTrainer, get_offload_engine
+
+    ids = torch.randint(0, 101, (12, 9), generator=torch.Generator().manual_seed(13))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+
+    def run(out, on_host: bool, resume=None):
+        model = small_model(seed=14)
+        enable_expert_offload(model, OffloadConfig(mode="host", dense_optimizer_on_host=on_host))
+        args = TrainingArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, learning_rate=LR, weight_decay=WD, max_grad_norm=0.05,
+                                 save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, seed=0,
+                                 disable_tqdm=True, optim="adamw_torch_fused")
+        trainer = OffloadTrainer(model=model, args=args, train_dataset=data, callbacks=[ExpertOptimizerCallback()])
+        trainer.train(resume_from_checkpoint=resume)
+        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        assert isinstance(inner, HostDenseAdamW) is on_host
+        if on_host:
+            inner.synchronize()
+        engine = get_offload_engine(model)
+        engine.synchronize()
+        experts = {k: engine.store.read_param(k) for k in engine.store.keys()}
+        return dict(model.named_parameters()), experts
+
+    plain, plain_experts = run(tmp_path / "plain", False)
+    ours, our_experts = run(tmp_path / "ours", True)
+    resumed, resumed_experts = run(tmp_path / "ours", True, resume=str(tmp_path / "ours" / "checkpoint-2"))
+    for name, p in plain.items():
+        assert torch.equal(ours[name], p), name
+        assert torch.equal(resumed[name], p), name
+    assert all(torch.equal(our_experts[k], v) and torch.equal(resumed_experts[k], v) for k, v in plain_experts.items())

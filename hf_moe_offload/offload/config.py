@@ -102,8 +102,7 @@ class OffloadConfig:
                 "weights and gradients in the training dtype (bf16 under --precision bf16): 4 bytes a parameter "
                 "instead of 16. None (default): on where the device's memory is bounded and the resident state would "
                 "take more than half of device_budget_bytes (else of the memory free), off otherwise "
-                "(plan.dense_on_host); OffloadTrainer builds the optimizer (optim/dense_host.py)",
-        "flag": "--dense-optimizer-on-host"})
+                "(plan.dense_on_host); OffloadTrainer builds the optimizer (optim/dense_host.py)"})
     # --- inference (generation, evaluation: offload/inference.py) ---
     inference: bool | None = field(default=None, metadata={
         "help": "None (default): a call runs in inference mode under torch.no_grad() or model.eval() (the disk "
