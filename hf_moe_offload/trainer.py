@@ -24,6 +24,7 @@ for TRL: `class MySFTTrainer(OffloadTrainer, SFTTrainer)`). The expert-wise opti
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -31,9 +32,11 @@ from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from .offload.api import get_offload_engine
-from .offload.plan import dense_on_host
+from .offload.plan import dense_on_host_at
 from .optim.dense_host import HostDenseAdamW
 from .runtime import runtime_for
+
+logger = logging.getLogger(__name__)
 from .offload.saving import save_offloaded_pretrained
 from .offload.stand_ins import keep_stand_ins_out_of_ddp
 
@@ -66,6 +69,9 @@ class OffloadTrainer(Trainer):
                                         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                         device_dtype=torch.bfloat16 if args.bf16 else None,
                                         max_grad_norm=args.max_grad_norm or None)
+        numel = sum(p.numel() for g in groups for p in g["params"])
+        logger.info("the dense optimizer on the host: %.1fM parameters' fp32 masters and Adam moments in host memory, "
+                    "%s weights and gradients on the device", numel / 1e6, "bf16" if args.bf16 else "fp32")
         return self.optimizer
 
     def _dense_on_host(self, model) -> bool:
@@ -74,11 +80,9 @@ class OffloadTrainer(Trainer):
         config = getattr(engine, "config", None)
         if config is None:
             return False
-        runtime = runtime_for(self.args.device)
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        budget = config.device_budget_bytes or runtime.free_memory()
-        return dense_on_host(config.dense_optimizer_on_host, numel, torch.bfloat16 if self.args.bf16 else
-                             torch.float32, budget, runtime.asynchronous)
+        return dense_on_host_at(config, runtime_for(self.args.device), numel,
+                                torch.bfloat16 if self.args.bf16 else torch.float32)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
-from hf_moe_offload.offload.plan import dense_device_bytes, dense_on_host
+from hf_moe_offload.offload.plan import dense_device_bytes, dense_on_host, dense_on_host_at
 from hf_moe_offload.optim.adamw_step import clip_coefficient
 from hf_moe_offload.optim.dense_host import HostDenseAdamW
 from hf_moe_offload.runtime import HappensBeforeError, use_runtime
@@ -103,8 +103,9 @@ def test_fp32_weights_equal_torch_adamw(simulated, autocast, clip):
 def test_bf16_device_weights_equal_mixed_precision_adamw(simulated, autocast):
     """bf16 weights and gradients on the device, fp32 masters on the host: the mixed-precision recipe with
     `torch.optim.AdamW(fused=True)` over fp32 masters (gradients widened, weights rounded back to bf16) gives the same
-    masters to the fused kernel's last-bit rounding (optim/fused_adam.py: at most one ulp of fp32 per element and
-    step), and bf16 weights equal but where that last bit crosses a bf16 rounding boundary."""
+    masters to the one-pass kernel's last-bit rounding (optim/fused_adam.py; measured: 1.5e-8 at most after 3 steps)
+    and the same bf16 weights but where that last bit crosses a bf16 rounding boundary (measured: 0.011% of a
+    tensor at most)."""
     base = small_model(seed=3)
     masters = [p.detach().clone().requires_grad_() for p in base.parameters()]
     reference = copy.deepcopy(base).to(torch.bfloat16)
@@ -135,9 +136,11 @@ def test_bf16_device_weights_equal_mixed_precision_adamw(simulated, autocast):
         state = opt.state_dict()["state"]
         for i, (m, p, q) in enumerate(zip(masters, model.parameters(), reference.parameters())):
             ours = state[i]["master"]
-            # One fp32 ulp of the weight per step, and what Adam makes of it (numerics.py's bound is for runs that
-            # round differently from the first step on; here they may differ in a last bit only).
-            torch.testing.assert_close(ours, m.detach(), atol=STEPS * LR * 1e-3, rtol=0)
+            # A few fp32 ulps of the largest weight per step: the kernels' last bits, and the gradients of the
+            # rare bf16 weights that rounded the other way (numerics.py's drift bound is for runs whose GEMMs round
+            # differently from the first step on; these share every kernel but the step).
+            ulp = torch.finfo(torch.float32).eps * max(1.0, m.detach().abs().max().item())
+            torch.testing.assert_close(ours, m.detach(), atol=8 * STEPS * ulp, rtol=0)
             mismatched = (p.float() != q.float()).float().mean().item()
             assert mismatched <= 0.01, f"parameter {i}: {mismatched:.2%} of the bf16 weights differ"
         opt.close()
@@ -243,6 +246,11 @@ def test_auto_choice_and_device_bytes():
     assert not dense_on_host(None, n, torch.bfloat16, budget=n, asynchronous=False)
     assert dense_on_host(True, n, torch.bfloat16, budget=None, asynchronous=False)
     assert not dense_on_host(False, n, torch.bfloat16, budget=n, asynchronous=True)
+    # What OffloadTrainer asks: the device's memory free, unless device_budget_bytes says otherwise.
+    small_device = SimulatedRuntime(free_memory=24 * n)
+    assert dense_on_host_at(OffloadConfig(mode="host"), small_device, n, torch.bfloat16)
+    assert not dense_on_host_at(OffloadConfig(mode="host", device_budget_bytes=64 * n), small_device, n,
+                                torch.bfloat16)
 
 
 @pytest.mark.slow

@@ -184,6 +184,13 @@ def dense_on_host(setting: bool | None, numel: int, weight_dtype: torch.dtype, b
     return dense_device_bytes(numel, weight_dtype, on_host=False) > budget // 2
 
 
+def dense_on_host_at(config: OffloadConfig, runtime, numel: int, weight_dtype: torch.dtype) -> bool:
+    """`dense_on_host` for the device of `runtime` (hf_moe_offload.runtime), its budget `device_budget_bytes` or the
+    memory free now: the optimizer is built before the first forward binds the engine."""
+    budget = config.device_budget_bytes if config.device_budget_bytes is not None else runtime.free_memory()
+    return dense_on_host(config.dense_optimizer_on_host, numel, weight_dtype, budget, runtime.asynchronous)
+
+
 def device_budget(config: OffloadConfig, free_memory: int | None) -> int | None:
     """Device memory the slab and the device pins may take together: `OffloadConfig.device_budget_bytes`, else a
     quarter of the memory free at bind; None: unbounded (a simulated device without a size)."""

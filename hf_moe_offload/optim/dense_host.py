@@ -87,6 +87,11 @@ class HostDenseAdamW(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
         if device_dtype is not None and device_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"device_dtype must be torch.float32, bfloat16 or float16, got {device_dtype}")
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            # DDP all-reduces a gradient after the hook that would take it here has run.
+            raise ValueError("HostDenseAdamW runs in one process: under several processes (DDP), keep the dense "
+                             "optimizer on the device (OffloadConfig.dense_optimizer_on_host=False)")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.max_grad_norm = max_grad_norm
         self.boundary_fn = boundary_fn or accelerate_sync_gradients
