@@ -133,6 +133,8 @@ def test_bf16_device_weights_equal_mixed_precision_adamw(simulated, autocast):
         run_windows([(reference, close_reference), (model, lambda: (opt.step(), opt.zero_grad()))], autocast, seed=4,
                     boundary=boundary)
         opt.synchronize()
+        # Between steps the device holds the bf16 weights only: every gradient went home and was given back.
+        assert all(p.dtype == torch.bfloat16 and p.grad is None for p in model.parameters())
         state = opt.state_dict()["state"]
         for i, (m, p, q) in enumerate(zip(masters, model.parameters(), reference.parameters())):
             ours = state[i]["master"]

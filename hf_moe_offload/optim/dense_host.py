@@ -82,7 +82,8 @@ class HostDenseAdamW(torch.optim.Optimizer):
                  max_grad_norm: float | None = None, boundary_fn: Callable[[], bool] | None = None,
                  workers: int | None = None, threads: int | None = None):
         if lr < 0 or eps < 0 or not all(0.0 <= b < 1.0 for b in betas) or weight_decay < 0:
-            raise ValueError(f"HostDenseAdamW: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
+            raise ValueError(f"HostDenseAdamW: invalid lr={lr}, betas={betas}, eps={eps} or "
+                             f"weight_decay={weight_decay}")
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
         if device_dtype is not None and device_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -247,6 +248,8 @@ class HostDenseAdamW(torch.optim.Optimizer):
         """Close the window: step what backward did not (deferred: all, clipped), and make the compute stream wait
         for every upload."""
         loss = closure() if closure is not None else None
+        if not self.boundary_fn():
+            return loss  # not the window's last micro-step (e.g. inside accelerate's accumulate): keep accumulating
         late = self._late()
         if late:
             self._take(late)
