@@ -184,6 +184,23 @@ def test_with_offloaded_experts_one_global_norm(simulated, tmp_path):
         dense.close()
 
 
+@RUNTIME
+def test_eager_steps_run_in_backward_once(simulated):
+    """Without clipping each parameter is stepped as its gradient is final, during the window's last backward (its
+    device gradient given back at once); `step()` only waits, and steps nothing twice."""
+    model = small_model(seed=15)
+    with device(simulated, seed=4):
+        opt = HostDenseAdamW(model.parameters(), lr=LR)
+        x = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(16))
+        model(x, labels=x).loss.backward()
+        assert all(p.grad is None for p in model.parameters())
+        opt._finish()  # the backward's jobs, without closing the window
+        assert all(s.step == 1 for s in opt._slots.values())
+        opt.step()
+        assert {s["step"] for s in opt.state_dict()["state"].values()} == {1}
+        opt.close()
+
+
 def test_checkpoint_resumes_bit_exactly(tmp_path):
     """Saved (atomically, `save`) after one window and restored into a new model and optimizer, the next windows give
     the weights and state of the uninterrupted run bit for bit; `state_dict` round-trips through `torch.save` too."""
