@@ -10,10 +10,10 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
+from hf_moe_offload import (ExpertAwareOptimizer, ExpertOptimizer, HostDenseAdamW, OffloadConfig,
+                            enable_expert_offload)
 from hf_moe_offload.offload.plan import dense_device_bytes, dense_on_host, dense_on_host_at
 from hf_moe_offload.optim.adamw_step import clip_coefficient
-from hf_moe_offload.optim.dense_host import HostDenseAdamW
 from hf_moe_offload.runtime import HappensBeforeError, use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
 

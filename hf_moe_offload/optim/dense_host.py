@@ -110,7 +110,6 @@ class HostDenseAdamW(torch.optim.Optimizer):
                 if p in self._slots:
                     raise ValueError("a parameter appears twice in HostDenseAdamW's groups")
                 self._slots[p] = self._new_slot(p, len(self._slots), gi, device_dtype)
-        self._workers, self._threads = workers, threads
         self._queue = self._new_queue(lambda: WORKERS if workers is None else workers,
                                       lambda: optimizer_threads(threads, reserved=DEVICE_THREADS))
         self._jobs: list = []  # the Futures of the window's jobs (list.append: safe from the hooks' threads)
