@@ -38,7 +38,8 @@ from .adapter_export import import_per_expert_adapter
 from .adapter_serving import export_adapter, export_per_expert_adapter
 from .lm_loss import ChunkedLossTrainer, chunked_causal_lm_loss
 from .trainer import OffloadTrainer
-from .optim import ExpertAwareOptimizer, ExpertOptimizer, ExpertOptimizerCallback, latest_complete_checkpoint
+from .optim import (ExpertAwareOptimizer, ExpertOptimizer, ExpertOptimizerCallback, HostDenseAdamW,
+                    latest_complete_checkpoint)
 
 __version__ = "0.1.0"
 
@@ -76,6 +77,7 @@ __all__ = [
     "ExpertOptimizer",
     "ExpertAwareOptimizer",
     "ExpertOptimizerCallback",
+    "HostDenseAdamW",
     "latest_complete_checkpoint",
     "OffloadTrainer",
     "ChunkedLossTrainer",

@@ -96,6 +96,13 @@ class OffloadConfig:
                 "is an even share, at least one). None (default): the cores this process may run on, less those the "
                 "step's other work keeps busy: 2 where a device computes (the thread launching its work and "
                 "autograd's), the experts' compute_threads where the CPU does"})
+    dense_optimizer_on_host: bool | None = field(default=None, metadata={
+        "help": "full fine-tuning: the non-expert parameters' fp32 master weights and Adam moments on the host, "
+                "stepped there during backward beside the experts (ZeRO-Offload's placement); the device keeps their "
+                "weights and gradients in the training dtype (bf16 under --precision bf16): 4 bytes a parameter "
+                "instead of 16. None (default): on where the device's memory is bounded and the resident state would "
+                "take more than half of device_budget_bytes (else of the memory free), off otherwise "
+                "(plan.dense_on_host); OffloadTrainer builds the optimizer (optim/dense_host.py)"})
     # --- inference (generation, evaluation: offload/inference.py) ---
     inference: bool | None = field(default=None, metadata={
         "help": "None (default): a call runs in inference mode under torch.no_grad() or model.eval() (the disk "

@@ -164,6 +164,33 @@ def device_pin_count(pin_fraction: float, layer_experts: list[int], limit: int |
     return max(0, pins_within_budget(pins, numel, dtype, budget, slab_nbytes(slab_experts, numel, dtype)))
 
 
+def dense_device_bytes(numel: int, weight_dtype: torch.dtype, on_host: bool) -> int:
+    """Device bytes of `numel` non-expert parameters' training state. Resident (`torch.optim.AdamW`): fp32 weights,
+    fp32 gradients and two fp32 moments, 16 bytes a parameter. Stepped on the host (optim/dense_host.py): the weights
+    and gradients in `weight_dtype` only (bf16: 4 bytes)."""
+    return numel * 2 * weight_dtype.itemsize if on_host else numel * 16
+
+
+def dense_on_host(setting: bool | None, numel: int, weight_dtype: torch.dtype, budget: int | None,
+                  asynchronous: bool) -> bool:
+    """`OffloadConfig.dense_optimizer_on_host`, decided: `setting` where given; else on where the device computes
+    apart from the host (`asynchronous`) with a bounded `budget` (bytes) and the resident state of `numel` parameters
+    would take more than half of it (the rest is left to activations, the slab and the pins). The estimate calls this
+    with the same figures."""
+    if setting is not None:
+        return setting
+    if not asynchronous or budget is None:
+        return False
+    return dense_device_bytes(numel, weight_dtype, on_host=False) > budget // 2
+
+
+def dense_on_host_at(config: OffloadConfig, runtime, numel: int, weight_dtype: torch.dtype) -> bool:
+    """`dense_on_host` for the device of `runtime` (hf_moe_offload.runtime), its budget `device_budget_bytes` or the
+    memory free now: the optimizer is built before the first forward binds the engine."""
+    budget = config.device_budget_bytes if config.device_budget_bytes is not None else runtime.free_memory()
+    return dense_on_host(config.dense_optimizer_on_host, numel, weight_dtype, budget, runtime.asynchronous)
+
+
 def device_budget(config: OffloadConfig, free_memory: int | None) -> int | None:
     """Device memory the slab and the device pins may take together: `OffloadConfig.device_budget_bytes`, else a
     quarter of the memory free at bind; None: unbounded (a simulated device without a size)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .dense_host import HostDenseAdamW
+
 
 class ExpertAwareOptimizer:
     """Wraps the non-expert optimizer for hand-written (accelerate) loops: `step()` closes the expert window
@@ -22,6 +24,11 @@ class ExpertAwareOptimizer:
         self.expert_optimizer = expert_optimizer
         if expert_optimizer.lr_fn is None:
             expert_optimizer.lr_fn = lambda: self.optimizer.param_groups[0]["lr"]
+        # The dense weights' optimizer on the host (optim/dense_host.py): one thread budget, one global norm.
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+        self.dense = inner if isinstance(inner, HostDenseAdamW) else None
+        if self.dense is not None:
+            self.dense.attach(expert_optimizer)
 
     @property
     def param_groups(self):
@@ -30,7 +37,7 @@ class ExpertAwareOptimizer:
     def step(self, closure=None):
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         overflow = self.expert_optimizer.unscale_(self.optimizer)  # fp16 only
-        self.expert_optimizer.step(non_expert_params=params, expert_overflow=overflow)
+        self.expert_optimizer.step(non_expert_params=params, expert_overflow=overflow, dense=self.dense)
         scaler = self.expert_optimizer.grad_scaler
         if overflow is not None and getattr(self.optimizer, "scaler", None) is None:
             # A plain torch optimizer: the scaler steps it (skipped on overflow) and updates the scale. (accelerate's

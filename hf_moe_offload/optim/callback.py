@@ -48,6 +48,7 @@ from .checkpoints import (
     latest_complete_checkpoint,
     trainer_resume_argument,
 )
+from .dense_host import HostDenseAdamW
 from .expert_optimizer import ExpertOptimizer
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class ExpertOptimizerCallback(TrainerCallback):
         self._engine = None  # the model's offload engine, from `on_train_begin`
         self._max_grad_norm = None
         self._trainer_optimizer = None
+        self._dense: HostDenseAdamW | None = None  # the Trainer's optimizer where it steps on the host
         self._saved_step: int | None = None  # the step whose checkpoint already has the expert state
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
@@ -117,6 +119,9 @@ class ExpertOptimizerCallback(TrainerCallback):
         )
         resume = self._resume_path(args, state)
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper is made anew by every train()
+        self._dense = inner if isinstance(inner, HostDenseAdamW) else None
+        if self._dense is not None:  # the dense weights stepped on the host: one thread budget, one global norm
+            self._dense.attach(self.expert_optimizer)
         last = _TRAINED_WITH.get(engine)
         if resume is None and last is not None and last() is not inner and engine.store.trainable:
             if engine.updates.shared:  # NOTE: ranks share the store; one reset would need a collective
@@ -206,7 +211,7 @@ class ExpertOptimizerCallback(TrainerCallback):
             return
         params = [p for g in self._trainer_optimizer.param_groups for p in g["params"]]
         overflow = self.expert_optimizer.unscale_(self._trainer_optimizer)  # fp16 only; the Trainer then scaler-steps
-        self.expert_optimizer.step(non_expert_params=params, expert_overflow=overflow)
+        self.expert_optimizer.step(non_expert_params=params, expert_overflow=overflow, dense=self._dense)
 
     def on_save(self, args, state, control, **kwargs):
         # Normally written before the Trainer's files (see on_step_end); a save requested after our on_step_end

@@ -254,7 +254,7 @@ class ExpertOptimizer:
         return self._norms.expert_sq_norm()
 
     def step(self, non_expert_params: Iterable[torch.nn.Parameter] | None = None,
-             expert_overflow: bool | None = None) -> float | None:
+             expert_overflow: bool | None = None, dense=None) -> float | None:
         """Close the window: step every expert not stepped yet. Returns the clip coefficient applied (deferred mode).
 
         With `max_grad_norm` and `clip_mode="global"`, pass the non-expert parameters: their gradients are scaled by
@@ -263,7 +263,8 @@ class ExpertOptimizer:
         and the non-expert parameters passed are clipped among themselves here (`clip_grad_norm_` over them).
         With a `grad_scaler`, call `scaler.unscale_(optimizer)` first: non-expert gradients are taken as unscaled,
         expert gradients are unscaled here; `expert_overflow`, when the caller already ran `expert_grads_overflow()`,
-        saves a second pass over the expert gradients.
+        saves a second pass over the expert gradients. `dense`: the `HostDenseAdamW` stepping the non-expert
+        parameters on the host; the global norm includes its gradients and it is handed the coefficient.
         """
         if not self.boundary_fn():
             return None  # not the window's last micro-step (e.g. inside accelerate's accumulate): keep accumulating
@@ -273,6 +274,9 @@ class ExpertOptimizer:
         clip_coef = None
         grad_scale = None
         per_expert = self.max_grad_norm is not None and self.clip_mode == "per_expert"
+        clip_dense = dense is not None and self.max_grad_norm is not None and not per_expert
+        # (first: it takes the gradients a backward left on the device, which `params` then no longer holds)
+        dense_sq = dense.grad_sq_norm() if clip_dense else 0.0
         params = [p for p in (non_expert_params or []) if p.grad is not None]
         if not self.eager:
             if self._scaling:
@@ -287,9 +291,11 @@ class ExpertOptimizer:
                     return None
             if self.max_grad_norm is not None and not per_expert:
                 self.last_grad_norm, clip_coef = global_clip(self.expert_grad_sq_norm(), params, grad_scale,
-                                                             self.max_grad_norm)
+                                                             self.max_grad_norm, dense_sq)
                 for p in params:
                     p.grad.mul_(clip_coef)
+                if clip_dense:
+                    dense.clip_by(clip_coef, self.last_grad_norm)
         self._norms.measured()  # the measuring jobs landed their gradients: wait for them before stepping
         ready = [key for key in self.store.keys()
                  if self.updates.owns(key) and key not in self._clock.stepped and self.store.has_grad[key]]

@@ -35,11 +35,13 @@ def non_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 def global_clip(expert_sq: float, params: list[torch.nn.Parameter], grad_scale: float | None,
-                max_norm: float) -> tuple[float, float]:
+                max_norm: float, other_sq: float = 0.0) -> tuple[float, float]:
     """(total norm, clip coefficient) of `clip_grad_norm_` over the experts (their summed squared norms, `expert_sq`,
-    still carrying the loss scale `grad_scale`) and `params` (unscaled gradients)."""
+    still carrying the loss scale `grad_scale`), `params` (unscaled gradients) and the gradients whose squared norms
+    sum to `other_sq` (those the dense host optimizer took off the device)."""
     scale = 1.0 / grad_scale if grad_scale else 1.0
     sq = expert_sq * scale * scale
+    sq += other_sq
     sq += sum(float(p.grad.double().pow(2).sum()) for p in params)
     total = math.sqrt(sq)
     return total, clip_coefficient(total, max_norm)
