@@ -1,0 +1,116 @@
+"""The experts' LoRA factors kept in the expert store (`OffloadConfig.lora_in_store`), stepped by the ExpertOptimizer.
+
+Against peft's resident LoRA trained with `torch.optim.AdamW` (attention LoRA on both sides stepped by it): the same
+base weights, peft config and seed, 3 steps on fresh random tokens, Qwen3-MoE's tiny model. The streamed side's expert
+factors live in the store (the module shows stand-ins), its attention LoRA stays a device parameter stepped by torch
+AdamW; with `max_grad_norm` the resident side clips with `clip_grad_norm_` over every adapter parameter and the
+streamed side with the expert optimizer's global clip, which counts the stored factors' gradients in the norm.
+Tolerances are tests/lora_cases.py's (derived in tests/test_expert_lora.py's docstring): fp32 logits 1e-5 at the
+first step, bf16 autocast 5e-2; the adapters after the last step within Adam's drift bound, at most 1% (fp32) or 10%
+(bf16) of the elements beyond lr/10. Both orders (LoRA before offload and after), the CPU and the simulated device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+
+import pytest
+import torch
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file
+
+from hf_moe_offload import ExpertOptimizer, OffloadConfig, enable_expert_offload
+from hf_moe_offload.offload.checkpoint import load_expert_state, save_expert_state
+from hf_moe_offload.offload.stand_ins import is_stand_in
+from hf_moe_offload.runtime import use_runtime
+from hf_moe_offload.runtime.simulated import SimulatedRuntime
+
+from lora_cases import LR, VOCAB, WEIGHT_DECAY, lora_model
+from moe_families import tiny_model
+from numerics import assert_within_adam_drift
+
+TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
+ATTENTION = ["q_proj", "v_proj"]
+
+
+def _models(order: str, layers: int):
+    """(resident peft model, streamed peft model with the factors in the store, its engine)."""
+    base = tiny_model("qwen3_moe", num_hidden_layers=layers)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    twin = copy.deepcopy(base)
+    config = OffloadConfig(mode="host", train_experts=False, lora_in_store=True)
+    resident = lora_model(base, TARGETS, ATTENTION)
+    if order == "lora-first":
+        streamed = lora_model(twin, TARGETS, ATTENTION)
+        engine = enable_expert_offload(streamed, config)
+    else:
+        engine = enable_expert_offload(twin, config)
+        streamed = lora_model(twin, TARGETS, ATTENTION)
+    return resident, streamed, engine
+
+
+def _trainers(resident, streamed, engine, clip: float | None):
+    dense = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY)
+             for m in (resident, streamed)]
+    experts = ExpertOptimizer(engine, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=clip)
+    return dense, experts
+
+
+def _step(models, dense, experts, x, autocast: bool, clip: float | None) -> list[torch.Tensor]:
+    """One step of each model on `x` -> their logits; with `clip`, the two global gradient norms agree (the stored
+    factors' gradients counted: the expert tensors' LoRA is most of the adapter)."""
+    logits = []
+    for i, model in enumerate(models):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x, labels=x)
+        out.loss.backward()
+        logits.append(out.logits.detach().float())
+        params = [p for p in model.parameters() if p.requires_grad]
+        if i == 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if clip is not None else None
+        else:
+            experts.step(params)  # the window closes: the factors stepped (clipped with the dense gradients)
+            if clip is not None:
+                assert abs(experts.last_grad_norm - norm) <= (5e-2 if autocast else 1e-5) * norm
+        dense[i].step()
+        dense[i].zero_grad()
+    return logits
+
+
+@pytest.mark.parametrize("device,autocast,order,clip", [
+    ("cpu", False, "lora-after", None),
+    ("cpu", True, "lora-first", 0.5),
+    ("simulated", False, "lora-first", 0.5),
+    ("simulated", True, "lora-after", None),
+], ids=["cpu-fp32-after", "cpu-bf16-first-clipped", "simulated-fp32-first-clipped", "simulated-bf16-after"])
+def test_lora_factors_in_the_store_train_as_resident_lora(device, autocast, order, clip):
+    runtime = SimulatedRuntime(seed=4, max_delay=0.001) if device == "simulated" else None
+    with use_runtime(runtime) if runtime is not None else contextlib.nullcontext():
+        resident, streamed, engine = _models(order, layers=1 if autocast else 2)
+        dense, experts = _trainers(resident, streamed, engine, clip)
+        g = torch.Generator().manual_seed(7)
+        for step in range(3):
+            x = torch.randint(0, VOCAB, (2, 11), generator=g)
+            logits = _step((resident, streamed), dense, experts, x, autocast, clip)
+            if step == 0:
+                torch.testing.assert_close(logits[1], logits[0], atol=5e-2 if autocast else 1e-5, rtol=0)
+                # the factors left the module: stand-ins there, nothing of them in the dense optimizer's state
+                factors = [n for n, p in streamed.named_parameters() if "experts" in n and "lora_" in n]
+                assert factors and all(is_stand_in(p) and not p.requires_grad for n, p in streamed.named_parameters()
+                                       if n in factors)
+                assert all(not is_stand_in(p) for group in dense[1].param_groups for p in group["params"]
+                           if dense[1].state.get(p))
+                if device == "simulated":
+                    assert engine.slab is not None  # the device path: factors sent with their chunk
+        experts.close()
+    assert engine.lora.layers and all(f.steps == 3 for f in engine.lora.layers.values())
+    ours, theirs = get_peft_model_state_dict(streamed), get_peft_model_state_dict(resident)
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].shape == theirs[k].shape and ours[k].dtype == theirs[k].dtype for k in ours)
+    assert_within_adam_drift(streamed, resident, LR, 3, weight_decay=WEIGHT_DECAY,
+                             outliers=0.1 if autocast else 0.01)
+
