@@ -114,3 +114,67 @@ def test_lora_factors_in_the_store_train_as_resident_lora(device, autocast, orde
     assert_within_adam_drift(streamed, resident, LR, 3, weight_decay=WEIGHT_DECAY,
                              outliers=0.1 if autocast else 0.01)
 
+
+
+def _streamed(seed: int):
+    base = tiny_model("qwen3_moe", num_hidden_layers=2)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    engine = enable_expert_offload(base, OffloadConfig(mode="host", train_experts=False, lora_in_store=True))
+    model = lora_model(base, TARGETS, ATTENTION, seed=seed)
+    dense = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY)
+    return model, engine, dense, ExpertOptimizer(engine, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def _train_step(model, dense, experts, x) -> None:
+    model(x, labels=x).loss.backward()
+    experts.step()
+    dense.step()
+    dense.zero_grad()
+
+
+def test_resume_from_the_expert_state_is_bit_exact_and_the_saved_adapter_keeps_peft_s_format(tmp_path):
+    """2 steps, then the adapter (`save_pretrained`), the expert state (`save_expert_state`: the factors' masters,
+    moments and step counts) and the dense optimizer saved; a fresh model with other adapter values loads them
+    (before its first forward: the state waits for the layers' adoption) and its third step equals the first
+    model's bit for bit. The saved adapter has the keys, shapes, dtypes and config of peft's resident adapter, and
+    `export_adapter` writes the same files from both."""
+    from hf_moe_offload import export_adapter
+
+    model, engine, dense, experts = _streamed(seed=1)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, VOCAB, (2, 11), generator=g) for _ in range(3)]
+    for x in batches[:2]:
+        _train_step(model, dense, experts, x)
+    model.save_pretrained(tmp_path / "adapter")
+    at_save = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+    save_expert_state(engine, str(tmp_path / "ckpt"), experts.state_dict(), global_step=2)
+    dense_state = copy.deepcopy(dense.state_dict())
+
+    other, other_engine, other_dense, other_experts = _streamed(seed=5)
+    set_peft_model_state_dict(other, load_file(tmp_path / "adapter" / "adapter_model.safetensors"))
+    other_experts.load_state_dict(load_expert_state(other_engine, str(tmp_path / "ckpt")))
+    other_dense.load_state_dict(dense_state)
+    for m, d, e in ((model, dense, experts), (other, other_dense, other_experts)):
+        _train_step(m, d, e, batches[2])
+    ours, theirs = get_peft_model_state_dict(model), get_peft_model_state_dict(other)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    for layer, factors in engine.lora.layers.items():
+        assert torch.equal(factors.rows, other_engine.lora.layers[layer].rows) and factors.steps == 3
+    set_peft_model_state_dict(other, at_save)  # loading once adopted: into the masters
+    assert all(torch.equal(v, at_save[k]) for k, v in get_peft_model_state_dict(other).items())
+
+    base = tiny_model("qwen3_moe", num_hidden_layers=2)
+    resident = lora_model(base, TARGETS, ATTENTION)
+    resident.save_pretrained(tmp_path / "resident")
+    saved = [load_file(tmp_path / d / "adapter_model.safetensors") for d in ("adapter", "resident")]
+    assert {k: (v.shape, v.dtype) for k, v in saved[0].items()} == {k: (v.shape, v.dtype) for k, v in saved[1].items()}
+    configs = [json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("adapter", "resident")]
+    assert configs[0] == configs[1]
+    assert all(torch.equal(saved[0][k], at_save[k]) for k in saved[0])  # the masters' values, as trained
+    assert any(not torch.equal(saved[0][k], saved[1][k]) for k in saved[0] if "experts" in k)
+    for d in ("adapter", "resident"):
+        export_adapter(str(tmp_path / d), str(tmp_path / f"{d}-vllm"), base_model=base.config)
+    exported = [load_file(tmp_path / f"{d}-vllm" / "adapter_model.safetensors") for d in ("adapter", "resident")]
+    assert {k: v.shape for k, v in exported[0].items()} == {k: v.shape for k, v in exported[1].items()}
+    assert sorted(os.listdir(tmp_path / "adapter-vllm")) == sorted(os.listdir(tmp_path / "resident-vllm"))
