@@ -192,6 +192,14 @@ class LoraStore:
                 factors.rows[GRAD].zero_()
                 factors.has_grad = False
 
+    def reset_optimizer_state(self) -> None:
+        """Moments zero and step counts 0, the factors kept: what a new `torch.optim.AdamW` starts from."""
+        for factors in self.layers.values():
+            factors.rows[[EXP_AVG, EXP_AVG_SQ]] = 0.0
+            factors.steps = 0
+        self._pending = {layer: (torch.cat([rows[:1], torch.zeros_like(rows[1:])]), 0)
+                         for layer, (rows, _) in self._pending.items()}
+
     # --- checkpoints (offload/checkpoint.py) ---
     def state(self) -> dict[int, tuple[torch.Tensor, int]]:
         """layer -> ((3, P) fp32 [param, exp_avg, exp_avg_sq], step count): the layers adopted and those a resume

@@ -118,13 +118,16 @@ class ExpertOptimizerCallback(TrainerCallback):
         resume = self._resume_path(args, state)
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper is made anew by every train()
         last = _TRAINED_WITH.get(engine)
-        if resume is None and last is not None and last() is not inner and engine.store.trainable:
+        if resume is None and last is not None and last() is not inner and (engine.store.trainable
+                                                                              or engine.config.lora_in_store):
             if engine.updates.shared:  # NOTE: ranks share the store; one reset would need a collective
                 logger.warning("ExpertOptimizerCallback: a new Trainer under expert parallelism: the experts' Adam "
                                "state continues from the earlier run (not reset across ranks)")
             else:
                 engine.synchronize()
-                engine.store.reset_optimizer_state()
+                if engine.store.trainable:
+                    engine.store.reset_optimizer_state()
+                engine.lora.reset_optimizer_state()
                 logger.info("ExpertOptimizerCallback: a new Trainer's optimizer: the experts' Adam state starts "
                             "afresh")
         if inner is not None:
