@@ -178,3 +178,25 @@ def test_resume_from_the_expert_state_is_bit_exact_and_the_saved_adapter_keeps_p
     exported = [load_file(tmp_path / f"{d}-vllm" / "adapter_model.safetensors") for d in ("adapter", "resident")]
     assert {k: v.shape for k, v in exported[0].items()} == {k: v.shape for k, v in exported[1].items()}
     assert sorted(os.listdir(tmp_path / "adapter-vllm")) == sorted(os.listdir(tmp_path / "resident-vllm"))
+
+
+def test_a_merged_save_takes_the_factors_from_the_store(tmp_path):
+    """`save_merged_lora` of a model trained with the factors in the store writes the checkpoint peft's own
+    `merge_and_unload` gives from the same adapter on the resident model (fp32: each expert's W + s * B @ A formed
+    once per side, summation order apart: 1e-6)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_moe_offload import save_merged_lora
+
+    model, _, dense, experts = _streamed(seed=1)
+    x = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    _train_step(model, dense, experts, x)
+    adapter = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+    resident = lora_model(tiny_model("qwen3_moe", num_hidden_layers=2), TARGETS, ATTENTION, seed=9)
+    set_peft_model_state_dict(resident, adapter)
+    expected = resident.merge_and_unload().state_dict()
+    save_merged_lora(model, str(tmp_path / "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    assert merged.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(merged[name], value, atol=1e-6, rtol=0, msg=name)

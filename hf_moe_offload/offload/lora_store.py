@@ -245,6 +245,11 @@ class StoredExpertLora(ExpertLora):
     def tensors(self) -> list[torch.Tensor]:
         return []
 
+    def whole(self) -> ExpertLora:
+        """Every expert's terms, fp32 on the host (a merged save forms each expert's W + BA from them)."""
+        experts = self.factors.slots[0].experts
+        return ExpertLora(self.chunk(list(range(experts)), True, experts, leaves=False).terms)
+
     def chunk(self, experts: list[int], grouped: bool, num_experts: int, leaves: bool,
               x: torch.Tensor | None = None) -> "StoredChunkLora":
         index = torch.tensor(experts)
