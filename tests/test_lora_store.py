@@ -7,7 +7,8 @@ AdamW; with `max_grad_norm` the resident side clips with `clip_grad_norm_` over 
 streamed side with the expert optimizer's global clip, which counts the stored factors' gradients in the norm.
 Tolerances are tests/lora_cases.py's (derived in tests/test_expert_lora.py's docstring): fp32 logits 1e-5 at the
 first step, bf16 autocast 5e-2; the adapters after the last step within Adam's drift bound, at most 1% (fp32) or 10%
-(bf16) of the elements beyond lr/10. Both orders (LoRA before offload and after), the CPU and the simulated device.
+(bf16) of the elements beyond lr/10. Both orders (LoRA before offload and after), the CPU (host tier: one chunk of
+every expert; disk tier: expert by expert) and the simulated device (the slab's chunks).
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
 ATTENTION = ["q_proj", "v_proj"]
 
 
-def _models(order: str, layers: int):
-    """(resident peft model, streamed peft model with the factors in the store, its engine)."""
+def _models(order: str, layers: int, tier: str = "host", folder=None):
+    """(resident peft model, streamed peft model with the factors in the store, its engine). The disk tier with a
+    host cache of 3 experts reading 1 ahead streams expert by expert (one expert's factors per chunk)."""
     base = tiny_model("qwen3_moe", num_hidden_layers=layers)
     for p in base.parameters():
         p.requires_grad_(False)
     twin = copy.deepcopy(base)
-    config = OffloadConfig(mode="host", train_experts=False, lora_in_store=True)
+    disk = {"offload_dir": str(folder), "host_cache_experts": 3, "prefetch_depth": 1} if tier == "disk" else {}
+    config = OffloadConfig(mode=tier, train_experts=False, lora_in_store=True, **disk)
     resident = lora_model(base, TARGETS, ATTENTION)
     if order == "lora-first":
         streamed = lora_model(twin, TARGETS, ATTENTION)
@@ -82,15 +85,16 @@ def _step(models, dense, experts, x, autocast: bool, clip: float | None) -> list
 
 
 @pytest.mark.parametrize("device,autocast,order,clip", [
-    ("cpu", False, "lora-after", None),
+    ("cpu-disk", False, "lora-after", None),
     ("cpu", True, "lora-first", 0.5),
     ("simulated", False, "lora-first", 0.5),
     ("simulated", True, "lora-after", None),
-], ids=["cpu-fp32-after", "cpu-bf16-first-clipped", "simulated-fp32-first-clipped", "simulated-bf16-after"])
-def test_lora_factors_in_the_store_train_as_resident_lora(device, autocast, order, clip):
+], ids=["cpu-disk-fp32-after", "cpu-bf16-first-clipped", "simulated-fp32-first-clipped", "simulated-bf16-after"])
+def test_lora_factors_in_the_store_train_as_resident_lora(device, autocast, order, clip, tmp_path):
     runtime = SimulatedRuntime(seed=4, max_delay=0.001) if device == "simulated" else None
     with use_runtime(runtime) if runtime is not None else contextlib.nullcontext():
-        resident, streamed, engine = _models(order, layers=1 if autocast else 2)
+        resident, streamed, engine = _models(order, layers=1 if autocast else 2,
+                                             tier="disk" if device == "cpu-disk" else "host", folder=tmp_path)
         dense, experts = _trainers(resident, streamed, engine, clip)
         g = torch.Generator().manual_seed(7)
         for step in range(3):
@@ -106,6 +110,8 @@ def test_lora_factors_in_the_store_train_as_resident_lora(device, autocast, orde
                            if dense[1].state.get(p))
                 if device == "simulated":
                     assert engine.slab is not None  # the device path: factors sent with their chunk
+        if device == "cpu-disk":
+            assert engine.plan.grouped_source is None  # expert by expert
         experts.close()
     assert engine.lora.layers and all(f.steps == 3 for f in engine.lora.layers.values())
     ours, theirs = get_peft_model_state_dict(streamed), get_peft_model_state_dict(resident)

@@ -229,10 +229,6 @@ class LoraStore:
         factors.rows[GRAD].zero_()
         factors.steps, factors.has_grad = steps, False
 
-    def device_bytes_saved(self) -> int:
-        """What resident training would hold on the device for these factors: fp32 weights, gradients, 2 moments."""
-        return sum(4 * 4 * f.rows.shape[1] for f in self.layers.values())
-
 
 class StoredExpertLora(ExpertLora):
     """The active terms of one layer's call, their factors in the store: no factor is an input of the layer's

@@ -34,8 +34,8 @@ class LoraSteps:
         """Step `layers`' factors that have a gradient: unscaled, each expert's clipped by its own norm to `max_norm`
         (clip_mode="per_expert"), clipped by the window's `clip_coef`, then AdamW; their gradients zeroed."""
         for layer in layers:
-            factors = self.lora.layers[layer]
-            if not factors.has_grad:
+            factors = self.lora.layers.get(layer)
+            if factors is None or not factors.has_grad:  # no factors adopted there, or no gradient since the step
                 continue
             grads = factors.tensors(GRAD)
             if max_norm is not None:
