@@ -3,7 +3,7 @@ moments in host memory, each chunk's factors sent where it computes in the compu
 
 peft's `target_parameters` LoRA gives every adapted (E, ...) expert tensor a lora_A (r*E, in) and a lora_B (out, r*E)
 parameter: per expert a rank-r pair, state of that expert exactly as its own Adam moments are (ES-MoE §4.1 keeps such
-state on the host and steps it there). At a layer's first training forward with the store on, each of its wrappers'
+state on the host and steps it there). At a layer's first forward with the store on, each of its wrappers'
 factors is adopted: copied into the layer's `LayerFactors` rows [param | grad | exp_avg | exp_avg_sq] and the module's
 lora_A / lora_B weights swapped in place for stand-ins (offload/stand_ins.py: shape, dtype and device, no values), so
 that a dense optimizer holding them keeps nothing on the device and gets no gradient to step. `state_dict()` shows the

@@ -20,6 +20,9 @@ experts are stepped in `step()` after backward (still on parallel workers, no lo
 - fp16 loss scaling (`grad_scaler=`): expert gradients are unscaled and checked; an overflow anywhere skips every
   expert step, as `GradScaler.step` skips the non-expert one.
 
+With `OffloadConfig.lora_in_store` the experts' LoRA factors, kept in the store, are stepped here too, with the same
+windows, learning rate, clipping and loss scaling (`lora_steps`).
+
 This module claims the final gradients and closes windows; the rest has a module each: `adamw_step` (the pure step:
 unscale, clip, AdamW), `store_steps` (records landed, stepped and cleared), `step_queue` (the workers and the experts
 waiting for them), `grad_norms` (norms for clipping, inf/nan checks), `window_clock` (windows, their learning rate and
