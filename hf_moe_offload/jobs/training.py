@@ -98,7 +98,9 @@ def training_callbacks(engine, trainable_experts: bool = True) -> tuple[list, Ex
     """(callbacks for the Trainer, the expert-load recorder, the offload-totals recorder)."""
     load, totals = ExpertLoadCallback(), OffloadTotalsCallback()
     callbacks: list = [load, totals]
-    if engine is not None and engine.store is not None and trainable_experts:
+    # The experts' own state, or their LoRA factors kept in the store (OffloadConfig.lora_in_store): both are stepped
+    # by the expert optimizer.
+    if engine is not None and engine.store is not None and (trainable_experts or engine.config.lora_in_store):
         callbacks.append(ExpertOptimizerCallback())
     return callbacks, load, totals
 

@@ -49,15 +49,22 @@ EXPERT_STATE_FORMAT = "hf_moe_offload.expert_state.v1"
 # --- expert optimizer state (Trainer checkpoints) ---
 def save_expert_state(engine, folder: str, optimizer_state: dict | None = None, global_step: int | None = None) -> str:
     """fp32 master weights + Adam moments of every expert (rows [param, exp_avg, exp_avg_sq], one tensor per expert
-    with its CRC32) and step counts, written atomically to `folder/expert_state.safetensors`."""
+    with its CRC32) and step counts, written atomically to `folder/expert_state.safetensors`; the experts' LoRA
+    factors kept in the store (`OffloadConfig.lora_in_store`) likewise, one tensor per MoE layer."""
     engine.synchronize()
     store = engine.store
-    if not store.trainable:
+    lora = engine.lora.state()  # the experts' LoRA factors kept in the store (lora_store.py)
+    if not store.trainable and not lora:
         raise ValueError("frozen experts (train_experts=False) have no optimizer state to save; their weights are "
                          "in the model's own save")
-    specs = [(f"expert.{l}.{e}", torch.float32, (3, store.numel)) for l, e in store.keys()]
+    keys = store.keys() if store.trainable else []
+    specs = [(f"expert.{l}.{e}", torch.float32, (3, store.numel)) for l, e in keys]
+    specs += [(f"lora.{layer}", torch.float32, tuple(rows.shape)) for layer, (rows, _) in sorted(lora.items())]
 
     def chunks(name: str) -> Iterator[torch.Tensor]:
+        if name.startswith("lora."):
+            yield lora[int(name.split(".")[1])][0]
+            return
         _, l, e = name.split(".")
         key = (int(l), int(e))
         record = store.acquire(key, (PARAM, EXP_AVG, EXP_AVG_SQ))
@@ -70,7 +77,8 @@ def save_expert_state(engine, folder: str, optimizer_state: dict | None = None, 
 
     meta = {"format": EXPERT_STATE_FORMAT, "numel": str(store.numel),
             "optimizer": json.dumps(optimizer_state or {}),
-            "steps": json.dumps({f"{k[0]}.{k[1]}": v for k, v in store.steps.items()})}
+            "steps": json.dumps({f"{k[0]}.{k[1]}": store.steps[k] for k in keys}),
+            "lora_steps": json.dumps({str(layer): steps for layer, (_, steps) in lora.items()})}
     if global_step is not None:
         meta["global_step"] = str(global_step)
     os.makedirs(folder, exist_ok=True)
@@ -99,14 +107,24 @@ def load_expert_state(engine, folder: str) -> dict:
     if meta.get("format") != EXPERT_STATE_FORMAT or int(meta.get("numel", -1)) != store.numel:
         raise CheckpointError(f"{path} does not hold expert state of this model (format or expert size differ)")
     names = set(f.keys())
-    missing = [key for key in store.keys() if f"expert.{key[0]}.{key[1]}" not in names]
+    keys = store.keys() if store.trainable else []
+    missing = [key for key in keys if f"expert.{key[0]}.{key[1]}" not in names]
     if missing:
         raise CheckpointError(f"{path} has no state for experts {missing[:4]}{'...' if len(missing) > 4 else ''}; "
                               "was it saved from another model?")
-    for key in store.keys():  # verify every expert first (get checks CRCs): no half-restored store on corruption
+    lora_steps = json.loads(meta.get("lora_steps", "{}"))
+    if engine.lora.layers and not lora_steps:
+        raise CheckpointError(f"{path} holds no LoRA factors, but this model keeps its experts' LoRA factors in the "
+                              "store (OffloadConfig.lora_in_store): was it saved without them?")
+    for key in keys:  # verify every expert first (get checks CRCs): no half-restored store on corruption
         f.get(f"expert.{key[0]}.{key[1]}")
+    lora = {int(layer): (f.get(f"lora.{layer}"), int(steps)) for layer, steps in lora_steps.items()}
     engine.synchronize()  # device-pinned state into the store first: written over below
-    for key in store.keys():
+    try:
+        engine.lora.load(lora)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    for key in keys:
         rows = f.get(f"expert.{key[0]}.{key[1]}")
         record = store.acquire(key)
         try:

@@ -69,6 +69,14 @@ class OffloadConfig:
                 "store is filled and dequantized per chunk where the experts compute (offload/quantized.py); the "
                 "quantized formats need an offloaded tier (host or disk)",
         "choices": EXPERT_STORAGES, "group": "method"})
+    lora_in_store: bool = field(default=False, metadata={
+        "help": "peft's LoRA on offloaded experts: keep each expert's LoRA factors with the expert, fp32 masters, "
+                "gradients and Adam moments in host memory, sent to the device per chunk in the compute dtype and "
+                "stepped by the ExpertOptimizer (which the model then needs; the module's lora_A / lora_B become "
+                "stand-ins, state_dict() still shows them; on the host or disk tier). False (default): they are "
+                "ordinary parameters on the "
+                "device, stepped by the dense optimizer. Attention LoRA stays on the device either way",
+        "group": "method"})
     keep_activations: bool | None = field(default=None, metadata={
         "help": "keep each expert's middle activation for backward instead of recomputing it; the "
                 "weights are not kept but taken from the backward's stream. None (default): keep where the experts "

@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from .disk_store import DiskExpertStore
+from .lora_store import LoraStore
 from .store import ExpertStore, HostExpertStore
 from .telemetry import OffloadStats
 
@@ -37,6 +38,11 @@ def copy_engine(engine, memo: dict, frozen_row_dtype: torch.dtype | None = None)
         raise RuntimeError(
             "this model's experts are in a store shared between processes (hf_moe_offload.distributed), which a copy "
             "cannot duplicate: copy the model before distributing it, or disable_expert_offload(model) first")
+    if engine.lora.layers:
+        raise RuntimeError(
+            "this model's expert LoRA factors are in the expert store (OffloadConfig.lora_in_store), which a copy "
+            "cannot share with peft's modules: copy the model before its first training forward, or save the "
+            "adapter and load it into a copy")
     engine.synchronize()  # the store current: updates in flight done, device-pinned experts home
     cls = type(engine)
     new = cls.__new__(cls)
@@ -48,6 +54,7 @@ def copy_engine(engine, memo: dict, frozen_row_dtype: torch.dtype | None = None)
     new.config = dataclasses.replace(engine.config, train_experts=engine.train_experts and not frozen)
     new.stats, new.mode, new.train_experts = stats, engine.mode, new.config.train_experts
     new.layers = copy.deepcopy(engine.layers, memo)
+    new.lora = LoraStore()
     new._compose(copy.deepcopy(engine.decoding.pregate, memo))
     return new
 

@@ -37,6 +37,7 @@ from .device_pins import DevicePins
 from .gradients import DeviceGradients, HostGradients
 from .inference import PreGate
 from .ledger import UpdateCoordinator, UpdateLedger
+from .lora_store import LoraStore
 from .pinning import PinManager
 from .plan import (GRADS_DOWNLOADED, Machine, OffloadPlan, StoreFacts, clamp_depth, compute_threads, pin_room,
                    resolve_plan)
@@ -68,6 +69,7 @@ class OffloadEngine:
         self.mode = mode
         self.train_experts = config.train_experts  # False (frozen experts, e.g. LoRA): input gradients only
         self.layers = [OffloadedExpertsLayer(self, i, m, layout) for i, (m, layout) in enumerate(layers_modules)]
+        self.lora = LoraStore()  # the experts' LoRA factors, with OffloadConfig.lora_in_store (lora_store.py)
         self._compose(pregate)
 
     def _compose(self, pregate: PreGate | None) -> None:
@@ -93,6 +95,7 @@ class OffloadEngine:
         self.gradients: HostGradients | None = None  # the plan's gradient sink (offload/gradients.py)
         self.coordinator: UpdateCoordinator | None = None  # several processes sharing the store
         self._state_dict_experts = True  # `experts_left_out_of_state_dict`
+        self._warned_lora = False  # LoRA factors in the store with no expert optimizer: said once
         # Inference calls: decode cache, device cache, pre-gating, compute on host (offload/decoding.py)
         self.decoding = DecodePath(self, pregate, cache if cache is not None else len(self.store.keys()))
         self.pins = PinManager(self)  # pinning (ES-MoE §4.3; offload/pinning.py)
@@ -239,6 +242,12 @@ class OffloadEngine:
         if self.train_experts:
             for e in range(self.layers[layer].layout.num_experts):
                 self.store.has_grad[(layer, e)] = True
+        self.lora.release_modules()
+        if layer in self.lora.layers and not self.ledger.has_hooks() and not self._warned_lora:
+            self._warned_lora = True
+            logger.warning("the experts' LoRA factors are in the expert store (OffloadConfig.lora_in_store) but no "
+                           "ExpertOptimizer is attached, so they will not be updated: add ExpertOptimizerCallback() "
+                           "to the Trainer (or an ExpertOptimizer to a hand-written loop)")
         if self.layers[layer].backward_done():  # the layer's gradients are final for this micro-step
             self.ledger.layer_done(layer)
         prev = layer - 1  # ES-MoE: prefetch in the known reverse order, across layers too
@@ -309,6 +318,7 @@ class OffloadEngine:
 
     def zero_grad(self) -> None:
         self.wait_in_flight()
+        self.lora.zero_grad()
         pins = self.device_pins
         for key in self.store.keys():
             if self.coordinator is not None and not self.coordinator.owns_update(key):

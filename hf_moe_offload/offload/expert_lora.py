@@ -70,9 +70,11 @@ class ExpertLora:
         """Every factor: the inputs whose gradients the layer's backward returns."""
         return [t for terms in self.terms.values() for term in terms for t in (term.first, term.second)]
 
-    def chunk(self, experts: list[int], grouped: bool, num_experts: int, leaves: bool) -> "ChunkLora":
+    def chunk(self, experts: list[int], grouped: bool, num_experts: int, leaves: bool,
+              x: torch.Tensor | None = None) -> "ChunkLora":
         """The terms of a chunk's experts: (k, ...) factor blocks of a grouped chunk, one expert's factors otherwise.
-        With `leaves` the blocks are detached leaves for the chunk's graph to be differentiated by (ChunkLora)."""
+        With `leaves` the blocks are detached leaves for the chunk's graph to be differentiated by (ChunkLora). `x`:
+        the chunk's input (where factors kept elsewhere are brought: offload/lora_store.py)."""
         everyone = grouped and experts == list(range(num_experts))
         index = None if not grouped or everyone else torch.tensor(experts, device=self.tensors()[0].device)
 

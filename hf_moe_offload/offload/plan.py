@@ -116,6 +116,7 @@ class OffloadPlan:
     reuse_views: bool  # per-expert weights come from long-lived host buffers: cache their views
     optimizer_workers: int  # ExpertOptimizer's default worker count
     optimizer_threads: int  # the expert optimizer's OpenMP threads, all workers' teams together (host_threads.py)
+    lora_in_store: bool = False  # OffloadConfig.lora_in_store: the experts' LoRA factors with them (lora_store.py)
 
     @property
     def waits_for_device(self) -> bool:
@@ -254,6 +255,10 @@ def resolve_plan(config: OffloadConfig, machine: Machine, store: StoreFacts, lay
     # Compute-on-host pays off where weights cross a link (a GPU); `True` also turns it on for the simulated device
     # (tests). On the inline CPU runtime the host is the device.
     host_compute = machine.runtime == "cuda" if config.compute_on_host is None else config.compute_on_host
+    # The factors' masters are each process's own: ranks sharing a store would step the same experts' factors apart.
+    if config.lora_in_store and shared_store:
+        raise ValueError("OffloadConfig.lora_in_store=True is for one process's store; with a store shared between "
+                         "processes (hf_moe_offload.distributed) leave it False (the factors stay device parameters)")
     return OffloadPlan(
         device=machine.runtime,
         compute_dtype=dtype,
@@ -281,6 +286,7 @@ def resolve_plan(config: OffloadConfig, machine: Machine, store: StoreFacts, lay
         optimizer_workers=0 if store.tier == "disk" and on_host else OPTIMIZER_WORKERS,
         optimizer_threads=optimizer_threads(config.optimizer_threads, reserved=compute_threads(config) if on_host
                                             else DEVICE_THREADS),
+        lora_in_store=config.lora_in_store,
     )
 
 

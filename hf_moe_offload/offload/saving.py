@@ -203,7 +203,11 @@ def save_merged_lora(model: nn.Module, save_directory: str) -> nn.Module:
     terms = {}
     with torch.no_grad():
         for layer, route in zip(path.engine.layers, path.layers):
-            found = active_expert_lora(route.place(), layer.module)
+            if path.engine.config.lora_in_store:  # the factors' masters in the store (lora_store.py)
+                found = path.engine.lora.active(layer.layer, route.place(), layer.module)
+                found = found.whole() if found is not None else None
+            else:
+                found = active_expert_lora(route.place(), layer.module)
             if found is not None:
                 terms[layer.layer] = {name: [term.detached() for term in ts] for name, ts in found.terms.items()}
         for module in model.modules():

@@ -142,9 +142,12 @@ class OffloadedExpertsLayer:
         call (inference or training) and, in inference, counts the routed experts' use (before a read of this call
         could evict one of them), scores this layer's pre-gating guess and starts the reads of the next layer's
         guessed experts (offload/inference.py)."""
-        self._lora = active_expert_lora(outer, self.module) if outer is not None else None
         engine = self.engine
         engine.bind(hidden_states.device)  # before the plan's first reads, which depend on the runtime
+        self._lora = None
+        if outer is not None:  # the factors in the store (offload/lora_store.py) or on the module
+            self._lora = (engine.lora.active(self.layer, outer, self.module) if engine.plan.lora_in_store
+                          else active_expert_lora(outer, self.module))
         decoding = engine.decoding
         evaluating = not self.module.training
         if not decoding.enter_call(self.layer, decoding.inference_for(self.module), evaluating=evaluating):
@@ -258,10 +261,10 @@ class OffloadedExpertsLayer:
                                              else self.layout.views(weights))
         return views
 
-    def _chunk_lora(self, plan: ChunkPlan, chunk: list[Segment], leaves: bool) -> ChunkLora | None:
+    def _chunk_lora(self, plan: ChunkPlan, chunk: list[Segment], leaves: bool, x: torch.Tensor) -> ChunkLora | None:
         if plan.lora is None:
             return None
-        return plan.lora.chunk([e for e, _, _ in chunk], plan.grouped, self.num_experts, leaves)
+        return plan.lora.chunk([e for e, _, _ in chunk], plan.grouped, self.num_experts, leaves, x)
 
     def _compute(self, xs: torch.Tensor, chunk: list[Segment], tensors: list[torch.Tensor], grouped: bool,
                  lora: ChunkLora | None) -> torch.Tensor:
@@ -280,10 +283,10 @@ class OffloadedExpertsLayer:
         activation (T_M) saved as a resident model saves it, the weights not (`_kept_graph`)."""
         grouped = plan.grouped
         if graphs is None:
-            lora = self._chunk_lora(plan, chunk, leaves=False)
+            lora = self._chunk_lora(plan, chunk, leaves=False, x=xs)
             return self._compute(xs, chunk, self._tensors(weights, xs, grouped), grouped, lora)
         leaves = [t.detach().requires_grad_(True) for t in self._tensors(weights, xs, grouped)]
-        lora = self._chunk_lora(plan, chunk, leaves=True)
+        lora = self._chunk_lora(plan, chunk, leaves=True, x=xs)
         graphs.append((*_kept_graph(lambda inputs: self._compute(inputs, chunk, leaves, grouped, lora), xs, leaves,
                                     weights), lora))
         return graphs[-1][2].detach()
@@ -357,7 +360,7 @@ class OffloadedExpertsLayer:
                         graphs[c] = None  # freed once used, as autograd frees a resident model's saved tensors
                     else:
                         leaves = [t.detach().requires_grad_(True) for t in self._tensors(weights, x, plan.grouped)]
-                        lora = self._chunk_lora(plan, chunk, leaves=True)
+                        lora = self._chunk_lora(plan, chunk, leaves=True, x=x)
                         xs = x[lo:hi].detach().requires_grad_(True)
                         with torch.enable_grad(), torch.random.fork_rng(devices=rng_devices(x.device),
                                                                         enabled=bool(rng_states)):

@@ -123,13 +123,16 @@ class ExpertOptimizerCallback(TrainerCallback):
         if self._dense is not None:  # the dense weights stepped on the host: one thread budget, one global norm
             self._dense.attach(self.expert_optimizer)
         last = _TRAINED_WITH.get(engine)
-        if resume is None and last is not None and last() is not inner and engine.store.trainable:
+        if resume is None and last is not None and last() is not inner and (engine.store.trainable
+                                                                              or engine.config.lora_in_store):
             if engine.updates.shared:  # NOTE: ranks share the store; one reset would need a collective
                 logger.warning("ExpertOptimizerCallback: a new Trainer under expert parallelism: the experts' Adam "
                                "state continues from the earlier run (not reset across ranks)")
             else:
                 engine.synchronize()
-                engine.store.reset_optimizer_state()
+                if engine.store.trainable:
+                    engine.store.reset_optimizer_state()
+                engine.lora.reset_optimizer_state()
                 logger.info("ExpertOptimizerCallback: a new Trainer's optimizer: the experts' Adam state starts "
                             "afresh")
         if inner is not None:

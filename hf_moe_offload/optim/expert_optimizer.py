@@ -20,6 +20,9 @@ experts are stepped in `step()` after backward (still on parallel workers, no lo
 - fp16 loss scaling (`grad_scaler=`): expert gradients are unscaled and checked; an overflow anywhere skips every
   expert step, as `GradScaler.step` skips the non-expert one.
 
+With `OffloadConfig.lora_in_store` the experts' LoRA factors, kept in the store, are stepped here too, with the same
+windows, learning rate, clipping and loss scaling (`lora_steps`).
+
 This module claims the final gradients and closes windows; the rest has a module each: `adamw_step` (the pure step:
 unscale, clip, AdamW), `store_steps` (records landed, stepped and cleared), `step_queue` (the workers and the experts
 waiting for them), `grad_norms` (norms for clipping, inf/nan checks), `window_clock` (windows, their learning rate and
@@ -39,6 +42,7 @@ from ..offload.store import ExpertKey, ExpertRecord
 from .adamw_step import AdamWSettings, adamw_update_
 from .aware_optimizer import ExpertAwareOptimizer
 from .grad_norms import GradNorms, global_clip, non_finite, unscale_non_experts_
+from .lora_steps import LoraSteps
 from .step_queue import StepQueue, batch_size
 from .store_steps import Entry, Step, StoreSteps
 from .window_clock import WindowClock, accelerate_sync_gradients
@@ -78,10 +82,10 @@ class ExpertOptimizer:
         if engine.store is None:
             raise ValueError("ExpertOptimizer needs offloaded experts (mode host or disk); on the device tier use "
                              "the ordinary optimizer")
-        if not engine.store.trainable:
+        if not engine.store.trainable and not engine.config.lora_in_store:
             raise ValueError("these experts were offloaded frozen (OffloadConfig(train_experts=False)): their store "
                              "holds weights only, no gradient or Adam state; offload with train_experts=True to "
-                             "train them")
+                             "train them (or with lora_in_store=True to step their LoRA factors here)")
         if clip_mode not in ("global", "per_expert"):
             raise ValueError(f"clip_mode must be 'global' or 'per_expert', got {clip_mode!r}")
         if max_grad_norm is not None and max_grad_norm <= 0:
@@ -109,6 +113,7 @@ class ExpertOptimizer:
                                 self.updates.ledger.set_pending, self.updates.optimizer_threads)
         self._records = StoreSteps(self.updates, self._queue)
         self._norms = GradNorms(self._records)
+        self._lora = LoraSteps(engine.lora)  # the experts' LoRA factors kept in the store (lora_in_store)
         # Removed by `close()`: a later optimizer on the same model (a second Trainer, `train()` again) must not find
         # this one's hooks still taking gradients.
         ledger = self.updates.ledger
@@ -173,8 +178,12 @@ class ExpertOptimizer:
     def _on_layer_done(self, layer: int) -> None:
         if not self.boundary_fn():
             return
-        # Experts that got no token in this micro-step still have a (possibly zero) final gradient.
-        self._take_final([((layer, e), None, None) for e in range(self.updates.layout(layer).num_experts)])
+        if self.store.trainable:
+            # Experts that got no token in this micro-step still have a (possibly zero) final gradient.
+            self._take_final([((layer, e), None, None) for e in range(self.updates.layout(layer).num_experts)])
+        if self.eager:  # the layer's LoRA factors in the store: final too
+            per_expert = self.max_grad_norm if self.clip_mode == "per_expert" else None
+            self._lora.step([layer], self._clock.lr(self.current_lr), self._settings(), None, None, per_expert)
 
     def _take_final(self, items: list[Entry]) -> set[ExpertKey]:
         """Claim the final gradients of `items` once per window (the experts this process owns) and step them
@@ -240,18 +249,21 @@ class ExpertOptimizer:
         record's row or autograd's own tensors), their gradients unscaled and clipped by `clip_coef` first, counted
         in the store's step counts. Returns True where the update wrote the compute copies too (the caller only moves
         the version: `refresh_compute(copied=True)`)."""
-        settings = AdamWSettings(self.betas, self.eps, self.weight_decay, self.decoupled)
-        copied = adamw_update_([self._records.tensors(*step) for step in steps], lr, settings, grad_scale, clip_coef)
+        copied = adamw_update_([self._records.tensors(*step) for step in steps], lr, self._settings(), grad_scale,
+                               clip_coef)
         for key, _, _ in steps:
             self.store.steps[key] += 1
         return copied
+
+    def _settings(self) -> AdamWSettings:
+        return AdamWSettings(self.betas, self.eps, self.weight_decay, self.decoupled)
 
     def expert_grad_sq_norm(self) -> float:
         """Sum of squared expert gradient norms (call after backward). On the window's last micro-step in deferred
         mode the norms were taken as each gradient became final; otherwise (or for experts not measured) each
         gradient is read once. With a shared store (hf_moe_offload.distributed) each process sums the experts it
         owns and the sums are all-reduced: every process must call it."""
-        return self._norms.expert_sq_norm()
+        return self._norms.expert_sq_norm() + self._lora.sq_norm()
 
     def step(self, non_expert_params: Iterable[torch.nn.Parameter] | None = None,
              expert_overflow: bool | None = None, dense=None) -> float | None:
@@ -305,6 +317,8 @@ class ExpertOptimizer:
                                   clip_coef, self.max_grad_norm if per_expert else None)
         self._start_steps([(key, None, None) for key in ready if key not in on_device], clip_coef, grad_scale,
                           per_expert=per_expert)
+        self._lora.step(self._lora.pending(), self._clock.lr(self.current_lr), self._settings(), grad_scale, clip_coef,
+                        self.max_grad_norm if per_expert else None)
         if per_expert and params:  # the non-expert parameters among themselves (their gradients are unscaled)
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         self._end_window()
@@ -326,7 +340,7 @@ class ExpertOptimizer:
         """True when any expert gradient (of this rank's updates; all ranks agree) holds inf/nan. Collective under
         expert parallelism. Uses the norms measured during backward where there are some (an overflowed gradient
         has a non-finite norm)."""
-        return self._norms.overflow()
+        return self._norms.overflow() or self._lora.overflow()
 
     def _end_window(self) -> None:
         self.updates.close_window()
