@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .activations import LOSS_CHUNK_TOKENS, ActivationShape, activation_parts
 from .errors import UserError
 from .offload.api import default_cache_experts, weights_only_row_dtype
 from .offload.planner import ADAM_BYTES_PER_PARAM, HEADROOM, MemoryEstimate, choose_tier, detect_budgets
@@ -68,6 +69,13 @@ class Workload:
     device: str = "cuda"  # where the model computes: cuda (experts uploaded) or cpu
     gradient_checkpointing: bool = False  # transformers' activation checkpointing of the decoder layers
     micro_batches: int = 1  # per accumulation window (the host Adam steps once per window)
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # the chunked LM loss's chunk (0: the stock loss, full logits)
+    # lora-experts: the experts' LoRA factors and their Adam state live with the experts in the store, uploaded with
+    # their chunk in the compute dtype and stepped by the expert optimizer (else peft's, on the device)
+    expert_lora_in_store: bool = False
+    # full: the non-expert weights' fp32 masters and Adam moments on the host, stepped there; the device holds their
+    # weights and gradients in the model's dtype
+    dense_optimizer_on_host: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -78,6 +86,13 @@ class Workload:
             raise UserError(f"--expert-storage {self.expert_storage} keeps frozen experts: use a LoRA method")
         if self.batch_size < 1 or self.seq_len < 1 or self.micro_batches < 1:
             raise UserError("batch size, sequence length and micro-batches must be at least 1")
+        if self.loss_chunk_tokens < 0:
+            raise UserError(f"loss chunk tokens must be >= 0 (0: the stock loss); got {self.loss_chunk_tokens}")
+        if self.expert_lora_in_store and self.method != "lora-experts":
+            raise UserError("expert LoRA factors in the store need adapters on the experts: --method lora-experts")
+        if self.dense_optimizer_on_host and self.method != "full":
+            raise UserError("the dense optimizer on the host applies to a full fine-tune (--method full); LoRA "
+                            "trains adapters only")
 
     @property
     def frozen_experts(self) -> bool:
@@ -97,6 +112,8 @@ class TierNeeds:
     disk_read_bytes_per_step: int = 0
     disk_write_bytes_per_step: int = 0
     parts: dict[str, int] = field(default_factory=dict)  # what the figures are made of
+    activations: dict[str, int] = field(default_factory=dict)  # what the "activations" part is made of
+    chunk_gradient_bytes: int = 0  # one chunk of streamed experts' gradients on the device, in the backward
     # the largest batch (sequences of seq_len) whose device figure fits the budget: without / with checkpointing
     largest_batch: dict[str, int] = field(default_factory=dict)
     time: StepTime | None = None  # on a GPU, where rates are given
@@ -162,6 +179,7 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     expert_params = n_experts * p
     non_expert = sum(t.numel() for t in model.parameters()) - expert_params
     shape = model_shape(model, config, layouts[0], layers)  # (before peft wraps the model below)
+    act_shape = ActivationShape.of(config, model, layers, n_experts)
     lora, lora_on_experts, lora_dense, lora_expert = _lora_params(model, w) if w.frozen_experts else (0, 0, [], [])
     item = w.dtype.itemsize
     quantization = (store_quantization(w.expert_storage, w.dtype, [t.shape for t in layouts[0].tensors])
@@ -186,38 +204,73 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     cache = min(cache, n_experts)
 
     # The rest of the model: frozen weights + trained state
-    rest = non_expert * (4 * item if not w.frozen_experts else item) + lora * ADAM_BYTES_PER_PARAM
-    # LoRA on streamed experts: each forward takes the adapters' factors once, in the model's dtype, as inputs of the
-    # experts' pass (offload/expert_lora.py: LoraTerm.of), kept until the next forward
-    lora_factors = lora_on_experts * item
+    lora_in_store = lora_on_experts if w.expert_lora_in_store else 0
+    factors = lora_on_experts // n_experts if w.expert_lora_in_store else 0  # one expert's LoRA parameters
+    rest = {"non-expert weights": non_expert * item}
+    if not w.frozen_experts and w.dense_optimizer_on_host:
+        rest["non-expert gradients"] = non_expert * item
+        dense_host = {"dense optimizer (fp32 masters, gradients, Adam moments)": non_expert * ADAM_BYTES_PER_PARAM}
+    else:
+        dense_host = {}
+        if not w.frozen_experts:
+            rest["non-expert gradients and Adam moments"] = 3 * non_expert * item
+    # peft's adapters on the device: fp32 weights, gradients and Adam moments; with the factors in the store, the
+    # attention's only
+    resident_lora = {"LoRA adapters (fp32 state)": lora * ADAM_BYTES_PER_PARAM} if lora else {}
+    lora_rest = {"LoRA adapters (fp32 state)": (lora - lora_in_store) * ADAM_BYTES_PER_PARAM} if lora else {}
+    # LoRA on streamed experts held by peft: each forward takes the adapters' factors once, in the model's dtype, as
+    # inputs of the experts' pass (offload/expert_lora.py: LoraTerm.of), kept until the next forward
+    lora_factors = (lora_on_experts - lora_in_store) * item
     keeps_graphs = not cuda and quantization is None  # OffloadConfig.keep_activations' default
-    acts = _activation_bytes(config, model, w, item, layers, n_experts, keeps_expert_graphs=keeps_graphs)
+    head = not w.frozen_experts  # the LM head is trained (its fp32 gradient is formed in the chunked loss)
+    tokens = w.batch_size * w.seq_len
+    act_parts = activation_parts(act_shape, tokens, item, w.gradient_checkpointing, keeps_graphs,
+                                 w.loss_chunk_tokens, head)
+    acts = sum(act_parts.values())
     upload = quantization.nbytes if quantization is not None else p * item  # one expert's upload
     staging = STAGE_MAX * p * item if not cuda else 0  # the disk tier's staging block on the CPU
+    # Present when the first forward binds the engine (the quarter of the free memory the slab and pins take is of
+    # what these leave): the weights and peft's adapters; gradients and moments come with the backward and the step
+    at_bind = non_expert * item + (lora - lora_in_store) * 4
 
     resident_experts = expert_params * (4 * item if not w.frozen_experts else item)
     tiers: dict[str, TierNeeds] = {}
-    tiers["device"] = _place(TierNeeds("device", 0, 0, 0, parts={
-        "experts (resident)": resident_experts, "rest of the model": rest, "activations": acts}), cuda)
+    tiers["device"] = _place(TierNeeds("device", 0, 0, 0, activations=act_parts, parts={
+        "experts (resident)": resident_experts, **rest, **resident_lora, **dense_host, "activations": acts}), cuda,
+        host_parts=tuple(dense_host))
     pins = 0
     for tier in ("host", "disk"):
         disk = tier == "disk"
-        stream = _Stream.of(w, layer_experts, layers, p, cache if disk else None, device_budget)
+        stream = _Stream.of(w, layer_experts, layers, p, cache if disk else None, max(0, device_budget - at_bind))
         pins = stream.device_pins if tier == "host" else pins
-        parts = {("host cache" if disk else "expert store"): cache * (record + copy) if disk else host_store,
-                 "rest of the model": rest, "activations": acts}
+        # one chunk's expert gradients (trained experts) or LoRA factor gradients (factors in the store) on the device
+        grads = stream.chunk * (p if not w.frozen_experts else factors) * item if cuda else 0
+        tier_acts = activation_parts(act_shape, tokens, item, w.gradient_checkpointing, keeps_graphs,
+                                     w.loss_chunk_tokens, head, chunk_gradient_bytes=grads)
+        store_part = "host cache" if disk else "expert store"
+        parts = {store_part: cache * (record + copy) if disk else host_store, **rest, **lora_rest, **dense_host,
+                 "activations": sum(tier_acts.values())}
+        if lora_in_store:
+            parts["expert LoRA factors (fp32 state, in the store)"] = lora_in_store * ADAM_BYTES_PER_PARAM
         if lora_factors:
             parts["LoRA factors (streamed pass)"] = lora_factors
         if cuda:
             parts["slab"] = stream.slab_bytes
+            if lora_in_store:  # uploaded with their chunk into the slab's two blocks' companions
+                parts["slab: LoRA factors"] = 2 * stream.chunk * factors * item
             if stream.device_pins:
                 parts["device pins (state)"] = stream.device_pins * p * (ADAM_BYTES_PER_PARAM + (copy // p))
         elif disk:
             parts["staging block"] = staging
-        needs = TierNeeds(tier, 0, 0, n_experts * record if disk else 0, parts=parts)
+        needs = TierNeeds(tier, 0, 0, n_experts * record if disk else 0, parts=parts, activations=tier_acts,
+                          chunk_gradient_bytes=grads)
         if cuda:
-            needs.h2d_bytes_per_step = int(stream.uploads(w.gradient_checkpointing) * upload)
-            needs.d2h_bytes_per_step = (n_experts - stream.device_pins) * p * item if not w.frozen_experts else 0
+            # the dense optimizer on the host: the dense gradients down and the weights up once per window
+            dense_moved = non_expert * item // w.micro_batches if dense_host else 0
+            needs.h2d_bytes_per_step = int(stream.uploads(w.gradient_checkpointing) * (upload + factors * item)
+                                           ) + dense_moved
+            needs.d2h_bytes_per_step = (n_experts - stream.device_pins) * (p if not w.frozen_experts else factors) * item
+            needs.d2h_bytes_per_step += dense_moved
         if disk:
             if w.frozen_experts:
                 sweeps = 3 if w.gradient_checkpointing else 2  # forward, the checkpoint's recompute, backward
@@ -225,11 +278,11 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
             else:
                 needs.disk_read_bytes_per_step, needs.disk_write_bytes_per_step = _trained_disk_traffic(
                     w, n_experts, layer_experts, layers, cache, row=4 * p)
-        tiers[tier] = _place(needs, cuda, host_parts=("host cache" if disk else "expert store",))
+        tiers[tier] = _place(needs, cuda, host_parts=(store_part, *dense_host,
+                                                      "expert LoRA factors (fp32 state, in the store)"))
 
     for needs in tiers.values():
-        needs.largest_batch = _largest_batch(config, model, w, item, layers, n_experts, keeps_graphs, needs,
-                                             device_budget)
+        needs.largest_batch = _largest_batch(act_shape, w, item, keeps_graphs, head, needs, device_budget)
 
     est = MemoryEstimate(expert_params, non_expert, n_experts, acts,
                          ADAM_BYTES_PER_PARAM if not w.frozen_experts else record / p)
@@ -260,6 +313,8 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
         for needs in tiers.values():
             resident = needs.tier == "device"
             adam = 0 if resident or w.frozen_experts else (n_experts - pins) * p
+            if not resident:  # the options' host-stepped state: the dense optimizer, the experts' LoRA factors
+                adam += (non_expert if w.dense_optimizer_on_host else 0) + lora_in_store
             # the disk tier's traffic, counted for every micro-batch (trained experts' write-backs come once per window:
             # with accumulation an upper bound)
             disk = needs.disk_read_bytes_per_step + needs.disk_write_bytes_per_step
@@ -319,18 +374,27 @@ class _Stream:
         return 2 * total - held
 
 
-def _largest_batch(config, model, w: Workload, item: int, layers: int, n_experts: int, keeps_graphs: bool,
+def _largest_batch(act_shape: ActivationShape, w: Workload, item: int, keeps_graphs: bool, head: bool,
                    needs: TierNeeds, device_budget: int) -> dict[str, int]:
     """The largest batch of `w.seq_len`-token sequences whose device figure fits the budget, without and with
-    activation checkpointing: the activations grow with the batch, the rest does not."""
+    activation checkpointing: the activations grow with the batch (the loss's chunk up to its size), the rest does
+    not."""
     if w.device != "cuda":
         return {}
     fixed = needs.device_bytes - needs.parts["activations"]
+    room = HEADROOM * device_budget - fixed
     out = {}
     for label, ckpt in (("without checkpointing", False), ("with checkpointing", True)):
-        one = dataclasses.replace(w, batch_size=1, gradient_checkpointing=ckpt)
-        per_sequence = _activation_bytes(config, model, one, item, layers, n_experts, keeps_graphs)
-        out[label] = max(0, int((HEADROOM * device_budget - fixed) // per_sequence))
+        def acts(b: int) -> int:
+            return sum(activation_parts(act_shape, b * w.seq_len, item, ckpt, keeps_graphs, w.loss_chunk_tokens,
+                                        head, chunk_gradient_bytes=needs.chunk_gradient_bytes).values())
+        lo, hi = 0, 1
+        while acts(hi) <= room:  # the activations grow with the batch: double, then bisect
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if acts(mid) <= room else (lo, mid)
+        out[label] = lo
     return out
 
 
@@ -420,49 +484,6 @@ def _lora_params(model, w: Workload) -> tuple[int, int, list[tuple[int, int]], l
     suffixes = {p.rsplit(".", 1)[-1] for p in parameters}
     on_expert = [tuple(getattr(first, n).shape[1:]) for n in sorted(suffixes) if hasattr(first, n)]
     return total, on_experts, dense, on_expert
-
-
-def _activation_bytes(config, model, w: Workload, item: int, moe_layers: int, num_experts: int,
-                     keeps_expert_graphs: bool) -> int:
-    """What a training step keeps for backward, counted per token the way transformers' decoder layers and this
-    package's MoE path save it (`item`: the model dtype's bytes; the RMS norms compute in fp32), per layer:
-
-    - two RMSNorms: their fp32 input and normalized copies and their output, 2 h (8 + item); the per-head q/k norms
-      where the family has them (Qwen3, OLMoE, ...), (q + kv) (8 + item);
-    - q, k, v and the rotary embedding's products, 3 (q + kv) item; the attention output and o_proj's input, 2 q item
-      (SDPA keeps no score matrix); the residual stream, 2 h item;
-    - an MoE layer: the router's fp32 logits and probabilities, 2 E 4; the token's top-k copies for the experts, their
-      outputs and the weighted outputs, 3 k h item; where the engine keeps the experts' graphs (computing on the CPU
-      from unquantized weights, `OffloadConfig.keep_activations`) their gate/up and activation outputs, 3 k I item;
-      a dense layer's FFN the same for its width;
-
-    plus the logits in fp32 with their log-softmax and gradient, 3 V 4. With activation checkpointing, each decoder
-    layer keeps its input (h item) and one layer's activations exist at a time, in its recompute. (At Qwen3-30B-A3B's shape, 4 layers, what
-    autograd saved beyond the parameters was less than this counts; the process's RSS grew more, by glibc keeping
-    freed memory: benchmarks/RESULTS.md, real_shape_lora.)"""
-    tokens = w.batch_size * w.seq_len
-    h = config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    q = heads * head_dim
-    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    qk_norm = any(name.endswith(("q_norm", "k_norm")) for name, _ in model.named_modules())
-    inter = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None) or 4 * h
-    dense_inter = getattr(config, "intermediate_size", None) or inter
-    k = (getattr(config, "num_experts_per_tok", None) or getattr(config, "num_experts_per_token", None)
-         or getattr(config, "moe_top_k", None) or getattr(config, "top_k", None) or 2)
-    per_layer = (2 * h * (8 + item) + (q + kv) * (8 + item if qk_norm else 0) + 3 * (q + kv) * item
-                 + 2 * q * item + 2 * h * item)
-    moe = 2 * num_experts // max(1, moe_layers) * 4 + 3 * k * h * item + (3 * k * inter * item if keeps_expert_graphs
-                                                                          else 0)
-    dense = 3 * dense_inter * item
-    layers = config.num_hidden_layers
-    logits = 3 * tokens * config.vocab_size * 4
-    if w.gradient_checkpointing:
-        # each layer keeps its input only; the backward recomputes one layer's activations at a time
-        return tokens * (layers * h * item + per_layer + (moe if moe_layers else dense)) + logits
-    per_token = layers * per_layer + moe_layers * moe + (layers - moe_layers) * dense
-    return tokens * per_token + logits
 
 
 # OffloadConfig's fields that are flags of `estimate` (and Workload's fields of the same names), generated from the

@@ -10,6 +10,7 @@ import torch
 
 from . import estimate as estimate_module  # late-bound: `estimate.estimate` patched in tests is the one run
 from .errors import UserError
+from .activations import LOSS_CHUNK_TOKENS
 from .estimate import FLAG_FIELDS, METHODS, Estimate, Workload
 from .flags import add_dataclass_arguments, dataclass_values
 from .offload.config import OffloadConfig
@@ -40,6 +41,14 @@ def add_cli(sub) -> None:
                         "recomputes the rest in the backward (less device memory, one more forward)")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="micro-batches per optimizer step (gradient accumulation): the host Adam steps once per window")
+    p.add_argument("--loss-chunk-tokens", type=int, default=LOSS_CHUNK_TOKENS,
+                   help="tokens per chunk of the LM loss, as `train` takes it (0: the stock loss, every token's logits)")
+    p.add_argument("--expert-lora-in-store", action="store_true",
+                   help="--method lora-experts: the experts' LoRA factors and their Adam state live with the experts "
+                        "in the store, uploaded with their chunk and stepped on the host (else on the GPU, by peft)")
+    p.add_argument("--dense-optimizer-on-host", action="store_true",
+                   help="--method full: the non-expert weights' fp32 masters and Adam moments on the host, stepped "
+                        "there; the GPU holds their weights and gradients in the model's dtype")
     offload = p.add_argument_group("expert offload (OffloadConfig's fields, as `train` takes them)")
     add_dataclass_arguments(offload, OffloadConfig, names=FLAG_FIELDS, notes={
         "expert_storage": "estimate: with --method lora or lora-experts",
@@ -77,7 +86,9 @@ def run_cli(args) -> int:
         device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
     w = Workload(method=args.method, dtype=dtype, batch_size=args.batch_size, seq_len=args.seq_len,
                  lora_r=args.lora_r, device=device, gradient_checkpointing=args.gradient_checkpointing,
-                 micro_batches=args.micro_batches, **dataclass_values(OffloadConfig, args, names=FLAG_FIELDS))
+                 micro_batches=args.micro_batches, loss_chunk_tokens=args.loss_chunk_tokens,
+                 expert_lora_in_store=args.expert_lora_in_store, dense_optimizer_on_host=args.dense_optimizer_on_host,
+                 **dataclass_values(OffloadConfig, args, names=FLAG_FIELDS))
     gb = 1e9
     gpu_memory = args.gpu_memory or (GPUS[args.gpu].memory_gb if args.gpu else None)
     rates = (resolve_rates(args.gpu, args.gpu_tflops, args.gpu_efficiency, args.pcie_gbps, args.host_adam_gps,
