@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .activations import LOSS_CHUNK_TOKENS, ActivationShape, activation_parts
+from .activations import LOSS_CHUNK_TOKENS, ActivationShape, Adapters, activation_parts
 from .errors import UserError
 from .offload.api import default_cache_experts, weights_only_row_dtype
 from .offload.planner import ADAM_BYTES_PER_PARAM, HEADROOM, MemoryEstimate, choose_tier, detect_budgets
@@ -44,6 +44,7 @@ from .offload.quantized import EXPERT_STORAGES, QUANTIZED_STORAGES, store_quanti
 from .offload.plan import STAGE_MAX, clamp_depth, device_pin_count, pin_room, stage_chunk
 from .offload.slab import default_chunk, slab_nbytes
 from .offload.store import ROW_GAP_BYTES
+from .runtime import aligned_nbytes
 from .time_model import DecodeTime, Rates, StepFlops, StepTime, decode_time, model_shape, step_flops, step_time
 
 METHODS = ("full", "lora", "lora-experts")
@@ -114,6 +115,7 @@ class TierNeeds:
     parts: dict[str, int] = field(default_factory=dict)  # what the figures are made of
     activations: dict[str, int] = field(default_factory=dict)  # what the "activations" part is made of
     chunk_gradient_bytes: int = 0  # one chunk of streamed experts' gradients on the device, in the backward
+    chunk_share: float = 0.0  # the share of a layer's experts whose forward one chunk's backward recomputes
     # the largest batch (sequences of seq_len) whose device figure fits the budget: without / with checkpointing
     largest_batch: dict[str, int] = field(default_factory=dict)
     time: StepTime | None = None  # on a GPU, where rates are given
@@ -224,8 +226,18 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     keeps_graphs = not cuda and quantization is None  # OffloadConfig.keep_activations' default
     head = not w.frozen_experts  # the LM head is trained (its fp32 gradient is formed in the chunked loss)
     tokens = w.batch_size * w.seq_len
-    act_parts = activation_parts(act_shape, tokens, item, w.gradient_checkpointing, keeps_graphs,
-                                 w.loss_chunk_tokens, head)
+    # the trained parameters' gradients, counted all step in the rest of the model: the loss's forward has their room
+    gradient_bytes = non_expert * item if not w.frozen_experts else 0
+    # the input embedding's gradient is formed after every layer's backward (untied from the head)
+    embedding = model.get_input_embeddings().weight
+    tied = embedding is model.get_output_embeddings().weight
+    late = embedding.numel() * item if gradient_bytes and not tied else 0
+    adapters = Adapters(tuple(lora_dense[: len(lora_dense) // config.num_hidden_layers]), tuple(lora_expert),
+                        w.lora_r)
+    # (the device tier's experts are resident: their forward graphs are kept)
+    act_parts = activation_parts(act_shape, tokens, item, w.gradient_checkpointing, True,
+                                 w.loss_chunk_tokens, head, gradient_bytes=gradient_bytes, adapters=adapters,
+                                 late_gradient_bytes=late)
     acts = sum(act_parts.values())
     upload = quantization.nbytes if quantization is not None else p * item  # one expert's upload
     staging = STAGE_MAX * p * item if not cuda else 0  # the disk tier's staging block on the CPU
@@ -245,8 +257,11 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
         pins = stream.device_pins if tier == "host" else pins
         # one chunk's expert gradients (trained experts) or LoRA factor gradients (factors in the store) on the device
         grads = stream.chunk * (p if not w.frozen_experts else factors) * item if cuda else 0
+        share = (stream.chunk or 1) / layer_experts if not keeps_graphs else 0.0  # a recomputed chunk's experts
         tier_acts = activation_parts(act_shape, tokens, item, w.gradient_checkpointing, keeps_graphs,
-                                     w.loss_chunk_tokens, head, chunk_gradient_bytes=grads)
+                                     w.loss_chunk_tokens, head, chunk_gradient_bytes=grads,
+                                     gradient_bytes=gradient_bytes, chunk_share=share, adapters=adapters,
+                                     late_gradient_bytes=late)
         store_part = "host cache" if disk else "expert store"
         parts = {store_part: cache * (record + copy) if disk else host_store, **rest, **lora_rest, **dense_host,
                  "activations": sum(tier_acts.values())}
@@ -256,6 +271,9 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
             parts["LoRA factors (streamed pass)"] = lora_factors
         if cuda:
             parts["slab"] = stream.slab_bytes
+            # the stager's ring of device slots (offload/transfers.py DeviceStager): an expert at a time
+            parts["stager slots"] = (clamp_depth(w.prefetch_depth, cache if disk else None) + 1) * aligned_nbytes(
+                p, w.dtype)
             if lora_in_store:  # uploaded with their chunk into the slab's two blocks' companions
                 parts["slab: LoRA factors"] = 2 * stream.chunk * factors * item
             if stream.device_pins:
@@ -263,7 +281,7 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
         elif disk:
             parts["staging block"] = staging
         needs = TierNeeds(tier, 0, 0, n_experts * record if disk else 0, parts=parts, activations=tier_acts,
-                          chunk_gradient_bytes=grads)
+                          chunk_gradient_bytes=grads, chunk_share=share)
         if cuda:
             # the dense optimizer on the host: the dense gradients down and the weights up once per window
             dense_moved = non_expert * item // w.micro_batches if dense_host else 0
@@ -282,7 +300,9 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
                                                       "expert LoRA factors (fp32 state, in the store)"))
 
     for needs in tiers.values():
-        needs.largest_batch = _largest_batch(act_shape, w, item, keeps_graphs, head, needs, device_budget)
+        share = needs.chunk_share
+        needs.largest_batch = _largest_batch(act_shape, w, item, keeps_graphs, head, gradient_bytes, share,
+                                             adapters, late, needs, device_budget)
 
     est = MemoryEstimate(expert_params, non_expert, n_experts, acts,
                          ADAM_BYTES_PER_PARAM if not w.frozen_experts else record / p)
@@ -375,7 +395,8 @@ class _Stream:
 
 
 def _largest_batch(act_shape: ActivationShape, w: Workload, item: int, keeps_graphs: bool, head: bool,
-                   needs: TierNeeds, device_budget: int) -> dict[str, int]:
+                   gradient_bytes: int, share: float, adapters: Adapters, late: int, needs: TierNeeds,
+                   device_budget: int) -> dict[str, int]:
     """The largest batch of `w.seq_len`-token sequences whose device figure fits the budget, without and with
     activation checkpointing: the activations grow with the batch (the loss's chunk up to its size), the rest does
     not."""
@@ -387,7 +408,8 @@ def _largest_batch(act_shape: ActivationShape, w: Workload, item: int, keeps_gra
     for label, ckpt in (("without checkpointing", False), ("with checkpointing", True)):
         def acts(b: int) -> int:
             return sum(activation_parts(act_shape, b * w.seq_len, item, ckpt, keeps_graphs, w.loss_chunk_tokens,
-                                        head, chunk_gradient_bytes=needs.chunk_gradient_bytes).values())
+                                        head, needs.chunk_gradient_bytes, gradient_bytes, share,
+                                        adapters, late).values())
         lo, hi = 0, 1
         while acts(hi) <= room:  # the activations grow with the batch: double, then bisect
             lo, hi = hi, 2 * hi
