@@ -9,13 +9,18 @@ for LoRA, peft's own adapters (peft builds them on the meta device too). The acc
   bitsandbytes row of offload/quantized.py). The host tier holds the store in host memory; the disk tier in files,
   with a host cache of `host_cache_experts` records (default: a quarter of the experts, as `enable_expert_offload`).
 - **The rest of the model** on the compute device: full fine-tuning keeps weights, gradients and AdamW's two moments
-  in the model's dtype (4 x its bytes per parameter); LoRA keeps the frozen weights plus peft's adapters (fp32, as
-  peft casts them) with their gradients and moments (16 bytes per adapter parameter).
-- **Activations** for a batch, kept for backward (per token and layer: attention's inputs and outputs, the router's
-  and the experts' inputs, the experts' gate/up outputs for the top-k, fp32 or the model's dtype), and the logits
-  with their gradient.
-- **Engine buffers** where the experts compute: on a GPU the slab's two blocks of a layer's experts (offload/slab.py);
-  on the CPU the disk tier's staging block.
+  in the model's dtype (4 x its bytes per parameter), or with `dense_optimizer_on_host` the weights and gradients
+  only (the fp32 masters and moments, 16 bytes per parameter with the gradient landed, in host memory); LoRA keeps
+  the frozen weights plus peft's adapters (fp32, as peft casts them) with their gradients and moments (16 bytes per
+  adapter parameter), or with `expert_lora_in_store` the attention's only: the experts' factors and their state
+  live in the store and come up with their chunk, in the compute dtype.
+- **Activations** at the step's peak, part by part (hf_moe_offload/activations.py): the layer inputs checkpointing
+  keeps (or every layer's saved tensors), and the larger of the chunked LM loss's forward and one layer's backward
+  (its recompute, a streamed chunk's recomputed forward and its gradients twice).
+- **Engine buffers** where the experts compute: on a GPU the slab's two blocks (a whole layer's experts within a
+  quarter of the memory free when the engine binds, or `device_budget_bytes`: offload/plan.py), the stager's slots,
+  and the trained experts pinned there with their state within what the slab leaves; on the CPU the disk tier's
+  staging block.
 - **Bytes per step**, assuming every expert gets tokens (true of large batches): a device uploads every expert for the
   forward and again for the backward but the two chunks the slab still holds (quantized experts: their bytes); the
   disk tier reads each uncached expert once
@@ -38,11 +43,12 @@ import torch
 
 from .activations import LOSS_CHUNK_TOKENS, ActivationShape, Adapters, activation_parts
 from .errors import UserError
+from .estimate_stream import Stream, trained_disk_traffic
 from .offload.api import default_cache_experts, weights_only_row_dtype
 from .offload.planner import ADAM_BYTES_PER_PARAM, HEADROOM, MemoryEstimate, choose_tier, detect_budgets
+from .offload.plan import STAGE_MAX, clamp_depth
 from .offload.quantized import EXPERT_STORAGES, QUANTIZED_STORAGES, store_quantization
-from .offload.plan import STAGE_MAX, clamp_depth, device_pin_count, pin_room, stage_chunk
-from .offload.slab import default_chunk, slab_nbytes
+from .offload.slab import slab_nbytes
 from .offload.store import ROW_GAP_BYTES
 from .runtime import aligned_nbytes
 from .time_model import DecodeTime, Rates, StepFlops, StepTime, decode_time, model_shape, step_flops, step_time
@@ -67,6 +73,7 @@ class Workload:
     host_cache_experts: int | None = None  # disk tier; None: a quarter of the experts (enable_expert_offload's)
     prefetch_depth: int = 2
     pin_fraction: float = 0.25  # OffloadConfig's: experts per layer kept resident (ES-MoE §4.3)
+    device_budget_bytes: int | None = None  # OffloadConfig's: the slab's and pins' room (None: a quarter of the free)
     device: str = "cuda"  # where the model computes: cuda (experts uploaded) or cpu
     gradient_checkpointing: bool = False  # transformers' activation checkpointing of the decoder layers
     micro_batches: int = 1  # per accumulation window (the host Adam steps once per window)
@@ -253,7 +260,7 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     pins = 0
     for tier in ("host", "disk"):
         disk = tier == "disk"
-        stream = _Stream.of(w, layer_experts, layers, p, cache if disk else None, max(0, device_budget - at_bind))
+        stream = Stream.of(w, layer_experts, layers, p, cache if disk else None, max(0, device_budget - at_bind))
         pins = stream.device_pins if tier == "host" else pins
         # one chunk's expert gradients (trained experts) or LoRA factor gradients (factors in the store) on the device
         grads = stream.chunk * (p if not w.frozen_experts else factors) * item if cuda else 0
@@ -294,7 +301,7 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
                 sweeps = 3 if w.gradient_checkpointing else 2  # forward, the checkpoint's recompute, backward
                 needs.disk_read_bytes_per_step = sweeps * max(0, n_experts - cache) * record
             else:
-                needs.disk_read_bytes_per_step, needs.disk_write_bytes_per_step = _trained_disk_traffic(
+                needs.disk_read_bytes_per_step, needs.disk_write_bytes_per_step = trained_disk_traffic(
                     w, n_experts, layer_experts, layers, cache, row=4 * p)
         tiers[tier] = _place(needs, cuda, host_parts=(store_part, *dense_host,
                                                       "expert LoRA factors (fp32 state, in the store)"))
@@ -316,6 +323,11 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
                 + (f"the largest batch that fits is {fits['without checkpointing']} without activation checkpointing"
                    f" and {fits['with checkpointing']} with it" if fits else "lower the batch")
                 + (" (--gradient-checkpointing)" if not w.gradient_checkpointing else ""))
+        engine = sum(tiers[auto].parts.get(k, 0) for k in ("slab", "device pins (state)"))
+        room = int(engine - over)
+        if engine and room >= slab_nbytes(2, p, w.dtype):  # two chunks of two: the smallest slab
+            why += (f"; or a smaller slab and fewer pins: --device-budget-mb {room // 2**20} (device_budget_bytes) "
+                    "leaves the step its room")
 
     host_over = tiers[auto].host_bytes - HEADROOM * host_budget
     if auto == "disk" and host_over > 0:
@@ -351,49 +363,6 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
                     device_budget=device_budget)
 
 
-@dataclass(frozen=True)
-class _Stream:
-    """How an offloaded tier streams the experts on a GPU, as the engine's plan binds it (offload/plan.py): the slab's experts per chunk and the trained experts whose state stays on the
-    device."""
-
-    layer_experts: int
-    layers: int
-    chunk: int  # the slab's k; 0: no slab (expert by expert through the stager, nothing reused)
-    device_pins: int
-    slab_bytes: int
-
-    @classmethod
-    def of(cls, w: Workload, layer_experts: int, layers: int, p: int, cache: int | None,
-           device_budget: int) -> _Stream:
-        if w.device != "cuda":
-            return cls(layer_experts, layers, 0, 0, 0)
-        budget = device_budget // 4  # the engine's default: a quarter of the device memory free at bind
-        depth = clamp_depth(w.prefetch_depth, cache)
-        k = default_chunk(layer_experts, p, w.dtype, budget, cache, depth)
-        pins = 0
-        if k and not w.frozen_experts:
-            pins = device_pin_count(w.pin_fraction, [layer_experts] * layers, pin_room(cache, depth, slab_experts=k),
-                                    p, w.dtype, budget, k)
-        return cls(layer_experts, layers, k, pins, slab_nbytes(k, p, w.dtype))
-
-    def uploads(self, checkpointing: bool) -> float:
-        """Experts uploaded per step, every expert routed: the forward's, the checkpoint's recompute's, and the
-        backward's but those the slab's two blocks still hold where the backward starts (the forward's last two
-        chunks; with checkpointing, each layer's backward follows that layer's recompute, whose last two chunks it
-        reuses: ES-MoE §4.1's reverse order)."""
-        per_layer = self.layer_experts - self.device_pins / self.layers  # the pins are spread over the layers
-        total = per_layer * self.layers
-        if not self.chunk:
-            return (3 if checkpointing else 2) * total
-        k = self.chunk
-        rest = per_layer % k if per_layer > k else 0
-        last_two = min(per_layer, k + (rest or k))  # a layer's last two chunks
-        if checkpointing:
-            return 2 * total + (total - self.layers * last_two)
-        held = last_two if per_layer > k else min(total, 2 * per_layer)  # a chunk is a layer at most
-        return 2 * total - held
-
-
 def _largest_batch(act_shape: ActivationShape, w: Workload, item: int, keeps_graphs: bool, head: bool,
                    gradient_bytes: int, share: float, adapters: Adapters, late: int, needs: TierNeeds,
                    device_budget: int) -> dict[str, int]:
@@ -426,32 +395,6 @@ def needs_checkpointing(config, workload: Workload, tier: str, device_budget: in
     without = dataclasses.replace(workload, gradient_checkpointing=False)
     est = estimate(config, without, device_budget=device_budget, host_budget=1 << 50)
     return est.tiers[tier].device_bytes > HEADROOM * device_budget
-
-
-def _trained_disk_traffic(w: Workload, n_experts: int, layer_experts: int, layers: int, cache: int,
-                          row: int) -> tuple[int, int]:
-    """Bytes the disk tier reads and writes per step for trained experts, every expert used. ES-MoE's minimum
-    (benchmarks/offload.py::minimum_bytes) keeps the same `cache` records all step: each of the u = E - C others is
-    read for the forward (weights) and the backward (weights, two moments: the gradient row never leaves the host)
-    and written after its step (3 rows). The engine's cache follows the schedule (Belady, offload/eviction.py), so it
-    holds different records at the two turnarounds: the m = min(C - pins, u) records the backward starts with (the
-    forward's last) hold only their weights and read their two moments (2 rows each), and the m records the backward
-    leaves dirty are hit by the next forward and then written back (3 rows each) to make room for its reads, where
-    the minimum would keep them. Pins stay (ES-MoE §4.3), so m shrinks with them: at most `pin_fraction` of each
-    layer's experts, within the room the engine's plan leaves beside the reads ahead and the staged or slab chunks
-    (offload/plan.py `pin_room`)."""
-    depth = clamp_depth(w.prefetch_depth, cache)
-    if w.device == "cuda":  # the slab's two chunks of up to a layer's experts
-        room = pin_room(cache, depth, slab_experts=default_chunk(layer_experts, 0, w.dtype, None, cache, depth))
-    else:  # the staging block's two chunks, where the cache holds half the experts
-        room = pin_room(cache, depth, stage_experts=stage_chunk(cache, depth, n_experts))
-    pins = min(layers * math.ceil(w.pin_fraction * layer_experts), room)
-    u = max(0, n_experts - cache)
-    m = min(cache - pins, u)
-    # Activation checkpointing: the recompute reads each uncached expert's weights once more, at least (a floor: the
-    # cache's turnover around it is not modelled; docs/estimate.md gives what runs measured)
-    recompute = u if w.gradient_checkpointing else 0
-    return (4 * u + 2 * m + recompute) * row, (3 * u + 3 * m) * row
 
 
 def _place(needs: TierNeeds, cuda: bool, host_parts: tuple[str, ...] = ()) -> TierNeeds:
@@ -510,7 +453,7 @@ def _lora_params(model, w: Workload) -> tuple[int, int, list[tuple[int, int]], l
 
 # OffloadConfig's fields that are flags of `estimate` (and Workload's fields of the same names), generated from the
 # fields (hf_moe_offload.flags: name, type, choices and help as `train`'s; the CLI is estimate_cli.py).
-FLAG_FIELDS = ("expert_storage", "host_cache_experts", "pin_fraction")
+FLAG_FIELDS = ("expert_storage", "host_cache_experts", "pin_fraction", "device_budget_bytes")
 
 
 __all__ = ["Estimate", "FLAG_FIELDS", "TierNeeds", "Workload", "estimate", "meta_model", "needs_checkpointing"]

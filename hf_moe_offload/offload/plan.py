@@ -157,11 +157,7 @@ def device_pin_count(pin_fraction: float, layer_experts: list[int], limit: int |
                      dtype: torch.dtype, budget: int | None, slab_experts: int) -> int:
     """Training through the slab: the pins (`pin_fraction` of each layer's experts, within the cache's `limit`) keep
     their whole state on the device and step there (offload/device_pins.py), as many as the device `budget` leaves
-    beside the slab's two blocks; none where the budget does not hold a whole layer's two blocks."""
-    # A budget that does not hold two chunks of a whole layer is small: the slab's chunk size (launches per layer)
-    # and the step's own memory come first, so no pins
-    if budget is not None and budget < slab_nbytes(max(layer_experts, default=0), numel, dtype):
-        return 0
+    beside the slab's two blocks."""
     pins = sum(math.ceil(pin_fraction * n) for n in layer_experts)
     if limit is not None:
         pins = min(pins, limit)
