@@ -123,6 +123,7 @@ class TierNeeds:
     activations: dict[str, int] = field(default_factory=dict)  # what the "activations" part is made of
     chunk_gradient_bytes: int = 0  # one chunk of streamed experts' gradients on the device, in the backward
     chunk_share: float = 0.0  # the share of a layer's experts whose forward one chunk's backward recomputes
+    device_parts: list[str] = field(default_factory=list)  # the parts on the GPU
     # the largest batch (sequences of seq_len) whose device figure fits the budget: without / with checkpointing
     largest_batch: dict[str, int] = field(default_factory=dict)
     time: StepTime | None = None  # on a GPU, where rates are given
@@ -403,6 +404,7 @@ def _place(needs: TierNeeds, cuda: bool, host_parts: tuple[str, ...] = ()) -> Ti
     for name, nbytes in needs.parts.items():
         if cuda and name not in host_parts:
             needs.device_bytes += nbytes
+            needs.device_parts.append(name)
         else:
             needs.host_bytes += nbytes
     return needs
