@@ -135,3 +135,25 @@ def test_the_device_figure_agrees_with_the_bytes_a_step_holds(method, dtype):
     figure = estimate(config, w, device_budget=1 << 40, host_budget=1 << 40).tiers["host"].device_bytes
     measured = _peak(config, method, dtype)
     assert abs(measured - figure) <= 0.10 * figure, (measured, figure)
+
+
+def test_qwen3_30b_a3b_fits_a_12_gb_card_with_lora_and_a_16_gb_card_fully_trained():
+    """The bundled Qwen3-30B-A3B shape, 1 x 2048 tokens with checkpointing, host tier: LoRA on every expert (nf4,
+    factors in the store) within 8 GiB of a 12 GB card, a full fine-tune with the dense optimizer on the host within
+    16 GiB of a 16 GB card (predictions: what the estimate counts, its parts summing to the figure)."""
+    from hf_moe_offload.model_shapes import SHAPES
+
+    config = SHAPES["Qwen/Qwen3-30B-A3B"].config()
+    common = dict(batch_size=1, seq_len=2048, gradient_checkpointing=True, device="cuda")
+    lora = estimate(config, Workload(method="lora-experts", expert_storage="nf4", expert_lora_in_store=True, **common),
+                    device_budget=12 * 10**9, host_budget=1 << 40).tiers["host"]
+    full = estimate(config, Workload(method="full", dense_optimizer_on_host=True, **common),
+                    device_budget=16 * 10**9, host_budget=1 << 40).tiers["host"]
+    for needs, limit in ((lora, 8), (full, 16)):
+        assert needs.device_bytes <= limit * 2**30, needs.parts
+        assert needs.device_bytes == sum(needs.parts[k] for k in needs.device_parts)
+        assert needs.parts["activations"] == sum(needs.activations.values())
+        assert needs.largest_batch["with checkpointing"] >= 1
+    assert "LoRA adapters (fp32 state)" in lora.parts and "expert LoRA factors (fp32 state, in the store)" not in (
+        lora.device_parts)
+    assert "dense optimizer (fp32 masters, gradients, Adam moments)" not in full.device_parts
