@@ -151,12 +151,13 @@ def activation_parts(shape: ActivationShape, tokens: int, item: int, checkpointi
         loss = tokens * v * (item + 3 * 4)
         loss_label = "peak: LM loss on every token's logits"
     loss -= gradient_bytes
-    if loss >= backward:
-        parts[loss_label + (" (beyond the gradients, not formed yet)" if gradient_bytes else "")] = loss
+    if loss >= backward:  # (either can be below 0 where the gradients outweigh them: the gradients' room is enough)
+        parts[loss_label + (" (beyond the gradients, not formed yet)" if gradient_bytes else "")] = max(0, loss)
     else:
         parts["peak: one layer's backward" + (" (its recompute)" if checkpointing else "")
               + (" and a chunk's expert gradients" if chunk_gradient_bytes else "")
-              + (", less the input embedding's gradient (formed after it)" if late_gradient_bytes else "")] = backward
+              + (", less the input embedding's gradient (formed after it)" if late_gradient_bytes else "")] = max(
+                  0, backward)
     return parts
 
 
