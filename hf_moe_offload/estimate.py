@@ -9,13 +9,18 @@ for LoRA, peft's own adapters (peft builds them on the meta device too). The acc
   bitsandbytes row of offload/quantized.py). The host tier holds the store in host memory; the disk tier in files,
   with a host cache of `host_cache_experts` records (default: a quarter of the experts, as `enable_expert_offload`).
 - **The rest of the model** on the compute device: full fine-tuning keeps weights, gradients and AdamW's two moments
-  in the model's dtype (4 x its bytes per parameter); LoRA keeps the frozen weights plus peft's adapters (fp32, as
-  peft casts them) with their gradients and moments (16 bytes per adapter parameter).
-- **Activations** for a batch, kept for backward (per token and layer: attention's inputs and outputs, the router's
-  and the experts' inputs, the experts' gate/up outputs for the top-k, fp32 or the model's dtype), and the logits
-  with their gradient.
-- **Engine buffers** where the experts compute: on a GPU the slab's two blocks of a layer's experts (offload/slab.py);
-  on the CPU the disk tier's staging block.
+  in the model's dtype (4 x its bytes per parameter), or with `dense_optimizer_on_host` the weights and gradients
+  only (the fp32 masters and moments, 16 bytes per parameter with the gradient landed, in host memory); LoRA keeps
+  the frozen weights plus peft's adapters (fp32, as peft casts them) with their gradients and moments (16 bytes per
+  adapter parameter), or with `lora_in_store` the attention's only: the experts' factors and their state
+  live in the store and come up with their chunk, in the compute dtype.
+- **Activations** at the step's peak, part by part (hf_moe_offload/activations.py): the layer inputs checkpointing
+  keeps (or every layer's saved tensors), and the larger of the chunked LM loss's forward and one layer's backward
+  (its recompute, a streamed chunk's recomputed forward and its gradients twice).
+- **Engine buffers** where the experts compute: on a GPU the slab's two blocks (a whole layer's experts within a
+  quarter of the memory free when the engine binds, or `device_budget_bytes`: offload/plan.py), the stager's slots,
+  and the trained experts pinned there with their state within what the slab leaves; on the CPU the disk tier's
+  staging block.
 - **Bytes per step**, assuming every expert gets tokens (true of large batches): a device uploads every expert for the
   forward and again for the backward but the two chunks the slab still holds (quantized experts: their bytes); the
   disk tier reads each uncached expert once
@@ -36,13 +41,16 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .activations import LOSS_CHUNK_TOKENS, ActivationShape, Adapters, activation_parts
 from .errors import UserError
+from .estimate_stream import Stream, trained_disk_traffic
 from .offload.api import default_cache_experts, weights_only_row_dtype
 from .offload.planner import ADAM_BYTES_PER_PARAM, HEADROOM, MemoryEstimate, choose_tier, detect_budgets
+from .offload.plan import STAGE_MAX, clamp_depth, dense_on_host
 from .offload.quantized import EXPERT_STORAGES, QUANTIZED_STORAGES, store_quantization
-from .offload.plan import STAGE_MAX, clamp_depth, device_pin_count, pin_room, stage_chunk
-from .offload.slab import default_chunk, slab_nbytes
+from .offload.slab import slab_nbytes
 from .offload.store import ROW_GAP_BYTES
+from .runtime import aligned_nbytes
 from .time_model import DecodeTime, Rates, StepFlops, StepTime, decode_time, model_shape, step_flops, step_time
 
 METHODS = ("full", "lora", "lora-experts")
@@ -65,9 +73,18 @@ class Workload:
     host_cache_experts: int | None = None  # disk tier; None: a quarter of the experts (enable_expert_offload's)
     prefetch_depth: int = 2
     pin_fraction: float = 0.25  # OffloadConfig's: experts per layer kept resident (ES-MoE §4.3)
+    device_budget_bytes: int | None = None  # OffloadConfig's: the slab's and pins' room (None: a quarter of the free)
     device: str = "cuda"  # where the model computes: cuda (experts uploaded) or cpu
     gradient_checkpointing: bool = False  # transformers' activation checkpointing of the decoder layers
     micro_batches: int = 1  # per accumulation window (the host Adam steps once per window)
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # the chunked LM loss's chunk (0: the stock loss, full logits)
+    # lora-experts: the experts' LoRA factors and their Adam state live with the experts in the store, uploaded with
+    # their chunk in the compute dtype and stepped by the expert optimizer (else peft's, on the device)
+    lora_in_store: bool = False
+    # full: the non-expert weights' fp32 masters and Adam moments on the host, stepped there; the device holds their
+    # weights and gradients in the model's dtype. None: the engine's rule (offload/plan.py `dense_on_host`) at the
+    # device budget
+    dense_optimizer_on_host: bool | None = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -78,6 +95,13 @@ class Workload:
             raise UserError(f"--expert-storage {self.expert_storage} keeps frozen experts: use a LoRA method")
         if self.batch_size < 1 or self.seq_len < 1 or self.micro_batches < 1:
             raise UserError("batch size, sequence length and micro-batches must be at least 1")
+        if self.loss_chunk_tokens < 0:
+            raise UserError(f"loss chunk tokens must be >= 0 (0: the stock loss); got {self.loss_chunk_tokens}")
+        if self.lora_in_store and self.method != "lora-experts":
+            raise UserError("expert LoRA factors in the store need adapters on the experts: --method lora-experts")
+        if self.dense_optimizer_on_host and self.method != "full":
+            raise UserError("the dense optimizer on the host applies to a full fine-tune (--method full); LoRA "
+                            "trains adapters only")
 
     @property
     def frozen_experts(self) -> bool:
@@ -97,6 +121,10 @@ class TierNeeds:
     disk_read_bytes_per_step: int = 0
     disk_write_bytes_per_step: int = 0
     parts: dict[str, int] = field(default_factory=dict)  # what the figures are made of
+    activations: dict[str, int] = field(default_factory=dict)  # what the "activations" part is made of
+    chunk_gradient_bytes: int = 0  # one chunk of streamed experts' gradients on the device, in the backward
+    chunk_share: float = 0.0  # the share of a layer's experts whose forward one chunk's backward recomputes
+    device_parts: list[str] = field(default_factory=list)  # the parts on the GPU
     # the largest batch (sequences of seq_len) whose device figure fits the budget: without / with checkpointing
     largest_batch: dict[str, int] = field(default_factory=dict)
     time: StepTime | None = None  # on a GPU, where rates are given
@@ -161,7 +189,11 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     layer_experts = layouts[0].num_experts
     expert_params = n_experts * p
     non_expert = sum(t.numel() for t in model.parameters()) - expert_params
+    # the engine's rule where left to it (auto): at the device budget, as OffloadTrainer decides at bind
+    dense_host_on = not w.frozen_experts and dense_on_host(w.dense_optimizer_on_host, non_expert, w.dtype,
+                                                            device_budget, w.device == "cuda")
     shape = model_shape(model, config, layouts[0], layers)  # (before peft wraps the model below)
+    act_shape = ActivationShape.of(config, model, layers, n_experts)
     lora, lora_on_experts, lora_dense, lora_expert = _lora_params(model, w) if w.frozen_experts else (0, 0, [], [])
     item = w.dtype.itemsize
     quantization = (store_quantization(w.expert_storage, w.dtype, [t.shape for t in layouts[0].tensors])
@@ -186,50 +218,105 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
     cache = min(cache, n_experts)
 
     # The rest of the model: frozen weights + trained state
-    rest = non_expert * (4 * item if not w.frozen_experts else item) + lora * ADAM_BYTES_PER_PARAM
-    # LoRA on streamed experts: each forward takes the adapters' factors once, in the model's dtype, as inputs of the
-    # experts' pass (offload/expert_lora.py: LoraTerm.of), kept until the next forward
-    lora_factors = lora_on_experts * item
+    store_factors = lora_on_experts if w.lora_in_store else 0
+    factors = lora_on_experts // n_experts if w.lora_in_store else 0  # one expert's LoRA parameters
+    rest = {"non-expert weights": non_expert * item}
+    if dense_host_on:
+        rest["non-expert gradients"] = non_expert * item
+        dense_host = {"dense optimizer (fp32 masters, gradients, Adam moments)": non_expert * ADAM_BYTES_PER_PARAM}
+    else:
+        dense_host = {}
+        if not w.frozen_experts:
+            rest["non-expert gradients and Adam moments"] = 3 * non_expert * item
+    # peft's adapters on the device: fp32 weights, gradients and Adam moments; with the factors in the store, the
+    # attention's only
+    resident_lora = {"LoRA adapters (fp32 state)": lora * ADAM_BYTES_PER_PARAM} if lora else {}
+    lora_rest = {"LoRA adapters (fp32 state)": (lora - store_factors) * ADAM_BYTES_PER_PARAM} if lora else {}
+    # LoRA on streamed experts held by peft: each forward takes the adapters' factors once, in the model's dtype, as
+    # inputs of the experts' pass (offload/expert_lora.py: LoraTerm.of), kept until the next forward
+    lora_factors = (lora_on_experts - store_factors) * item
     keeps_graphs = not cuda and quantization is None  # OffloadConfig.keep_activations' default
-    acts = _activation_bytes(config, model, w, item, layers, n_experts, keeps_expert_graphs=keeps_graphs)
+    head = not w.frozen_experts  # the LM head is trained (its fp32 gradient is formed in the chunked loss)
+    tokens = w.batch_size * w.seq_len
+    # the trained parameters' gradients, counted all step in the rest of the model: the loss's forward has their room
+    gradient_bytes = non_expert * item if not w.frozen_experts else 0
+    # the input embedding's gradient is formed after every layer's backward (untied from the head)
+    embedding = model.get_input_embeddings().weight
+    tied = embedding is model.get_output_embeddings().weight
+    late = embedding.numel() * item if gradient_bytes and not tied else 0
+    adapters = Adapters(tuple(lora_dense[: len(lora_dense) // config.num_hidden_layers]), tuple(lora_expert),
+                        w.lora_r)
+    # (the device tier's experts are resident: their forward graphs are kept)
+    act_parts = activation_parts(act_shape, tokens, item, w.gradient_checkpointing, True,
+                                 w.loss_chunk_tokens, head, gradient_bytes=gradient_bytes, adapters=adapters,
+                                 late_gradient_bytes=late)
+    acts = sum(act_parts.values())
     upload = quantization.nbytes if quantization is not None else p * item  # one expert's upload
     staging = STAGE_MAX * p * item if not cuda else 0  # the disk tier's staging block on the CPU
+    # Present when the first forward binds the engine (the quarter of the free memory the slab and pins take is of
+    # what these leave): the weights and peft's adapters; gradients and moments come with the backward and the step
+    at_bind = non_expert * item + (lora - store_factors) * 4
 
     resident_experts = expert_params * (4 * item if not w.frozen_experts else item)
     tiers: dict[str, TierNeeds] = {}
-    tiers["device"] = _place(TierNeeds("device", 0, 0, 0, parts={
-        "experts (resident)": resident_experts, "rest of the model": rest, "activations": acts}), cuda)
+    tiers["device"] = _place(TierNeeds("device", 0, 0, 0, activations=act_parts, parts={
+        "experts (resident)": resident_experts, **rest, **resident_lora, **dense_host, "activations": acts}), cuda,
+        host_parts=tuple(dense_host))
     pins = 0
     for tier in ("host", "disk"):
         disk = tier == "disk"
-        stream = _Stream.of(w, layer_experts, layers, p, cache if disk else None, device_budget)
+        stream = Stream.of(w, layer_experts, layers, p, cache if disk else None, max(0, device_budget - at_bind))
         pins = stream.device_pins if tier == "host" else pins
-        parts = {("host cache" if disk else "expert store"): cache * (record + copy) if disk else host_store,
-                 "rest of the model": rest, "activations": acts}
+        # one chunk's expert gradients (trained experts) or LoRA factor gradients (factors in the store) on the device
+        grads = stream.chunk * (p if not w.frozen_experts else factors) * item if cuda else 0
+        share = (stream.chunk or 1) / layer_experts if not keeps_graphs else 0.0  # a recomputed chunk's experts
+        tier_acts = activation_parts(act_shape, tokens, item, w.gradient_checkpointing, keeps_graphs,
+                                     w.loss_chunk_tokens, head, chunk_gradient_bytes=grads,
+                                     gradient_bytes=gradient_bytes, chunk_share=share, adapters=adapters,
+                                     late_gradient_bytes=late)
+        store_part = "host cache" if disk else "expert store"
+        parts = {store_part: cache * (record + copy) if disk else host_store, **rest, **lora_rest, **dense_host,
+                 "activations": sum(tier_acts.values())}
+        if store_factors:
+            parts["expert LoRA factors (fp32 state, in the store)"] = store_factors * ADAM_BYTES_PER_PARAM
         if lora_factors:
             parts["LoRA factors (streamed pass)"] = lora_factors
         if cuda:
             parts["slab"] = stream.slab_bytes
+            # the stager's ring of device slots (offload/transfers.py DeviceStager): an expert at a time
+            parts["stager slots"] = (clamp_depth(w.prefetch_depth, cache if disk else None) + 1) * aligned_nbytes(
+                p, w.dtype)
+            if store_factors:  # uploaded with their chunk into the slab's two blocks' companions
+                parts["slab: LoRA factors"] = 2 * stream.chunk * factors * item
             if stream.device_pins:
                 parts["device pins (state)"] = stream.device_pins * p * (ADAM_BYTES_PER_PARAM + (copy // p))
         elif disk:
             parts["staging block"] = staging
-        needs = TierNeeds(tier, 0, 0, n_experts * record if disk else 0, parts=parts)
+        needs = TierNeeds(tier, 0, 0, n_experts * record if disk else 0, parts=parts, activations=tier_acts,
+                          chunk_gradient_bytes=grads, chunk_share=share)
         if cuda:
-            needs.h2d_bytes_per_step = int(stream.uploads(w.gradient_checkpointing, w.frozen_experts) * upload)
-            needs.d2h_bytes_per_step = (n_experts - stream.device_pins) * p * item if not w.frozen_experts else 0
+            # the dense optimizer on the host: the dense gradients down and the weights up once per window
+            dense_moved = non_expert * item // w.micro_batches if dense_host else 0
+            # the factors in the store go up with every chunk (no block keeps them); the experts' copies as the slab
+            # reuses them
+            needs.h2d_bytes_per_step = int(stream.uploads(w.gradient_checkpointing, w.frozen_experts) * upload
+                                           + stream.uploads(w.gradient_checkpointing) * factors * item) + dense_moved
+            needs.d2h_bytes_per_step = (n_experts - stream.device_pins) * (p if not w.frozen_experts else factors) * item
+            needs.d2h_bytes_per_step += dense_moved
         if disk:
             if w.frozen_experts:
                 sweeps = 3 if w.gradient_checkpointing else 2  # forward, the checkpoint's recompute, backward
                 needs.disk_read_bytes_per_step = sweeps * max(0, n_experts - cache) * record
             else:
-                needs.disk_read_bytes_per_step, needs.disk_write_bytes_per_step = _trained_disk_traffic(
+                needs.disk_read_bytes_per_step, needs.disk_write_bytes_per_step = trained_disk_traffic(
                     w, n_experts, layer_experts, layers, cache, row=4 * p)
-        tiers[tier] = _place(needs, cuda, host_parts=("host cache" if disk else "expert store",))
+        tiers[tier] = _place(needs, cuda, host_parts=(store_part, *dense_host,
+                                                      "expert LoRA factors (fp32 state, in the store)"))
 
     for needs in tiers.values():
-        needs.largest_batch = _largest_batch(config, model, w, item, layers, n_experts, keeps_graphs, needs,
-                                             device_budget)
+        share = needs.chunk_share
+        needs.largest_batch = _largest_batch(act_shape, w, item, keeps_graphs, head, gradient_bytes, share,
+                                             adapters, late, needs, device_budget)
 
     est = MemoryEstimate(expert_params, non_expert, n_experts, acts,
                          ADAM_BYTES_PER_PARAM if not w.frozen_experts else record / p)
@@ -243,6 +330,11 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
                 + (f"the largest batch that fits is {fits['without checkpointing']} without activation checkpointing"
                    f" and {fits['with checkpointing']} with it" if fits else "lower the batch")
                 + (" (--gradient-checkpointing)" if not w.gradient_checkpointing else ""))
+        engine = sum(tiers[auto].parts.get(k, 0) for k in ("slab", "device pins (state)"))
+        room = int(engine - over)
+        if engine and room >= slab_nbytes(2, p, w.dtype):  # two chunks of two: the smallest slab
+            why += (f"; or a smaller slab and fewer pins: --device-budget-mb {room // 2**20} (device_budget_bytes) "
+                    "leaves the step its room")
 
     host_over = tiers[auto].host_bytes - HEADROOM * host_budget
     if auto == "disk" and host_over > 0:
@@ -260,6 +352,8 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
         for needs in tiers.values():
             resident = needs.tier == "device"
             adam = 0 if resident or w.frozen_experts else (n_experts - pins) * p
+            if not resident:  # the options' host-stepped state: the dense optimizer, the experts' LoRA factors
+                adam += (non_expert if dense_host_on else 0) + store_factors
             # the disk tier's traffic, counted for every micro-batch (trained experts' write-backs come once per window:
             # with accumulation an upper bound)
             disk = needs.disk_read_bytes_per_step + needs.disk_write_bytes_per_step
@@ -276,65 +370,29 @@ def estimate(config, workload: Workload, device_budget: int | None = None, host_
                     device_budget=device_budget)
 
 
-@dataclass(frozen=True)
-class _Stream:
-    """How an offloaded tier streams the experts on a GPU, as the engine's plan binds it (offload/plan.py): the slab's experts per chunk and the trained experts whose state stays on the
-    device."""
-
-    layer_experts: int
-    layers: int
-    chunk: int  # the slab's k; 0: no slab (expert by expert through the stager, nothing reused)
-    device_pins: int
-    slab_bytes: int
-
-    @classmethod
-    def of(cls, w: Workload, layer_experts: int, layers: int, p: int, cache: int | None,
-           device_budget: int) -> _Stream:
-        if w.device != "cuda":
-            return cls(layer_experts, layers, 0, 0, 0)
-        budget = device_budget // 4  # the engine's default: a quarter of the device memory free at bind
-        depth = clamp_depth(w.prefetch_depth, cache)
-        k = default_chunk(layer_experts, p, w.dtype, budget, cache, depth)
-        pins = 0
-        if k and not w.frozen_experts:
-            pins = device_pin_count(w.pin_fraction, [layer_experts] * layers, pin_room(cache, depth, slab_experts=k),
-                                    p, w.dtype, budget, k)
-        return cls(layer_experts, layers, k, pins, slab_nbytes(k, p, w.dtype))
-
-    def uploads(self, checkpointing: bool, frozen: bool = False) -> float:
-        """Experts uploaded per step, every expert routed: the forward's, the checkpoint's recompute's, and the
-        backward's but those the slab's two blocks still hold where the backward starts (the forward's last two
-        chunks; with checkpointing, each layer's backward follows that layer's recompute, whose last two chunks it
-        reuses: ES-MoE §4.1's reverse order, and where a chunk is a whole layer the recompute of the last two layers
-        finds them from the forward). Frozen experts keep their versions from step to step, so the next forward
-        finds the two chunks the backward ended on (layer 0's first two) as well."""
-        per_layer = self.layer_experts - self.device_pins / self.layers  # the pins are spread over the layers
-        total = per_layer * self.layers
-        if not self.chunk:
-            return (3 if checkpointing else 2) * total
-        k = self.chunk
-        rest = per_layer % k if per_layer > k else 0
-        last_two = min(per_layer, k + (rest or k))  # a layer's last two chunks
-        held = last_two if per_layer > k else min(total, 2 * per_layer)  # a chunk is a layer at most
-        first_two = min(per_layer, 2 * k) if per_layer > k else held
-        next_forward = first_two if frozen else 0
-        if checkpointing:  # the recompute runs a layer's chunks in forward order: it finds only whole layers
-            return 2 * total + (total - self.layers * last_two) - (0 if per_layer > k else held) - next_forward
-        return 2 * total - held - next_forward
-
-
-def _largest_batch(config, model, w: Workload, item: int, layers: int, n_experts: int, keeps_graphs: bool,
-                   needs: TierNeeds, device_budget: int) -> dict[str, int]:
+def _largest_batch(act_shape: ActivationShape, w: Workload, item: int, keeps_graphs: bool, head: bool,
+                   gradient_bytes: int, share: float, adapters: Adapters, late: int, needs: TierNeeds,
+                   device_budget: int) -> dict[str, int]:
     """The largest batch of `w.seq_len`-token sequences whose device figure fits the budget, without and with
-    activation checkpointing: the activations grow with the batch, the rest does not."""
+    activation checkpointing: the activations grow with the batch (the loss's chunk up to its size), the rest does
+    not."""
     if w.device != "cuda":
         return {}
     fixed = needs.device_bytes - needs.parts["activations"]
+    room = HEADROOM * device_budget - fixed
     out = {}
     for label, ckpt in (("without checkpointing", False), ("with checkpointing", True)):
-        one = dataclasses.replace(w, batch_size=1, gradient_checkpointing=ckpt)
-        per_sequence = _activation_bytes(config, model, one, item, layers, n_experts, keeps_graphs)
-        out[label] = max(0, int((HEADROOM * device_budget - fixed) // per_sequence))
+        def acts(b: int) -> int:
+            return sum(activation_parts(act_shape, b * w.seq_len, item, ckpt, keeps_graphs, w.loss_chunk_tokens,
+                                        head, needs.chunk_gradient_bytes, gradient_bytes, share,
+                                        adapters, late).values())
+        lo, hi = 0, 1
+        while acts(hi) <= room:  # the activations grow with the batch: double, then bisect
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if acts(mid) <= room else (lo, mid)
+        out[label] = lo
     return out
 
 
@@ -346,38 +404,13 @@ def needs_checkpointing(config, workload: Workload, tier: str, device_budget: in
     return est.tiers[tier].device_bytes > HEADROOM * device_budget
 
 
-def _trained_disk_traffic(w: Workload, n_experts: int, layer_experts: int, layers: int, cache: int,
-                          row: int) -> tuple[int, int]:
-    """Bytes the disk tier reads and writes per step for trained experts, every expert used. ES-MoE's minimum
-    (benchmarks/offload.py::minimum_bytes) keeps the same `cache` records all step: each of the u = E - C others is
-    read for the forward (weights) and the backward (weights, two moments: the gradient row never leaves the host)
-    and written after its step (3 rows). The engine's cache follows the schedule (Belady, offload/eviction.py), so it
-    holds different records at the two turnarounds: the m = min(C - pins, u) records the backward starts with (the
-    forward's last) hold only their weights and read their two moments (2 rows each), and the m records the backward
-    leaves dirty are hit by the next forward and then written back (3 rows each) to make room for its reads, where
-    the minimum would keep them. Pins stay (ES-MoE §4.3), so m shrinks with them: at most `pin_fraction` of each
-    layer's experts, within the room the engine's plan leaves beside the reads ahead and the staged or slab chunks
-    (offload/plan.py `pin_room`)."""
-    depth = clamp_depth(w.prefetch_depth, cache)
-    if w.device == "cuda":  # the slab's two chunks of up to a layer's experts
-        room = pin_room(cache, depth, slab_experts=default_chunk(layer_experts, 0, w.dtype, None, cache, depth))
-    else:  # the staging block's two chunks, where the cache holds half the experts
-        room = pin_room(cache, depth, stage_experts=stage_chunk(cache, depth, n_experts))
-    pins = min(layers * math.ceil(w.pin_fraction * layer_experts), room)
-    u = max(0, n_experts - cache)
-    m = min(cache - pins, u)
-    # Activation checkpointing: the recompute reads each uncached expert's weights once more, at least (a floor: the
-    # cache's turnover around it is not modelled; docs/estimate.md gives what runs measured)
-    recompute = u if w.gradient_checkpointing else 0
-    return (4 * u + 2 * m + recompute) * row, (3 * u + 3 * m) * row
-
-
 def _place(needs: TierNeeds, cuda: bool, host_parts: tuple[str, ...] = ()) -> TierNeeds:
     """Sum the parts into device and host bytes: on a GPU what is not a host part is on the device; on the CPU
     everything is host memory (the device is the host)."""
     for name, nbytes in needs.parts.items():
         if cuda and name not in host_parts:
             needs.device_bytes += nbytes
+            needs.device_parts.append(name)
         else:
             needs.host_bytes += nbytes
     return needs
@@ -426,52 +459,10 @@ def _lora_params(model, w: Workload) -> tuple[int, int, list[tuple[int, int]], l
     return total, on_experts, dense, on_expert
 
 
-def _activation_bytes(config, model, w: Workload, item: int, moe_layers: int, num_experts: int,
-                     keeps_expert_graphs: bool) -> int:
-    """What a training step keeps for backward, counted per token the way transformers' decoder layers and this
-    package's MoE path save it (`item`: the model dtype's bytes; the RMS norms compute in fp32), per layer:
-
-    - two RMSNorms: their fp32 input and normalized copies and their output, 2 h (8 + item); the per-head q/k norms
-      where the family has them (Qwen3, OLMoE, ...), (q + kv) (8 + item);
-    - q, k, v and the rotary embedding's products, 3 (q + kv) item; the attention output and o_proj's input, 2 q item
-      (SDPA keeps no score matrix); the residual stream, 2 h item;
-    - an MoE layer: the router's fp32 logits and probabilities, 2 E 4; the token's top-k copies for the experts, their
-      outputs and the weighted outputs, 3 k h item; where the engine keeps the experts' graphs (computing on the CPU
-      from unquantized weights, `OffloadConfig.keep_activations`) their gate/up and activation outputs, 3 k I item;
-      a dense layer's FFN the same for its width;
-
-    plus the logits in fp32 with their log-softmax and gradient, 3 V 4. With activation checkpointing, each decoder
-    layer keeps its input (h item) and one layer's activations exist at a time, in its recompute. (At Qwen3-30B-A3B's shape, 4 layers, what
-    autograd saved beyond the parameters was less than this counts; the process's RSS grew more, by glibc keeping
-    freed memory: benchmarks/RESULTS.md, real_shape_lora.)"""
-    tokens = w.batch_size * w.seq_len
-    h = config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    q = heads * head_dim
-    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    qk_norm = any(name.endswith(("q_norm", "k_norm")) for name, _ in model.named_modules())
-    inter = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None) or 4 * h
-    dense_inter = getattr(config, "intermediate_size", None) or inter
-    k = (getattr(config, "num_experts_per_tok", None) or getattr(config, "num_experts_per_token", None)
-         or getattr(config, "moe_top_k", None) or getattr(config, "top_k", None) or 2)
-    per_layer = (2 * h * (8 + item) + (q + kv) * (8 + item if qk_norm else 0) + 3 * (q + kv) * item
-                 + 2 * q * item + 2 * h * item)
-    moe = 2 * num_experts // max(1, moe_layers) * 4 + 3 * k * h * item + (3 * k * inter * item if keeps_expert_graphs
-                                                                          else 0)
-    dense = 3 * dense_inter * item
-    layers = config.num_hidden_layers
-    logits = 3 * tokens * config.vocab_size * 4
-    if w.gradient_checkpointing:
-        # each layer keeps its input only; the backward recomputes one layer's activations at a time
-        return tokens * (layers * h * item + per_layer + (moe if moe_layers else dense)) + logits
-    per_token = layers * per_layer + moe_layers * moe + (layers - moe_layers) * dense
-    return tokens * per_token + logits
-
-
 # OffloadConfig's fields that are flags of `estimate` (and Workload's fields of the same names), generated from the
 # fields (hf_moe_offload.flags: name, type, choices and help as `train`'s; the CLI is estimate_cli.py).
-FLAG_FIELDS = ("expert_storage", "host_cache_experts", "pin_fraction")
+FLAG_FIELDS = ("expert_storage", "host_cache_experts", "pin_fraction", "device_budget_bytes", "lora_in_store",
+               "dense_optimizer_on_host")
 
 
 __all__ = ["Estimate", "FLAG_FIELDS", "TierNeeds", "Workload", "estimate", "meta_model", "needs_checkpointing"]

@@ -10,6 +10,7 @@ import torch
 
 from . import estimate as estimate_module  # late-bound: `estimate.estimate` patched in tests is the one run
 from .errors import UserError
+from .activations import LOSS_CHUNK_TOKENS
 from .estimate import FLAG_FIELDS, METHODS, Estimate, Workload
 from .flags import add_dataclass_arguments, dataclass_values
 from .offload.config import OffloadConfig
@@ -40,6 +41,8 @@ def add_cli(sub) -> None:
                         "recomputes the rest in the backward (less device memory, one more forward)")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="micro-batches per optimizer step (gradient accumulation): the host Adam steps once per window")
+    p.add_argument("--loss-chunk-tokens", type=int, default=LOSS_CHUNK_TOKENS,
+                   help="tokens per chunk of the LM loss, as `train` takes it (0: the stock loss, every token's logits)")
     offload = p.add_argument_group("expert offload (OffloadConfig's fields, as `train` takes them)")
     add_dataclass_arguments(offload, OffloadConfig, names=FLAG_FIELDS, notes={
         "expert_storage": "estimate: with --method lora or lora-experts",
@@ -60,6 +63,10 @@ def add_cli(sub) -> None:
                            "AdamW, the package's host Adam, pinned copies both ways) and predict the step from those "
                            "rates instead of peak x efficiency: on the GPU where torch sees one, else on the CPU "
                            "(a CPU step, not a GPU's); --method full, host and device tiers (docs/estimate.md)")
+    p.add_argument("--gpu-sizes", help="comma-separated GPU memory sizes in GB (e.g. 12,24,48,80): print the largest "
+                                       "batch that fits each, per method (full, full with the dense optimizer on the "
+                                       "host, LoRA on every expert with its factors on the GPU or in the store) and "
+                                       "tier; LoRA's experts stored as --expert-storage (auto: nf4)")
     p.add_argument("--json", help="also write the estimate to this file")
     p.set_defaults(func=run_cli)
 
@@ -77,7 +84,8 @@ def run_cli(args) -> int:
         device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
     w = Workload(method=args.method, dtype=dtype, batch_size=args.batch_size, seq_len=args.seq_len,
                  lora_r=args.lora_r, device=device, gradient_checkpointing=args.gradient_checkpointing,
-                 micro_batches=args.micro_batches, **dataclass_values(OffloadConfig, args, names=FLAG_FIELDS))
+                 micro_batches=args.micro_batches, loss_chunk_tokens=args.loss_chunk_tokens,
+                 **dataclass_values(OffloadConfig, args, names=FLAG_FIELDS))
     gb = 1e9
     gpu_memory = args.gpu_memory or (GPUS[args.gpu].memory_gb if args.gpu else None)
     rates = (resolve_rates(args.gpu, args.gpu_tflops, args.gpu_efficiency, args.pcie_gbps, args.host_adam_gps,
@@ -99,6 +107,23 @@ def run_cli(args) -> int:
         print(render_measured(est, m, steps))
         out["measured"] = dataclasses.asdict(m)
         out["measured_steps"] = {tier: dataclasses.asdict(st) for tier, st in steps.items()}
+    if args.gpu_sizes:
+        from .batch_fit import largest_batches
+        from .batch_fit import render as render_fits
+
+        try:
+            sizes = [float(x) for x in args.gpu_sizes.split(",")]
+        except ValueError:
+            raise UserError(f"--gpu-sizes takes GB numbers separated by commas, e.g. 12,24,48,80; got "
+                            f"{args.gpu_sizes!r}") from None
+        if device != "cuda" or any(gb <= 0 for gb in sizes):
+            raise UserError("--gpu-sizes needs --device cuda and sizes above 0 GB")
+        storage = w.expert_storage if w.expert_storage in QUANTIZED_STORAGES else "nf4"
+        fits = largest_batches(config, w, sizes, lora_storage=storage)
+        print("\nlargest batch per GPU size (" + f"LoRA r={w.lora_r}, {storage} experts; "
+              + "predicted):")
+        print("\n".join(render_fits(fits, w.seq_len)))
+        out["largest_batch"] = [dataclasses.asdict(f) for f in fits]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
@@ -127,6 +152,12 @@ def render(est: Estimate) -> str:
         lines.append(f"{t.tier:<8}{gib(t.device_bytes):>14}{gib(t.host_bytes):>14}{gib(t.disk_bytes):>14}"
                      f"{gib(t.h2d_bytes_per_step):>16}{gib(t.d2h_bytes_per_step):>16}"
                      f"{gib(t.disk_read_bytes_per_step):>16}{gib(t.disk_write_bytes_per_step):>17}")
+    host = est.tiers["host"]
+    if host.activations:
+        lines += ["", "host tier's GPU parts: " + ", ".join(f"{k} {host.parts[k] / 1e9:,.2f} GB"
+                                                          for k in host.device_parts if k != "activations"),
+                  "  activations " + f"{host.parts['activations'] / 1e9:,.2f} GB = " + " + ".join(
+                      f"{k} {v / 1e9:,.2f}" for k, v in host.activations.items())]
     lines += ["", f"mode='auto' picks: {est.auto} ({est.auto_reason})"]
     if w.device == "cuda":
         lines.append(f"largest batch (x {w.seq_len} tokens) within {est.device_budget / 1e9:.0f} GB of GPU memory: "

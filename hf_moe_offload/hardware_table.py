@@ -32,17 +32,20 @@ HOST_BUDGET = 2**40  # only mode='auto' reads it, and the page does not print au
 SEQ_LEN = 2048
 BATCH = 1
 LORA_R = 8
-# (label, estimate's method, expert storage)
-METHODS = (("full fine-tune", "full", "auto"),
-           ("LoRA, bf16 experts", "lora-experts", "bf16"),
-           ("LoRA, nf4 experts", "lora-experts", "nf4"))
+# (label, estimate's method, expert storage, the options: the dense optimizer on the host, the experts' LoRA factors
+# in the store)
+METHODS = (("full fine-tune", "full", "auto", {}),
+           ("full, dense optimizer on the host", "full", "auto", {"dense_optimizer_on_host": True}),
+           ("LoRA, bf16 experts", "lora-experts", "bf16", {}),
+           ("LoRA, nf4 experts", "lora-experts", "nf4", {}),
+           ("LoRA, nf4 experts, factors in the store", "lora-experts", "nf4", {"lora_in_store": True}))
 TIERS = ("host", "disk")
 GiB = 2**30
 
 
-def _workload(method: str, storage: str) -> Workload:
+def _workload(method: str, storage: str, options: dict) -> Workload:
     return Workload(method=method, expert_storage=storage, dtype=torch.bfloat16, batch_size=BATCH, seq_len=SEQ_LEN,
-                    lora_r=LORA_R, device="cuda", gradient_checkpointing=True)
+                    lora_r=LORA_R, device="cuda", gradient_checkpointing=True, **options)
 
 
 def estimates(names: list[str] | None = None) -> dict[str, list[tuple[str, Estimate]]]:
@@ -55,8 +58,9 @@ def estimates(names: list[str] | None = None) -> dict[str, list[tuple[str, Estim
         for name in names:
             config = SHAPES[name].config()
             out[name] = []
-            for label, method, storage in METHODS:
-                out[name].append((label, estimate(config, _workload(method, storage), device_budget=device_budget,
+            for label, method, storage, options in METHODS:
+                out[name].append((label, estimate(config, _workload(method, storage, options),
+                                                  device_budget=device_budget,
                                                   host_budget=HOST_BUDGET, rates=rates)))
                 bar.update()
     return out
@@ -95,7 +99,12 @@ def render(names: list[str] | None = None) -> str:
         f"experts); \"no\" under *fits* where it exceeds {HEADROOM:.0%} of the {gpu.memory_gb:g} GB (the estimate's "
         "budget rule): lower the batch, use LoRA, or use a larger GPU. Host: the expert store (host tier) or the "
         "disk tier's host cache (a quarter of the experts); the process itself (~0.5 GiB) is not counted. Disk: the "
-        "disk tier's expert files.",
+        "disk tier's expert files. *Largest batch*: the most sequences of "
+        f"{SEQ_LEN:,} tokens per micro-batch whose GPU figure fits (with checkpointing).",
+        "- Options: *dense optimizer on the host* keeps the non-expert weights' fp32 masters and Adam moments in host "
+        "memory (the GPU holds their bf16 weights and gradients); *factors in the store* keeps the experts' LoRA "
+        "factors and their Adam state with the experts, uploaded with their chunk (the GPU holds the attention's "
+        "adapters only). `estimate --dense-optimizer-on-host on`, `--lora-in-store on`.",
         "- Step: seconds per optimizer step, the largest of the GPU compute, PCIe, host Adam and disk floors "
         "(*bound by*); a floor, not a forecast of the measured step.",
         "",
@@ -113,14 +122,15 @@ def render(names: list[str] | None = None) -> str:
             f"in {first.moe_layers} layers), {first.non_expert_params / 1e9:,.2f} B other"
             + (f"; LoRA r={LORA_R}: {lora / 1e6:,.1f} M" if lora else "") + f". Config: {SHAPES[name].source}",
             "",
-            "| method | tier | GPU GiB | fits | host GiB | disk GiB | step s | tokens/s | bound by |",
-            "|---|---|---:|---|---:|---:|---:|---:|---|",
+            "| method | tier | GPU GiB | fits | largest batch | host GiB | disk GiB | step s | tokens/s | bound by |",
+            "|---|---|---:|---|---:|---:|---:|---:|---:|---|",
         ]
         for label, est in rows:
             for tier in TIERS:
                 t = est.tiers[tier]
                 lines.append(
                     f"| {label} | {tier} | {_gib(t.device_bytes)} | {'yes' if t.device_bytes <= budget else 'no'} "
+                    f"| {t.largest_batch['with checkpointing']} "
                     f"| {_gib(t.host_bytes)} | {_gib(t.disk_bytes)} | {t.time.window_s:,.2f} "
                     f"| {_rate(t.time.tokens_per_s)} | {t.time.binding} |")
         lines.append("")
