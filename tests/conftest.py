@@ -13,8 +13,16 @@ SLOW_SECONDS = 10.0
 # The edit loop (`pytest -m quick`, under 3 minutes on 2 cores): per test file, the tests that make up its quick
 # share, by function name (every parametrization) or by full name with its id. A file not listed contributes its
 # first test that is not `slow`, so a new file is in the loop without an entry here.
+# Listed where the first test pays for a large fixture or sweeps every family (a run of `-m quick` with `--durations`
+# finds them).
 QUICK = {
-    # filled below from the measured durations
+    "test_adapter_export.py": ("test_import_refuses_separate_gate_and_up_lora_a",),
+    "test_device_generation.py": ("test_generate_command_on_the_device",),
+    "test_device_slab.py": ("test_the_slab_takes_a_quarter_of_the_free_device_memory",),
+    "test_families.py": ("test_unservable_experts_fail_with_the_family_and_the_missing_piece",),
+    "test_import_graph.py": ("test_no_import_cycles",),
+    "test_model_shapes.py": ("test_an_unknown_name_fails_with_the_way_out",),
+    "test_routing.py": ("test_load_balancing_loss_counts_whenever_its_coefficient_is_set",),
 }
 
 
