@@ -12,7 +12,8 @@ SLOW_SECONDS = 10.0
 
 # The edit loop (`pytest -m quick`, under 3 minutes on 2 cores): per test file, the tests that make up its quick
 # share, by function name (every parametrization) or by full name with its id. A file not listed contributes its
-# first test that is not `slow`, so a new file is in the loop without an entry here.
+# first test that is not `slow`, so a new file is in the loop without an entry here (a file of slow tests only is
+# collected, its imports checked, and runs nothing).
 # Listed where the first test pays for a large fixture or sweeps every family (a run of `-m quick` with `--durations`
 # finds them).
 QUICK = {
