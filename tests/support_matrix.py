@@ -102,16 +102,19 @@ def fixed(module: str, test: str, family: str, marker: str, helper: str | None =
 def simulated(suite: str, candidates: Callable[[], list[str]],
               test_name: Callable[[str], str]) -> Callable[[], list[str]]:
     """The families of `candidates` whose test (named by `test_name(family)`) the simulated-device suite `suite`
-    selects (tests/test_simulated_device.py's SUITES: files, node ids, `-k` expressions, matched as pytest does)."""
+    selects (tests/test_simulated_device.py's SUITES: files, node ids, `-k` expressions and `--deselect` prefixes,
+    matched as pytest does)."""
     def families() -> list[str]:
         args = importlib.import_module("test_simulated_device").SUITES[suite]
-        targets = [a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] != "-k")]
+        valued = ("-k", "--deselect")
+        targets = [a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] not in valued)]
         keyword = args[args.index("-k") + 1] if "-k" in args else None
+        deselected = tuple(args[i + 1] for i, a in enumerate(args) if a == "--deselect")
         out = []
         for family in candidates():
             node = test_name(family)  # "tests/test_x.py::test_name[id]"
             path, _, name = node.partition("::")
-            if not any(t == path or node.startswith(t) for t in targets):
+            if not any(t == path or node.startswith(t) for t in targets) or (deselected and node.startswith(deselected)):
                 continue
             if keyword is not None and not Expression.compile(keyword).evaluate(lambda s: s.lower() in name.lower()):
                 continue

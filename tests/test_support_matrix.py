@@ -54,13 +54,14 @@ def test_evidence_that_outlives_its_test_is_refused():
 
 
 def test_simulated_suites_select_as_pytest_does(monkeypatch):
-    """The `-k` expression of a suite is evaluated on each test's name (pytest's own expression parser), and a suite
-    that lists files or node ids selects only those."""
+    """The `-k` expression of a suite is evaluated on each test's name (pytest's own expression parser), a suite
+    that lists files or node ids selects only those, and a `--deselect` prefix leaves its tests out."""
     import test_simulated_device
 
     monkeypatch.setattr(test_simulated_device, "SUITES", {
         "k": ["tests/test_families.py", "-k", "(qwen3_moe or gpt_oss) and not disk"],
         "node": ["tests/test_x.py::test_one[2]"],
+        "deselect": ["tests/test_x.py", "--deselect", "tests/test_x.py::test_one[3]"],
     })
     name = "tests/test_families.py::test_family_offloaded_equals_stock[{}-{}]".format
     candidates = lambda: ["qwen3_moe", "gpt_oss", "mixtral"]  # noqa: E731
@@ -69,6 +70,8 @@ def test_simulated_suites_select_as_pytest_does(monkeypatch):
     assert simulated("k", candidates, lambda f: f"tests/test_other.py::test_{f}")() == []
     assert simulated("node", lambda: [MOE_GPT], lambda f: "tests/test_x.py::test_one[2]")() == [MOE_GPT]
     assert simulated("node", lambda: [MOE_GPT], lambda f: "tests/test_x.py::test_one[3]")() == []
+    assert simulated("deselect", lambda: [MOE_GPT], lambda f: "tests/test_x.py::test_one[2]")() == [MOE_GPT]
+    assert simulated("deselect", lambda: [MOE_GPT], lambda f: "tests/test_x.py::test_one[3]")() == []
 
 
 def test_every_evidence_names_a_test_that_exists():
