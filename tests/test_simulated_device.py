@@ -94,6 +94,25 @@ def test_a_read_through_a_temporary_view_is_remembered():
     rt.access(block[0], write=True, stream=HOST)
 
 
+def test_a_write_to_some_rows_leaves_the_others_of_a_larger_record_alone():
+    """`track_views`: an upload reads a run of rows at once (one record for the run, kept while the block lives); a
+    later write on compute into one row, not yet ordered before the host, makes a host write into that row a
+    conflict, but not a host write into another row of the run (the expert optimizer writing one expert while the
+    device pins send another home)."""
+    rt = SimulatedRuntime(seed=1, max_delay=0.05, track_views=True)
+    side = rt.new_stream()
+    block = rt.pinned_empty((3, 4), torch.float32)
+    dst = rt.empty((2, 4), torch.float32, stream=side, persistent=True)
+    rt.copy_(dst, block[0:2], side)  # one record for rows 0-1, beside the block's
+    rt.record(side).synchronize()
+    rt.copy_(block[0], rt.empty((4,), torch.float32, persistent=True))  # compute writes row 0
+    rt.access(block[1], write=True, stream=HOST)  # another row of the run: no conflict
+    with pytest.raises(HappensBeforeError, match="not ordered after its write on"):
+        rt.access(block[0], write=True, stream=HOST)
+    rt.record().synchronize()
+    rt.access(block[0], write=True, stream=HOST)
+
+
 def test_memory_a_live_tensor_moved_off_is_judged_afresh():
     """`track_views` follows a view's base; a base moved to other memory (`set_`) leaves its old bytes to whatever the
     allocator hands them to next, and that tensor's accesses are not judged by the moved base's past writes. (Skips

@@ -110,18 +110,17 @@ class _Buffer:
 
 class SimulatedRuntime(DeviceRuntime):
     """See the module docstring. `seed` fixes the delays; `delay_fn(stream_name, op_name) -> seconds` adds more;
-    `free_memory`: the device memory it reports free (None: unbounded). `track_views`: remember an access made
-    through a view for as long as the view's base lives, not only while the view object does (stricter: catches a
-    host write into bytes an upload read through a temporary view; not yet the default: the optimizer suite under it
-    raised once in CI on a worker's host write against a (6, P) write on compute and did not again in three runs of
-    the pipelining and optimizer suites (one cut short); a conflict's message names the code on each side)."""
+    `free_memory`: the device memory it reports free (None: unbounded). `track_views` (default): remember an access
+    made through a view for as long as the view's base lives, not only while the view object does (catches a host
+    write into bytes an upload read through a temporary view); an access then updates only the records within its
+    bytes. False: the older, coarser tracking. A conflict's message names the code on each side."""
 
     name = "simulated"
     asynchronous = True
 
     def __init__(self, seed: int = 0, max_delay: float = 0.002,
                  delay_fn: Callable[[str, str], float] | None = None, free_memory: int | None = None,
-                 track_views: bool = False):
+                 track_views: bool = True):
         self.seed = seed
         self.track_views = track_views
         self._free_memory = free_memory
@@ -343,7 +342,14 @@ class SimulatedRuntime(DeviceRuntime):
                     f"{info.name} was allocated for stream {info.alloc} and is used on {who} without "
                     "record_stream: the caching allocator could hand its memory out again while it is still in use"
                 )
+        start, end = infos[0].span
         for info in infos:
+            # With `track_views` every record lives as long as its memory, so an access updates its own record and
+            # those within its bytes only: a larger one (a run of rows an upload read at once) keeps its history for
+            # its other bytes, and a later access to these bytes meets this access's record. Without it a view's
+            # record dies with the view, and the larger records carry the access on (coarser: any of their bytes).
+            if self.track_views and info is not infos[0] and not (start <= info.span[0] and info.span[1] <= end):
+                continue
             if write:
                 info.last_write, info.reads = (who, pos), {}
             else:
