@@ -45,6 +45,7 @@ class _Engine:
     def __init__(self, store, numel):
         from hf_moe_offload.layouts import ExpertLayout, ExpertTensor
         from hf_moe_offload.offload.ledger import UpdateLedger
+        from hf_moe_offload.offload.lora_store import LoraStore
         from hf_moe_offload.offload.updates import ExpertUpdates
 
         self.store = store
@@ -52,6 +53,7 @@ class _Engine:
         layout = ExpertLayout([ExpertTensor("w", (numel,), True)], len(store), None)
         self.layers = [type("L", (), {"layout": layout})()]
         self.ledger = UpdateLedger()  # the optimizer's hooks and pending updates, as the engine keeps them
+        self.lora = LoraStore()  # no LoRA factors in this store
         self.updates = ExpertUpdates(self)  # what the optimizer sees of an engine (offload/updates.py)
 
     device_pins = None
