@@ -35,6 +35,15 @@ class ExpertUpdates:
     def ledger(self) -> UpdateLedger:
         return self._engine.ledger
 
+    @property
+    def lora(self):
+        """The experts' LoRA factors kept in the store (`OffloadConfig.lora_in_store`; offload/lora_store.py)."""
+        return self._engine.lora
+
+    @property
+    def lora_in_store(self) -> bool:
+        return self._engine.config.lora_in_store
+
     def layout(self, layer: int) -> ExpertLayout:
         return self._engine.layers[layer].layout
 

@@ -124,7 +124,7 @@ class ExpertOptimizerCallback(TrainerCallback):
             self._dense.attach(self.expert_optimizer)
         last = _TRAINED_WITH.get(engine)
         if resume is None and last is not None and last() is not inner and (engine.store.trainable
-                                                                              or engine.config.lora_in_store):
+                                                                              or engine.updates.lora_in_store):
             if engine.updates.shared:  # NOTE: ranks share the store; one reset would need a collective
                 logger.warning("ExpertOptimizerCallback: a new Trainer under expert parallelism: the experts' Adam "
                                "state continues from the earlier run (not reset across ranks)")
@@ -132,7 +132,7 @@ class ExpertOptimizerCallback(TrainerCallback):
                 engine.synchronize()
                 if engine.store.trainable:
                     engine.store.reset_optimizer_state()
-                engine.lora.reset_optimizer_state()
+                engine.updates.lora.reset_optimizer_state()
                 logger.info("ExpertOptimizerCallback: a new Trainer's optimizer: the experts' Adam state starts "
                             "afresh")
         if inner is not None:

@@ -82,7 +82,7 @@ class ExpertOptimizer:
         if engine.store is None:
             raise ValueError("ExpertOptimizer needs offloaded experts (mode host or disk); on the device tier use "
                              "the ordinary optimizer")
-        if not engine.store.trainable and not engine.config.lora_in_store:
+        if not engine.store.trainable and not engine.updates.lora_in_store:
             raise ValueError("these experts were offloaded frozen (OffloadConfig(train_experts=False)): their store "
                              "holds weights only, no gradient or Adam state; offload with train_experts=True to "
                              "train them (or with lora_in_store=True to step their LoRA factors here)")
@@ -113,7 +113,7 @@ class ExpertOptimizer:
                                 self.updates.ledger.set_pending, self.updates.optimizer_threads)
         self._records = StoreSteps(self.updates, self._queue)
         self._norms = GradNorms(self._records)
-        self._lora = LoraSteps(engine.lora)  # the experts' LoRA factors kept in the store (lora_in_store)
+        self._lora = LoraSteps(engine.updates.lora)  # the experts' LoRA factors kept in the store (lora_in_store)
         # Removed by `close()`: a later optimizer on the same model (a second Trainer, `train()` again) must not find
         # this one's hooks still taking gradients.
         ledger = self.updates.ledger
