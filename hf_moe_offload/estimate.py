@@ -25,7 +25,7 @@ for LoRA, peft's own adapters (peft builds them on the meta device too). The acc
   forward and again for the backward but the two chunks the slab still holds (quantized experts: their bytes); the
   disk tier reads each uncached expert once
   per sweep (frozen: forward and backward, weights only; trained: ES-MoE's minimum, `benchmarks/offload.py`, plus
-  what the engine's schedule-following cache turns over between the sweeps, `_trained_disk_traffic`).
+  what the engine's schedule-following cache turns over between the sweeps, `estimate_stream.trained_disk_traffic`).
 
 Process overhead (the Python interpreter, torch and transformers: ~0.5 GB of RSS) is not counted: the host figures
 are what the run adds. They are what the process holds; its RSS reaches them where malloc returns freed blocks
