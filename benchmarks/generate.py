@@ -43,9 +43,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig  # noq
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from hf_moe_offload import OffloadConfig  # noqa: E402
-from hf_moe_offload.moe_path import experts_layers, find_experts_modules, get_moe_path  # noqa: E402
+from hf_moe_offload.families.moe_path import experts_layers, find_experts_modules, get_moe_path  # noqa: E402
 from hf_moe_offload.offload.api import _router, get_offload_engine  # noqa: E402
-from hf_moe_offload.offload.inference import DecodeCache, PreGate  # noqa: E402
+from hf_moe_offload.offload.inference.policies import DecodeCache, PreGate  # noqa: E402
 from hf_moe_offload.offload.telemetry import OffloadStats  # noqa: E402
 from hf_moe_offload.offload.checkpoint import load_offloaded_pretrained  # noqa: E402
 from hf_moe_offload.runtime import aligned_nbytes  # noqa: E402
@@ -110,7 +110,7 @@ def make_prompt(model_path: str | None, vocab: int, n: int) -> torch.Tensor:
 # The first variant of each list is the resident baseline.
 CPU_VARIANTS = ["resident", "accelerate disk", "ours disk, mapped (default)", "ours disk, cache",
                 "ours disk, cache + pre-gating"]
-# On a device: ours with the device expert cache (offload/device_cache.py) holding 0, 1/4, 1/2 of the experts.
+# On a device: ours with the device expert cache (offload/inference/device_cache.py) holding 0, 1/4, 1/2 of the experts.
 DEVICE_VARIANTS = ["resident", "accelerate cpu", "accelerate disk"] + [
     f"ours {tier}, device cache {share}" for tier in ("host", "disk") for share in ("0", "1/4", "1/2")]
 

@@ -13,7 +13,7 @@ of the same invocation), after one warm-up step:
 - host: experts offloaded to host memory (ES-MoE), bf16 compute copies uploaded through the slab, the expert-wise Adam
   on the host overlapped with backward (`ExpertAwareOptimizer(AdamW(fused=True), ExpertOptimizer)`);
 - host-pin: the same with ES-MoE's pinning (`pin_fraction=0.25`, the default): each layer's most-loaded quarter
-  keeps its whole state on the GPU and steps there (offload/device_pins.py), within the device budget;
+  keeps its whole state on the GPU and steps there (offload/pins/device_pins.py), within the device budget;
 - host-fp32: the host variant with fp32 weights uploaded (autocast casts them on the GPU);
 - ds-zero2: DeepSpeed ZeRO-2, `offload_optimizer: cpu` (CPU-Adam), bf16; ds-zero3: ZeRO-3 with `offload_param` too,
   the model partitioned to host memory before the engine is made (`deepspeed.zero.Init(module=...)`: otherwise the
@@ -34,7 +34,7 @@ up for its forward and once more for its backward, its gradient down once, in bf
 moves, host Adam seconds per step (ours: the expert steps' busy time), peak GPU memory. The floors measured in the same run: the resident step, the host Adam over the expert parameters (torch's fused CPU
 AdamW), the transfers at the measured H2D bandwidth. Beside each measured step, `hf-moe-offload estimate`'s predicted
 one (its time model with the link and host Adam rates measured here) and, with `--measure`, `estimate --measure`'s
-(every rate measured at this shape and batch: hf_moe_offload/measure.py). Writes
+(every rate measured at this shape and batch: hf_moe_offload/planning/measure.py). Writes
 benchmarks/gpu_train_qwen3[_<tokens>][_cap...].json.
 """
 
@@ -214,7 +214,7 @@ def cap_below_peers(config, tokens: int, seq: int) -> dict:
     """A GPU memory cap (GB) where neither the resident model nor ZeRO-2 fits and our host tier does: 95% of ZeRO-2's
     floor (bf16 weights and gradients of every parameter, before its activations and buckets, which need more), where
     that is above the host tier's device figure (`hf-moe-offload estimate`); the resident figure is above both."""
-    from hf_moe_offload.estimate import Workload, estimate
+    from hf_moe_offload.planning.estimate import Workload, estimate
 
     w = Workload(method="full", dtype=torch.bfloat16, batch_size=max(1, tokens // seq), seq_len=seq, device="cuda",
                  pin_fraction=0.0)
@@ -364,8 +364,8 @@ def measured_steps(config, batch: int, seq: int, device: torch.device, variants:
     those of `variants` it models: the resident model, ours with pins (one measuring) and without (another). Its
     resident model computes in bf16 (the estimate's model dtype), where the resident variant keeps fp32 weights
     under autocast."""
-    from hf_moe_offload.estimate import Workload, estimate
-    from hf_moe_offload.measure import measure, predict
+    from hf_moe_offload.planning.estimate import Workload, estimate
+    from hf_moe_offload.planning.measure import measure, predict
 
     out = {}
     for names, pins in ((("resident", "host-pin"), 0.25), (("host",), 0.0)):
@@ -385,10 +385,10 @@ def measured_steps(config, batch: int, seq: int, device: torch.device, variants:
 
 def predicted_steps(config, batch: int, seq: int, device: torch.device, adam_rate: float,
                     bandwidth: float | None) -> dict[str, float]:
-    """The step `hf_moe_offload.estimate` predicts for the resident model and for ours with and without pins, on the
+    """The step `hf_moe_offload.planning.estimate` predicts for the resident model and for ours with and without pins, on the
     GPU's row of its table (compute rate) with the link and host Adam rates this run measured."""
-    from hf_moe_offload.estimate import Workload, estimate
-    from hf_moe_offload.time_model import gpu_key, resolve_rates
+    from hf_moe_offload.planning.estimate import Workload, estimate
+    from hf_moe_offload.planning.time_model import gpu_key, resolve_rates
 
     key = gpu_key(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if key is None:

@@ -85,7 +85,7 @@ def qwen3(E: int, impl: str):
                          norm_topk_prob=True, num_hidden_layers=1, vocab_size=8, num_attention_heads=4,
                          num_key_value_heads=4)
     if impl == "ours":
-        from hf_moe_offload.moe_path import moe_path
+        from hf_moe_offload.families.moe_path import moe_path
 
         model = Qwen3MoeForCausalLM(cfg)
         moe_path(model).install()  # the path is installed on a model; the block is then timed alone

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from hf_moe_offload.models.moe_gpt import MoEGPTConfig, MoEGPTExperts  # noqa: E402
 from hf_moe_offload.models.moe_gpt.moe_ops import DispatchPlan  # noqa: E402
-from hf_moe_offload.moe_path import sorted_experts  # noqa: E402
+from hf_moe_offload.families.moe_path import sorted_experts  # noqa: E402
 from hf_moe_offload.pipelining import PartitionedExecutor, PipelineConfigurator  # noqa: E402
 from hf_moe_offload.pipelining.memory import eq6_saving_ratio, measure_saving  # noqa: E402
 

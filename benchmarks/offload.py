@@ -171,8 +171,8 @@ def checksum_table(expert_counts, steps: int, batch: int, seq: int, rounds: int 
     function is a benchmark-only patch of the store module."""
     import zlib
 
-    from hf_moe_offload.offload import expert_files as files_module
-    from hf_moe_offload.offload.store import tensor_bytes
+    from hf_moe_offload.offload.stores import expert_files as files_module
+    from hf_moe_offload.offload.stores.store import tensor_bytes
 
     shipped = files_module._row_hash
     hashes = {"none": lambda buffer: 0, "crc32": lambda buffer: zlib.crc32(tensor_bytes(buffer)),

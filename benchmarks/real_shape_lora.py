@@ -8,7 +8,7 @@ Qwen3-30B-A3B's shape (48 layers x 128 experts of hidden 2048 / expert FFN 768, 
 made one at a time (random bf16, scaled as an initialisation would) and quantized into the disk tier's files as they
 are written (the fill path `load_offloaded_pretrained` takes), the rest is materialised in bf16. peft's LoRA on every
 expert matrix and on q/k/v/o; AdamW lr 1e-4; `--steps` training steps of 1 x `--seq-len` random tokens on this
-machine's CPU. Before anything is built, `hf_moe_offload.estimate` prints what the tiers need for this workload; the
+machine's CPU. Before anything is built, `hf_moe_offload.planning.estimate` prints what the tiers need for this workload; the
 run then reports its peak RSS over the baseline after imports (to be within the estimate's host figure), the step
 time, and the bytes read from the store per step against the estimate's. Writes benchmarks/real_shape_lora.json.
 On a GPU (`--device cuda`) the same, with the peak GPU memory and the bytes uploaded per step.
@@ -91,8 +91,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from hf_moe_offload import OffloadConfig, enable_expert_offload, expert_target_parameters
-    from hf_moe_offload.estimate import Workload, estimate
-    from hf_moe_offload.estimate_cli import render
+    from hf_moe_offload.planning.estimate import Workload, estimate
+    from hf_moe_offload.cli.estimate import render
 
     config = qwen3_30b_a3b_config(args.layers)
     workload = Workload(method="lora-experts", expert_storage=args.storage, dtype=torch.bfloat16, batch_size=1,

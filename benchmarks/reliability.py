@@ -39,7 +39,7 @@ KILL_RUN = ["--steps", "24", "--batch-size", "2", "--block-size", "32", "--max-e
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "hf_moe_offload.cli", "--log-level", "WARNING", "train", *args]
+    return [sys.executable, "-m", "hf_moe_offload.cli.main", "--log-level", "WARNING", "train", *args]
 
 
 def repeat_default(n: int, work: str) -> list[dict]:

@@ -31,12 +31,12 @@ from .offload import (
     reference_copy,
 )
 from .offload.checkpoint import load_offloaded_pretrained
-from .offload.expert_lora import expert_target_parameters
+from .offload.lora.expert_lora import expert_target_parameters
 from .offload.saving import save_merged_lora, save_offloaded_pretrained
-from .adapter_check import check_adapter
-from .adapter_export import import_per_expert_adapter
-from .adapter_serving import export_adapter, export_per_expert_adapter
-from .lm_loss import ChunkedLossTrainer, chunked_causal_lm_loss
+from .hub.adapter_check import check_adapter
+from .hub.adapter_export import import_per_expert_adapter
+from .hub.adapter_serving import export_adapter, export_per_expert_adapter
+from .families.lm_loss import ChunkedLossTrainer, chunked_causal_lm_loss
 from .trainer import OffloadTrainer
 from .optim import (ExpertAwareOptimizer, ExpertOptimizer, ExpertOptimizerCallback, HostDenseAdamW,
                     latest_complete_checkpoint)

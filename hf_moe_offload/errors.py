@@ -4,7 +4,7 @@ Every error the user can act on derives from `HFMoEOffloadError` and lives here,
 without importing the module that raises them most (no import circles): `UserError` where the input is wrong (a flag,
 a file, a directory); `CheckpointError` (a corrupt, incomplete or foreign checkpoint, a save that failed);
 `ExpertStoreError` (an expert file that fails its checksum, a full disk, an offload directory in use; its kinds are in
-offload/store.py); `FairseqConversionError` (a fairseq checkpoint that cannot be converted). Each message names the
+offload/stores/store.py); `FairseqConversionError` (a fairseq checkpoint that cannot be converted). Each message names the
 problem and the fix. The CLI and the recipes print them as one line and exit with code 2; `--debug` shows the
 traceback. Anything else is a bug and keeps its traceback.
 """
@@ -30,7 +30,7 @@ class CheckpointError(HFMoEOffloadError, RuntimeError):
 
 
 class ExpertStoreError(HFMoEOffloadError, RuntimeError):
-    """Base class of the expert store's errors (offload/store.py)."""
+    """Base class of the expert store's errors (offload/stores/store.py)."""
 
 
 class FairseqConversionError(HFMoEOffloadError, ValueError):

@@ -3,7 +3,7 @@
 bitsandbytes logs a warning from `bitsandbytes.backends.cpu.ops` as it is imported on a CPU with AVX512-BF16 when the
 optional `kernels` package is missing: its fused CPU 4-bit GEMM would come from the Hub through `kernels`; without it
 bitsandbytes runs its own CPU kernels, which is what this package uses (quantized experts are dequantized per chunk,
-`offload/quantized.py`). peft imports bitsandbytes when peft itself is imported, and transformers' `Trainer` imports
+`offload/stores/quantized.py`). peft imports bitsandbytes when peft itself is imported, and transformers' `Trainer` imports
 peft, so the warning would open every command of the CLI and every `import hf_moe_offload`, `--help` included.
 
 Importing this module (the package's `__init__` does, first) runs `quiet_bitsandbytes_import()`, which filters that

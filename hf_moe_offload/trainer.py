@@ -9,7 +9,7 @@ a PEFT model's adapters from a state dict that leaves the offloaded experts out 
 Everything else is the stock Trainer's: models without offloaded experts, and FSDP / DeepSpeed saves (they hand
 `_save` a gathered state dict), take the Trainer's own path.
 
-Frozen offloaded experts leave stand-in parameters on their modules for peft's LoRA (offload/stand_ins.py);
+Frozen offloaded experts leave stand-in parameters on their modules for peft's LoRA (offload/lora/stand_ins.py);
 `OffloadTrainer` keeps them out of DDP (`_set_params_and_buffers_to_ignore_for_model`, DDP's own way to leave
 parameters alone), which would otherwise broadcast them at its start as if they held the experts' values.
 
@@ -38,7 +38,7 @@ from .runtime import runtime_for
 
 logger = logging.getLogger(__name__)
 from .offload.saving import save_offloaded_pretrained
-from .offload.stand_ins import keep_stand_ins_out_of_ddp
+from .offload.lora.stand_ins import keep_stand_ins_out_of_ddp
 
 
 class OffloadTrainer(Trainer):
@@ -89,7 +89,7 @@ class OffloadTrainer(Trainer):
         engine = get_offload_engine(model)
         if state_dict is not None or engine is None or engine.store is None:
             return super()._save(output_dir, state_dict=state_dict)
-        if hasattr(model, "get_base_model"):  # PEFT (as hub.py and lm_loss.py tell it)
+        if hasattr(model, "get_base_model"):  # PEFT (as hub/cards.py and families/lm_loss.py tell it)
             # peft saves the adapters only: give it the state dict without the experts it would drop anyway.
             with engine.experts_left_out_of_state_dict():
                 state_dict = self.model.state_dict()

@@ -56,14 +56,14 @@ import torch
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from hf_moe_offload import jobs
-from hf_moe_offload.baselines import accuracy_interval, majority_baseline, versus_baseline
+from hf_moe_offload.jobs.baselines import accuracy_interval, majority_baseline, versus_baseline
 from hf_moe_offload.data import OFFLINE_POLARITY, OFFLINE_TWEETS, TWEET_LABELS, load_classification_dataset
 from hf_moe_offload.distributed import end_process_groups
 from hf_moe_offload.errors import run_reporting_errors
-from hf_moe_offload.hub import describe_model
+from hf_moe_offload.hub.cards import describe_model
 from hf_moe_offload.offload.saving import save_offloaded_pretrained
-from hf_moe_offload.run_stats import use_progress_bar
-from hf_moe_offload.train import print_figures
+from hf_moe_offload.jobs.run_stats import use_progress_bar
+from hf_moe_offload.cli.train import print_figures
 from hf_moe_offload.trainer import OffloadTrainer
 
 logger = logging.getLogger("finetune_classification")

@@ -45,7 +45,7 @@ import torch
 
 from hf_moe_offload.distributed import end_process_groups
 from hf_moe_offload.errors import run_reporting_errors
-from hf_moe_offload.train import add_arguments, run
+from hf_moe_offload.cli.train import add_arguments, run
 
 # ES-MoE §5 (see the docstring); everything can be overridden on the command line.
 ES_MOE_DEFAULTS = dict(

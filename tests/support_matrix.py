@@ -343,7 +343,7 @@ def _cell(keys: list[str], numbered: dict[str, Evidence]) -> str:
 
 
 def render() -> str:
-    from hf_moe_offload.reference import cell, join_markdown
+    from hf_moe_offload.cli.reference import cell, join_markdown
 
     numbered, cells, skipped = collect()
     by_key = {key: ev for key, _, ev in numbered}
@@ -404,7 +404,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hf_moe_offload.reference import write_text_atomic
+    from hf_moe_offload.cli.reference import write_text_atomic
 
     parser = argparse.ArgumentParser(prog="python tests/support_matrix.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", nargs="?", help="the file to write, e.g. docs/support.md (default: print the page)")

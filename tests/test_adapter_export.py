@@ -1,4 +1,4 @@
-"""peft LoRA on fused experts re-laid out per expert (for vLLM / SGLang) and back (hf_moe_offload/adapter_export.py).
+"""peft LoRA on fused experts re-laid out per expert (for vLLM / SGLang) and back (hf_moe_offload/hub/adapter_export.py).
 
 Tolerances. The export and the import only slice and scatter the factors, so every comparison of factors is bit for
 bit (torch.equal), in fp32. Products: each per-expert `scaling * B @ A` is compared with the same rows of peft's own
@@ -24,8 +24,8 @@ from transformers import AutoModelForCausalLM
 
 from hf_moe_offload import (OffloadConfig, enable_expert_offload, export_per_expert_adapter,
                             import_per_expert_adapter)
-from hf_moe_offload.adapter_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LAYOUT_METADATA_KEY, PEFT_PREFIX
-from hf_moe_offload.cli import main
+from hf_moe_offload.hub.adapter_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LAYOUT_METADATA_KEY, PEFT_PREFIX
+from hf_moe_offload.cli.main import main
 from hf_moe_offload.errors import UserError
 from hf_moe_offload.jobs import save_lora_run
 

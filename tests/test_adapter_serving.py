@@ -1,5 +1,5 @@
-"""Adapters as vLLM and SGLang load them (hf_moe_offload/adapter_serving.py) and the checker of their rules
-(hf_moe_offload/adapter_check.py).
+"""Adapters as vLLM and SGLang load them (hf_moe_offload/hub/adapter_serving.py) and the checker of their rules
+(hf_moe_offload/hub/adapter_check.py).
 
 The served delta is computed here by each server's rules as read from its loader (shared notes, vLLM main 7ca49fbe,
 SGLang main 18e6c61c), independently of the export: the global `lora_alpha / r` times `lora_B @ lora_A` of each
@@ -27,8 +27,8 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from hf_moe_offload import check_adapter, export_adapter, export_per_expert_adapter
-from hf_moe_offload.adapter_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
-from hf_moe_offload.cli import main
+from hf_moe_offload.hub.adapter_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
+from hf_moe_offload.cli.main import main
 from hf_moe_offload.errors import UserError
 
 from moe_families import tiny_model

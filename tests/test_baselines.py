@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_moe_offload.baselines import (
+from hf_moe_offload.jobs.baselines import (
     accuracy_interval,
     majority_baseline,
     unigram_counts,

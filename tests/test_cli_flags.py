@@ -1,4 +1,4 @@
-"""The jobs' offload flags are `OffloadConfig`'s fields (hf_moe_offload.flags): every field is a flag of
+"""The jobs' offload flags are `OffloadConfig`'s fields (hf_moe_offload.cli.flags): every field is a flag of
 `hf-moe-offload train` or says why not, each flag's default is the field's (in the flag's unit), and the parsed flags
 come back as the config. `generate` and `estimate` take the fields they name (`names=`) as the same generated flags.
 Training flags that map onto a `TrainingArguments` field say what transformers says."""
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from hf_moe_offload import OffloadConfig
-from hf_moe_offload.cli import build_parser
+from hf_moe_offload.cli.main import build_parser
 from hf_moe_offload.errors import UserError
-from hf_moe_offload.flags import add_dataclass_arguments, dataclass_values, flag_fields, flag_value, option
+from hf_moe_offload.cli.flags import add_dataclass_arguments, dataclass_values, flag_fields, flag_value, option
 from hf_moe_offload.jobs import offload_config
-from hf_moe_offload.reference import _subcommands
-from hf_moe_offload.train import DEFAULT_OUTPUT_DIR
+from hf_moe_offload.cli.reference import _subcommands
+from hf_moe_offload.cli.train import DEFAULT_OUTPUT_DIR
 
 # What `hf-moe-offload train` sets differently from OffloadConfig's defaults: its tier.
 TRAIN_DEFAULTS = {"mode": "disk"}
@@ -138,7 +138,8 @@ def test_the_generator_on_a_dataclass_of_its_own():
 def test_generate_and_estimate_take_the_generated_offload_flags(command):
     """Every flag of generate / estimate that names an OffloadConfig field (its option string or its destination) is
     the field's generated flag, as train has it: help, type, unit, choices; and the default is the field's."""
-    from hf_moe_offload import estimate, generate
+    from hf_moe_offload.cli import generate
+    from hf_moe_offload.planning import estimate
 
     names = {"generate": generate.FLAG_FIELDS, "estimate": estimate.FLAG_FIELDS}[command]
     parser, train = _subparser(command), _train_parser()
@@ -160,7 +161,7 @@ def test_generate_and_estimate_take_the_generated_offload_flags(command):
 
 
 def test_generate_device_cache_flag_is_train_s_mib_and_builds_the_config():
-    from hf_moe_offload.generate import inference_config, offload_arguments
+    from hf_moe_offload.cli.generate import inference_config, offload_arguments
 
     parser = build_parser()
     args = parser.parse_args(["generate", "--device-cache-mb", "64", "--pregate", "off", "--mmap", "on",
@@ -178,7 +179,7 @@ def test_generate_device_cache_flag_is_train_s_mib_and_builds_the_config():
 
 
 def test_estimate_reads_its_offload_flags_back_into_the_workload(monkeypatch):
-    from hf_moe_offload import estimate
+    from hf_moe_offload.planning import estimate
 
     class Seen(Exception):
         pass
@@ -186,7 +187,7 @@ def test_estimate_reads_its_offload_flags_back_into_the_workload(monkeypatch):
     def seen(config, workload, **budgets):
         raise Seen(workload)
 
-    monkeypatch.setattr("hf_moe_offload.model_shapes.load_config", lambda model: (None, model))
+    monkeypatch.setattr("hf_moe_offload.planning.model_shapes.load_config", lambda model: (None, model))
     monkeypatch.setattr(estimate, "estimate", seen)
     args = build_parser().parse_args(["estimate", "m", "--method", "lora", "--expert-storage", "nf4",
                                       "--host-cache-experts", "5", "--pin-fraction", "0.5", "--device", "cpu"])

@@ -64,7 +64,7 @@ def test_cuda_bf16_compute_copies_stay_current(tmp_path):
 def test_cuda_grouped_gemm_experts_equal_the_loop():
     """Issue 14, item 4 on a GPU: resident experts under bf16 autocast take the grouped GEMM (one per matmul) and
     equal the per-expert loop within bf16 rounding of the largest value (2e-2 relative; stated)."""
-    from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import MoEGPTExperts
+    from hf_moe_offload.models.moe_gpt.moe_layer import MoEGPTExperts
     from hf_moe_offload.models.moe_gpt.moe_ops import GroupedLinear
 
     if not GroupedLinear.cuda_supports(torch.bfloat16, torch.cuda.get_device_capability()):
@@ -140,10 +140,10 @@ def test_cuda_slab_trains_like_resident_under_bf16(tier, compute_dtype, tmp_path
     """Issue 35 on the GPU: under bf16 autocast a training call streams each layer's routed experts through the slab
     (grouped GEMMs on the device, one gradient block per chunk down), bf16 copies uploaded (the default under
     autocast) or fp32 weights (set); on the host tier the pins (a quarter of each layer) keep their state on the GPU
-    and step there (offload/device_pins.py). 3 steps of Qwen3-MoE train like the resident model with torch AdamW:
+    and step there (offload/pins/device_pins.py). 3 steps of Qwen3-MoE train like the resident model with torch AdamW:
     losses within 2e-2 (bf16), weights within what Adam can move an element (tests/numerics.py), bytes down in the
     dtype the GEMMs produced."""
-    from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
+    from hf_moe_offload.offload.streaming.streamed import OffloadedExpertsLayer
     from test_device_slab import _qwen3
     from numerics import assert_within_adam_drift
 
@@ -191,7 +191,7 @@ def test_cuda_generation_gives_the_resident_greedy_tokens(tier, cache, placement
     a quarter of them, or none) and gives the resident model's greedy tokens on the same GPU (fp32, Qwen3-MoE).
     "upload": every missed expert goes up (`compute_on_host=False`); "cost-model": the default, where the measured
     cost model may run a missed expert on the host instead (these tiny experts mostly compute there)."""
-    from hf_moe_offload.generate import load_for_inference
+    from hf_moe_offload.cli.generate import load_for_inference
     from hf_moe_offload.offload import get_offload_engine
     from test_device_generation import NEW_TOKENS, _saved
 

@@ -1,6 +1,6 @@
 """Generation on a device (issue 37): `load_for_inference(..., device=)` / `hf-moe-offload generate --device` compute
 on the device, the offloaded experts uploaded as decoding needs them and the ones it uses most kept in the device
-expert cache (offload/device_cache.py). CI has no GPU: the device is the simulated one (hf_moe_offload/runtime/
+expert cache (offload/inference/device_cache.py). CI has no GPU: the device is the simulated one (hf_moe_offload/runtime/
 simulated.py), whose copies land late and whose vector clocks raise on a missing wait.
 
 Greedy decoding in fp32 must give the resident model's tokens exactly: the offloaded experts compute each expert's
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_moe_offload.generate import load_for_inference
-from hf_moe_offload.moe_path import experts_layers
+from hf_moe_offload.cli.generate import load_for_inference
+from hf_moe_offload.families.moe_path import experts_layers
 from hf_moe_offload.offload import get_offload_engine
-from hf_moe_offload.offload.device_cache import DeviceExpertCache
+from hf_moe_offload.offload.inference.device_cache import DeviceExpertCache
 from hf_moe_offload.runtime import HappensBeforeError, aligned_nbytes, use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
 
@@ -163,7 +163,7 @@ def test_deleting_a_wait_of_the_device_cache_fails(saved, deleted, tmp_path, mon
 def test_generate_command_on_the_device(tmp_path, capsys):
     """`hf-moe-offload generate --device` prints the device and the device cache's figures, and keeps the engine's
     log lines out of the streamed text."""
-    from hf_moe_offload.cli import main
+    from hf_moe_offload.cli.main import main
     from hf_moe_offload.data import gpt2_tokenizer
 
     tok = gpt2_tokenizer()
@@ -207,7 +207,7 @@ def test_trainer_evaluation_on_the_device_uses_the_device_cache(tmp_path):
 def test_an_interrupted_decoding_call_gives_its_slots_back(saved, tmp_path, monkeypatch):
     """A call whose expert compute raises hands back what its stream had in flight: ring slots and device-cache slots
     (their uses never came), so the next calls decode the resident tokens with the full pipeline."""
-    from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
+    from hf_moe_offload.offload.streaming.streamed import OffloadedExpertsLayer
 
     lm = saved["qwen3_moe"]
     original = OffloadedExpertsLayer._compute

@@ -24,9 +24,9 @@ from torch.utils._pytree import tree_flatten
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_moe_offload import OffloadConfig, enable_expert_offload
-from hf_moe_offload.estimate import LORA_ATTENTION, Workload, estimate
-from hf_moe_offload.lm_loss import chunked_causal_lm_loss
-from hf_moe_offload.offload.expert_lora import expert_target_parameters
+from hf_moe_offload.planning.estimate import LORA_ATTENTION, Workload, estimate
+from hf_moe_offload.families.lm_loss import chunked_causal_lm_loss
+from hf_moe_offload.offload.lora.expert_lora import expert_target_parameters
 from hf_moe_offload.optim.expert_optimizer import ExpertAwareOptimizer, ExpertOptimizer
 from hf_moe_offload.runtime import use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
@@ -141,7 +141,7 @@ def test_qwen3_30b_a3b_fits_a_12_gb_card_with_lora_and_a_16_gb_card_fully_traine
     """The bundled Qwen3-30B-A3B shape, 1 x 2048 tokens with checkpointing, host tier: LoRA on every expert (nf4,
     factors in the store) within 8 GiB of a 12 GB card, a full fine-tune with the dense optimizer on the host within
     16 GiB of a 16 GB card (predictions: what the estimate counts, its parts summing to the figure)."""
-    from hf_moe_offload.model_shapes import SHAPES
+    from hf_moe_offload.planning.model_shapes import SHAPES
 
     config = SHAPES["Qwen/Qwen3-30B-A3B"].config()
     common = dict(batch_size=1, seq_len=2048, gradient_checkpointing=True, device="cuda")

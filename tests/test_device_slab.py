@@ -1,4 +1,4 @@
-"""Layer-granular streaming on an asynchronous device (issue 35; hf_moe_offload/offload/slab.py), proven on the CPU
+"""Layer-granular streaming on an asynchronous device (issue 35; hf_moe_offload/offload/streaming/slab.py), proven on the CPU
 with the simulated device: a training call uploads a layer's routed experts into one device block per chunk, runs
 each chunk as one grouped GEMM per matmul and sends its gradients down as one block.
 
@@ -9,7 +9,7 @@ each chunk as one grouped GEMM per matmul and sends its gradients down as one bl
 (c) deleting any one wait of the pipeline fails;
 (d) training equals torch.optim.AdamW, fp32 and bf16 autocast, accumulation and global clipping, MoE-GPT and
     Qwen3-MoE, host and disk tier;
-(e) pinned experts live on the device and step there (offload/device_pins.py): no transfers, no host Adam.
+(e) pinned experts live on the device and step there (offload/pins/device_pins.py): no transfers, no host Adam.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
-from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
-from hf_moe_offload.offload.transfers import GradRing
-from hf_moe_offload.offload.slab import DeviceSlab
+from hf_moe_offload.offload.streaming.streamed import OffloadedExpertsLayer
+from hf_moe_offload.offload.streaming.transfers import GradRing
+from hf_moe_offload.offload.streaming.slab import DeviceSlab
 from hf_moe_offload.precision import GemmCounter
 from hf_moe_offload.runtime import HappensBeforeError, use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
@@ -236,7 +236,7 @@ def _no_download_order(self, flat):  # GradRing.send minus `wait_stream`: the co
         i = self._free.pop()
     buffer = self.buffers[i][: flat.numel()]
     self.rt.copy_(buffer, flat, self.stream)
-    from hf_moe_offload.offload.transfers import GradArrival
+    from hf_moe_offload.offload.streaming.transfers import GradArrival
 
     return GradArrival(self.rt, buffer, self.rt.record(self.stream), lambda: self._give_back(i))
 
@@ -280,7 +280,7 @@ def test_deleting_the_release_wait_of_frozen_experts_fails(stage_experts, cache,
     """A record handed back after a backward used it waits for the compute enqueued so far (and so for its upload):
     released at once, the disk tier reads another expert into it while the upload may still be reading it (the upload
     reads the record's row through a view made for the copy: the simulation's `track_views` remembers that read)."""
-    from hf_moe_offload.offload.gradients import DeviceGradients
+    from hf_moe_offload.offload.streaming.gradients import DeviceGradients
 
     _frozen_backward(tmp_path / "ok", SimulatedRuntime(seed=5, max_delay=0.002, track_views=True), stage_experts,
                      cache)

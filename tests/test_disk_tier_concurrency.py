@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from hf_moe_offload.offload.disk_store import DiskExpertStore
-from hf_moe_offload.offload.store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD
+from hf_moe_offload.offload.stores.disk_store import DiskExpertStore
+from hf_moe_offload.offload.stores.store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD
 from hf_moe_offload.offload.telemetry import OffloadStats
 
 NUMEL = 257  # odd, so records are not page multiples

@@ -362,7 +362,7 @@ def test_the_jobs_node_shared_store_keeps_every_offload_flag(tmp_path, monkeypat
 
     import hf_moe_offload.distributed as distributed
     from hf_moe_offload import enable_expert_offload
-    from hf_moe_offload.cli import build_parser
+    from hf_moe_offload.cli.main import build_parser
     from hf_moe_offload.jobs import offload_config
     from hf_moe_offload.jobs.arguments import offload_dir
     from hf_moe_offload.jobs.distribution import distribute

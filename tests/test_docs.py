@@ -38,7 +38,7 @@ def cli_lines(path: str) -> list[str]:
 
 @pytest.mark.slow
 def test_every_cli_line_of_the_docs_parses():
-    from hf_moe_offload.cli import build_parser
+    from hf_moe_offload.cli.main import build_parser
 
     parser = build_parser()
     seen, failed = 0, []

@@ -17,7 +17,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_moe_offload import OffloadConfig, enable_expert_offload
-from hf_moe_offload.estimate import Workload, estimate
+from hf_moe_offload.planning.estimate import Workload, estimate
 from hf_moe_offload.optim.expert_optimizer import ExpertAwareOptimizer, ExpertOptimizer
 from hf_moe_offload.runtime import use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
@@ -169,7 +169,7 @@ def test_mode_auto_in_the_estimate_is_the_engine_choice(tmp_path):
 
 
 def test_the_cli_prints_every_tier_from_a_config_json(tmp_path, capsys):
-    from hf_moe_offload.cli import main
+    from hf_moe_offload.cli.main import main
 
     _config().save_pretrained(tmp_path / "model")
     assert main(["estimate", str(tmp_path / "model" / "config.json"), "--method", "lora-experts", "--expert-storage",
@@ -191,8 +191,8 @@ def _measured_step(config, method: str, tier: str, tmp_path, *, dtype=torch.floa
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hf_moe_offload.estimate import LORA_ATTENTION
-    from hf_moe_offload.offload.expert_lora import expert_target_parameters
+    from hf_moe_offload.planning.estimate import LORA_ATTENTION
+    from hf_moe_offload.offload.lora.expert_lora import expert_target_parameters
 
     torch.manual_seed(0)
     runtime = use_runtime(SimulatedRuntime(seed=2, max_delay=0.0005)) if simulated else nullcontext()
@@ -226,7 +226,7 @@ def _measured_step(config, method: str, tier: str, tmp_path, *, dtype=torch.floa
     if not count_flops:
         return moved, None
     # peft forms each adapted expert tensor's W + scaling * B A (torch.baddbmm) at every forward; on the stand-ins of
-    # offloaded experts that runs on the meta device (offload/stand_ins.py): no arithmetic, but the counter counts it
+    # offloaded experts that runs on the meta device (offload/lora/stand_ins.py): no arithmetic, but the counter counts it
     meta = flops.get_flop_counts()["Global"].get(torch.ops.aten.baddbmm, 0) if method == "lora-experts" else 0
     return moved, flops.get_total_flops() - meta
 
@@ -301,7 +301,7 @@ def test_flops_per_step_agree_with_torchs_flop_counter(method, simulated, checkp
 def test_the_step_time_is_the_largest_floor_and_says_which_binds():
     """On a GPU from the table: the floors follow from the counted work and the rates (no timing here), the step is
     the largest, and the tokens at which the link hides behind compute make the two floors equal."""
-    from hf_moe_offload.time_model import GPUS, resolve_rates
+    from hf_moe_offload.planning.time_model import GPUS, resolve_rates
 
     config = _config()
     config.num_hidden_layers = 3  # with two, frozen experts stay in the slab's two blocks: no link time

@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hf_moe_offload import MoEGPTConfig, MoEGPTForCausalLM, OffloadConfig, disable_expert_offload, enable_expert_offload
-from hf_moe_offload.offload.stand_ins import is_stand_in
-from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
+from hf_moe_offload.offload.lora.stand_ins import is_stand_in
+from hf_moe_offload.offload.streaming.streamed import OffloadedExpertsLayer
 from hf_moe_offload.runtime import use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
-from hf_moe_offload.offload.safetensors_io import SafetensorsReader
+from hf_moe_offload.offload.stores.safetensors_io import SafetensorsReader
 from hf_moe_offload.runtime import runtime_for
 
 from numerics import BOTH_KERNELS, assert_within_adam_drift, kernels
@@ -454,7 +454,7 @@ def test_layer_called_several_times_per_micro_step_steps_each_expert_once(tmp_pa
     """MPMoE partitions call a layer's experts several times per micro-step: an eager expert step must wait for the
     backward of the layer's last call, else it would update with a partial gradient."""
     from hf_moe_offload.models.moe_gpt.moe_ops import run_moe
-    from hf_moe_offload.moe_path import moe_path
+    from hf_moe_offload.families.moe_path import moe_path
 
     def two_partitions(x, plan, experts):
         half = x.shape[0] // 2
@@ -564,7 +564,7 @@ def count_expert_paths(monkeypatch, names=("_grouped_forward", "_grouped_backwar
     """Counts the calls of `OffloadedExpertsLayer`'s streamed path by the source of their chunks (`PATH_NAMES`:
     "_grouped_*" the host tier's whole layer, "_slab_*" a device's slab, "run_*" one expert at a time; default: the
     host tier's grouped path and the per-expert loop)."""
-    from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
+    from hf_moe_offload.offload.streaming.streamed import OffloadedExpertsLayer
 
     calls = dict.fromkeys(names, 0)
     for direction in ("forward", "backward"):
@@ -769,7 +769,7 @@ def test_stepping_from_autograds_gradient_changes_no_bit(tier, autocast, tmp_pat
     over resident training). Weights, moments, step counts and the other parameters equal those of the same training
     with every gradient landed in the store first, bit for bit (torch.equal), over 4 eager steps (one a window of
     2 micro-steps) on fresh random batches, on the grouped host path (fp32 and bf16 autocast) and the disk tier's per-expert loop."""
-    from hf_moe_offload.offload.transfers import GradArrival
+    from hf_moe_offload.offload.streaming.transfers import GradArrival
 
     if runtime_for(torch.device("cpu")).asynchronous:
         pytest.skip("gradients are downloaded into ring buffers on an asynchronous runtime, and always landed")
@@ -987,7 +987,7 @@ def test_disk_tier_workers_stepping_unheld_experts_give_way_to_handed_over_ones(
     the store's stall timeout raised ("host cache ... smaller than the experts in flight"). Made certain here: each
     worker's acquire first waits (a few seconds at most, not a threshold: it only makes the interleaving likely)
     until every cache record is held. The weights still equal plain torch AdamW's."""
-    from hf_moe_offload.offload.disk_store import DiskExpertStore
+    from hf_moe_offload.offload.stores.disk_store import DiskExpertStore
 
     monkeypatch.setattr(DiskExpertStore, "stall_timeout", 5.0)  # fail fast instead of a minute per seed
     full_seen = threading.Event()

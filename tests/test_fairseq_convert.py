@@ -85,7 +85,7 @@ def test_capacity_mode_matches_fairseq_drops(tmp_path, before_dropping):
 def test_converted_model_keeps_dtype_and_loads_as_remote_code(tmp_path):
     make_fairseq_checkpoint(tmp_path / "fs", E=4, W=2)
     convert_fairseq_checkpoint(str(tmp_path / "fs" / "model-shared.pt"), str(tmp_path / "hf"))
-    from hf_moe_offload.offload.safetensors_io import SafetensorsReader
+    from hf_moe_offload.offload.stores.safetensors_io import SafetensorsReader
 
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     shard = index["weight_map"]["model.layers.1.moe.experts.fc1_weight"]
@@ -216,7 +216,7 @@ print(json.dumps({{"growth": peak - base}}))
 
 def test_cli_converts(tmp_path):
     make_fairseq_checkpoint(tmp_path / "fs", E=4, W=2)
-    res = subprocess.run([sys.executable, "-m", "hf_moe_offload.cli", "convert-fairseq", str(tmp_path / "fs" / "model.pt"),
+    res = subprocess.run([sys.executable, "-m", "hf_moe_offload.cli.main", "convert-fairseq", str(tmp_path / "fs" / "model.pt"),
                           str(tmp_path / "hf"), "--dtype", "float32"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "converted to" in res.stdout

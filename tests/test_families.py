@@ -27,7 +27,7 @@ import torch
 
 import hf_moe_offload  # noqa: F401
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
-from hf_moe_offload.moe_path import IMPLEMENTATION, get_moe_path
+from hf_moe_offload.families.moe_path import IMPLEMENTATION, get_moe_path
 
 from moe_families import VOCAB, Unshrinkable, experts_families, tiny_config, tiny_model
 
@@ -135,7 +135,7 @@ def offloaded_equals_stock(family: str, tier: str, tmp_path, device: str = "cpu"
 def test_unservable_experts_fail_with_the_family_and_the_missing_piece():
     """An experts module on transformers' interface whose tensors no layout describes: a clear error, not a silent
     fallback."""
-    from hf_moe_offload.moe_path import find_experts_modules
+    from hf_moe_offload.families.moe_path import find_experts_modules
 
     model = tiny_model("qwen3_moe")
     experts = model.model.layers[0].mlp.experts

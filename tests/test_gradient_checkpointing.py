@@ -93,7 +93,7 @@ def test_checkpointed_offloaded_training_equals_the_checkpointed_resident_run(ti
 def test_both_checkpoint_flavours_give_the_gradients_of_the_plain_model(reentrant, tmp_path):
     """torch's two checkpoint implementations (transformers passes `use_reentrant` through) around the streamed
     experts: the gradients of every parameter and of every expert equal the plain model's (fp32, 1e-5)."""
-    from hf_moe_offload.moe_path import get_moe_path
+    from hf_moe_offload.families.moe_path import get_moe_path
 
     from test_families import expert_grads_of
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import MoEGPTExperts
+from hf_moe_offload.models.moe_gpt.moe_layer import MoEGPTExperts
 from hf_moe_offload.models.moe_gpt.moe_ops import GroupedLinear
-from hf_moe_offload.moe_path import sorted_experts
+from hf_moe_offload.families.moe_path import sorted_experts
 
 from moe_families import tiny_model
 from test_offload import small_model

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from hf_moe_offload.host_allocator import USER_SETTINGS
-from hf_moe_offload.train import add_arguments
+from hf_moe_offload.cli.train import add_arguments
 
 glibc_linux = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                                  reason="mallopt thresholds are glibc's")

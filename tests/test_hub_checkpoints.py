@@ -110,7 +110,7 @@ def test_train_cli_on_a_hub_checkpoint_and_load_the_output_without_this_package(
     tokenizer.save_pretrained(tmp_path / "hub")
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    run = subprocess.run([sys.executable, "-m", "hf_moe_offload.cli", "train", "--short", "--model-path",
+    run = subprocess.run([sys.executable, "-m", "hf_moe_offload.cli.main", "train", "--short", "--model-path",
                           str(tmp_path / "hub"), "--offload", "disk", "--output-dir", str(out)],
                          capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]

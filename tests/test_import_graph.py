@@ -116,3 +116,40 @@ def test_graph_sees_lazy_imports_and_packages():
 def test_no_import_cycles():
     cycles = import_cycles(import_graph())
     assert not cycles, "import circles among hf_moe_offload modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def _package_rules() -> dict[str, list[str]]:
+    """Each package's "May import:" paragraph of its `__init__` docstring: the package's modules (relative to
+    hf_moe_offload; a name allows its submodules too) that the package's own modules may import."""
+    rules = {}
+    for name, path in _module_names().items():
+        if path.name != "__init__.py" or name == PACKAGE:
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        _, found, allowed = doc.partition("May import:")
+        if found:
+            allowed = allowed.split("\n\n")[0].replace("\n", " ")
+            rules[name] = [] if "nothing" in allowed else [
+                f"{PACKAGE}.{word.strip(' `.')}" for word in allowed.split(",")]
+    return rules
+
+
+def test_every_package_says_what_it_may_import_and_keeps_to_it():
+    """A package's modules import, outside the package and its subpackages, only what its docstring allows (the
+    paragraph is read, so a reader of the `__init__` is told the truth)."""
+    rules = _package_rules()
+    packages = [name for name, path in _module_names().items() if path.name == "__init__.py" and name != PACKAGE]
+    assert sorted(rules) == sorted(packages), "packages without a 'May import:' paragraph"
+    graph = import_graph()
+    breaches = []
+    for module, targets in graph.items():
+        owner = max((p for p in packages if module == p or module.startswith(p + ".")), key=len, default=None)
+        if owner is None:
+            continue
+        for target in targets:
+            if target == owner or target.startswith(owner + "."):
+                continue
+            # Importing `a.b.c` runs the packages `a` and `a.b`: an allowed module's packages come with it.
+            if not any(target == a or target.startswith(a + ".") or a.startswith(target + ".") for a in rules[owner]):
+                breaches.append(f"{module} imports {target}, outside what {owner} may import")
+    assert not breaches, "\n".join(sorted(breaches))

@@ -1,4 +1,4 @@
-"""Offloaded inference (hf_moe_offload/offload/inference.py, issue 15): generation with the experts on the host or
+"""Offloaded inference (hf_moe_offload/offload/inference/policies.py, issue 15): generation with the experts on the host or
 disk tier gives the resident model's tokens (MoE-GPT and two transformers families, with and without pre-gating,
 batched with left padding), the decode cache keeps within its budget, the compute-on-host choice follows its cost
 model, and the user surface (`hf-moe-offload generate`, `pipeline("text-generation")`, Trainer evaluation) runs in
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hf_moe_offload import OffloadConfig, enable_expert_offload
-from hf_moe_offload.offload.inference import DecodeCache, PlacementCostModel, find_router
-from hf_moe_offload.offload.store import PARAM
+from hf_moe_offload.offload.inference.policies import DecodeCache, PlacementCostModel, find_router
+from hf_moe_offload.offload.stores.store import PARAM
 from hf_moe_offload.runtime import use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
 
@@ -132,7 +132,7 @@ def test_decode_cache_scores_and_budgets():
 def test_pregate_learns_co_activations_and_previous_tokens_scores_its_guesses_and_stops_acting_when_they_miss():
     from torch import nn
 
-    from hf_moe_offload.offload.inference import PreGate, Router
+    from hf_moe_offload.offload.inference.policies import PreGate, Router
     from hf_moe_offload.offload.telemetry import OffloadStats
 
     E, d = 12, 4
@@ -180,7 +180,7 @@ def test_pregate_follows_the_source_that_has_been_right():
     own hit rates, the co-activation leads and every guess after the first rounds is right."""
     from torch import nn
 
-    from hf_moe_offload.offload.inference import PreGate, Router
+    from hf_moe_offload.offload.inference.policies import PreGate, Router
     from hf_moe_offload.offload.telemetry import OffloadStats
 
     E, d = 10, 4
@@ -340,7 +340,7 @@ def test_inference_mode_follows_grad_and_eval_unless_forced(tmp_path):
 @pytest.mark.parametrize("family", ["moe_gpt", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"])
 def test_pregate_finds_the_router_of_every_family(family):
     model = make_model(family) if family in FAMILIES else tiny_model(family).eval()
-    from hf_moe_offload.moe_path import experts_layers
+    from hf_moe_offload.families.moe_path import experts_layers
 
     for name, module, layout in experts_layers(model):
         block = model.get_submodule(name.rpartition(".")[0])
@@ -374,7 +374,7 @@ def saved_lm(tmp_path_factory):
 def test_pipeline_text_generation_on_an_offloaded_model(saved_lm, tmp_path):
     from transformers import AutoModelForCausalLM, pipeline
 
-    from hf_moe_offload.generate import load_for_inference
+    from hf_moe_offload.cli.generate import load_for_inference
 
     path, tok = saved_lm
     prompts = ["The history of", "In the early years of the city, the"]
@@ -391,7 +391,7 @@ def test_pipeline_text_generation_on_an_offloaded_model(saved_lm, tmp_path):
 @pytest.mark.parametrize("family", ["moe_gpt", "qwen3_moe"])
 def test_generate_command_gives_the_resident_models_text_batched_with_left_padding(family, saved_lm, tmp_path,
                                                                                     capsys):
-    from hf_moe_offload.cli import build_parser
+    from hf_moe_offload.cli.main import build_parser
 
     path = saved_lm[0] if family == "moe_gpt" else _save_with_gpt2_tokenizer(family, tmp_path / "lm")[0]
     common = ["generate", "--model-path", path, "--prompt", "Hello", "--prompt", "The history of the city",
@@ -408,7 +408,7 @@ def test_generate_command_gives_the_resident_models_text_batched_with_left_paddi
 
 
 def test_generate_command_streams_one_prompt_and_reports_a_missing_model(saved_lm, tmp_path, capsys):
-    from hf_moe_offload.cli import main
+    from hf_moe_offload.cli.main import main
 
     path, _ = saved_lm
     assert main(["generate", "--model-path", path, "--prompt", "Once", "--max-new-tokens", "4",
@@ -461,7 +461,7 @@ def test_a_bf16_model_keeps_bf16_experts_only_and_generates_the_resident_tokens(
 
 
 def test_only_a_weights_only_store_leaves_fp32():
-    from hf_moe_offload.offload.store import HostExpertStore
+    from hf_moe_offload.offload.stores.store import HostExpertStore
     from hf_moe_offload.offload.telemetry import OffloadStats
 
     with pytest.raises(ValueError, match="fp32 masters"):
@@ -471,7 +471,7 @@ def test_only_a_weights_only_store_leaves_fp32():
 def written_disk_store(tmp_path, num_experts: int, value=lambda key: torch.randn(64)):
     """A disk store of `num_experts` experts of 64 weights (weights row only, a cache of one expert), each written
     with `value(key)` and flushed to its file; returns the store and the values."""
-    from hf_moe_offload.offload.disk_store import DiskExpertStore
+    from hf_moe_offload.offload.stores.disk_store import DiskExpertStore
     from hf_moe_offload.offload.telemetry import OffloadStats
 
     store = DiskExpertStore([(0, e) for e in range(num_experts)], 64, torch.float32, OffloadStats(),
@@ -486,8 +486,8 @@ def written_disk_store(tmp_path, num_experts: int, value=lambda key: torch.randn
 def test_while_decoding_each_row_is_checked_on_its_first_read_only(tmp_path, monkeypatch):
     """A corrupt expert file is still caught while decoding (the first read of each row checks its checksum); a row
     read and checked before is not checked again until it is written."""
-    from hf_moe_offload.offload import expert_files as store_module
-    from hf_moe_offload.offload.store import CorruptExpertFileError, WEIGHTS
+    from hf_moe_offload.offload.stores import expert_files as store_module
+    from hf_moe_offload.offload.stores.store import CorruptExpertFileError, WEIGHTS
 
     store, values = written_disk_store(tmp_path, 4)
     keys = list(values)
@@ -512,8 +512,8 @@ def test_mapped_weights_are_checked_once_per_write_and_follow_in_place_writes(tm
     """`map_weights` (inference on the CPU): the view holds the file's weights row; its checksum is matched at the
     first use after each write only; a write that rewrites the file in place shows through the same mapping; an
     expert with a cache entry is not mapped (the cache is current for it); a corrupt file is refused."""
-    from hf_moe_offload.offload import expert_files as store_module
-    from hf_moe_offload.offload.store import CorruptExpertFileError
+    from hf_moe_offload.offload.stores import expert_files as store_module
+    from hf_moe_offload.offload.stores.store import CorruptExpertFileError
 
     store, values = written_disk_store(tmp_path, 3)
     keys = list(values)

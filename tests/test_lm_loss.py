@@ -1,4 +1,4 @@
-"""The chunked causal-LM loss for every transformers MoE family (hf_moe_offload/lm_loss.py; issue 14, item 5).
+"""The chunked causal-LM loss for every transformers MoE family (hf_moe_offload/families/lm_loss.py; issue 14, item 5).
 
 Against the family's own `model(input_ids, labels=...).loss` on fresh random tokens (some labels ignored, the
 load-balancing term on where the family has one): fp32 loss within 2e-6 and every parameter gradient within 2e-6
@@ -18,10 +18,10 @@ import torch
 
 import hf_moe_offload  # noqa: F401
 from hf_moe_offload import ExpertOptimizerCallback, OffloadConfig, enable_expert_offload
-from hf_moe_offload import lm_loss
+from hf_moe_offload.families import lm_loss
 from hf_moe_offload.errors import UserError
-from hf_moe_offload.lm_loss import ChunkedLossTrainer, chunked_causal_lm_loss, why_not_chunked
-from hf_moe_offload.routing import keep_load_balancing_loss
+from hf_moe_offload.families.lm_loss import ChunkedLossTrainer, chunked_causal_lm_loss, why_not_chunked
+from hf_moe_offload.families.routing import keep_load_balancing_loss
 
 from moe_families import VOCAB, Unshrinkable, experts_families, tiny_config, tiny_model
 from numerics import BOTH_KERNELS, assert_within_adam_drift, kernels

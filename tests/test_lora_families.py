@@ -31,7 +31,7 @@ from torch import nn
 
 import hf_moe_offload  # noqa: F401
 from hf_moe_offload import OffloadConfig, enable_expert_offload, expert_target_parameters
-from hf_moe_offload.moe_path import experts_layers
+from hf_moe_offload.families.moe_path import experts_layers
 
 from lora_cases import assert_streamed_lora_equals_resident, lm_forward, lora_model, probe_forward
 from moe_families import Unshrinkable, experts_families, tiny_config, tiny_model

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from hf_moe_offload import ExpertOptimizer, OffloadConfig, enable_expert_offload
 from hf_moe_offload.offload.checkpoint import load_expert_state, save_expert_state
-from hf_moe_offload.offload.stand_ins import is_stand_in
+from hf_moe_offload.offload.lora.stand_ins import is_stand_in
 from hf_moe_offload.runtime import use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
 

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_dir(tmp_path_factory):
     """One short run of the README's main-job command (the default model and data, fewer steps)."""
     out = tmp_path_factory.mktemp("main_job") / "run"
-    res = subprocess.run([sys.executable, "-m", "hf_moe_offload.cli", "train", "--short", "--output-dir", str(out)],
+    res = subprocess.run([sys.executable, "-m", "hf_moe_offload.cli.main", "train", "--short", "--output-dir", str(out)],
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return out, res.stdout
@@ -74,7 +74,7 @@ def test_push_to_hub_uploads_model_tokenizer_card_and_code(run_dir):
     """Mocks only the network calls (create_repo, upload_folder) and checks what would be uploaded."""
     from huggingface_hub import HfApi
 
-    from hf_moe_offload.hub import UPLOAD_IGNORE, push_to_hub
+    from hf_moe_offload.hub.upload import UPLOAD_IGNORE, push_to_hub
 
     out, _ = run_dir
     seen = {}
@@ -103,7 +103,7 @@ def test_push_to_hub_uploads_model_tokenizer_card_and_code(run_dir):
 
 
 def test_push_refuses_an_incomplete_folder(tmp_path):
-    from hf_moe_offload.hub import push_to_hub
+    from hf_moe_offload.hub.upload import push_to_hub
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="not ready to push"):
@@ -116,7 +116,7 @@ def test_push_to_hub_flag_of_the_cli(tmp_path, capsys):
     network boundary) and prints the URL; the card names the repo."""
     from huggingface_hub import HfApi
 
-    from hf_moe_offload.cli import main
+    from hf_moe_offload.cli.main import main
 
     uploaded = {}
 
@@ -139,7 +139,7 @@ def test_main_job_with_lora_on_the_streamed_experts(tmp_path):
     """Issue 38, item 4: `hf-moe-offload train --method lora --lora-targets experts,attention` trains adapters on
     every expert matrix while the frozen experts stay on the disk tier; it saves the peft adapter (its config names
     the expert tensors) and the merged model, which transformers loads as a plain model, and the card says so."""
-    from hf_moe_offload.cli import main
+    from hf_moe_offload.cli.main import main
 
     out = tmp_path / "run"
     assert main(["train", "--short", "--steps", "2", "--max-eval-blocks", "4", "--num-experts", "4", "--method", "lora",
@@ -159,7 +159,7 @@ def test_main_job_with_lora_on_the_streamed_experts(tmp_path):
 
 
 def test_main_job_refuses_quantized_storage_of_trained_experts(tmp_path, capsys):
-    from hf_moe_offload.cli import main
+    from hf_moe_offload.cli.main import main
 
     assert main(["train", "--short", "--expert-storage", "int8", "--output-dir", str(tmp_path / "run")]) != 0
     assert "--expert-storage int8 keeps frozen experts quantized" in capsys.readouterr().err
@@ -193,7 +193,7 @@ def test_main_job_with_activation_checkpointing_on_the_disk_tier(tmp_path):
     """`--gradient-checkpointing on`: the Trainer recomputes every decoder layer in the backward while the experts
     stream from the disk tier, and the run records the choice (`auto`, the default, on a machine without a GPU leaves
     it off: test_main_job_prints_figures_and_saves_a_loadable_model)."""
-    from hf_moe_offload.cli import main
+    from hf_moe_offload.cli.main import main
 
     out = tmp_path / "run"
     assert main(["train", "--short", "--steps", "2", "--max-eval-blocks", "4", "--num-experts", "4",
@@ -216,7 +216,7 @@ def test_main_job_with_activation_checkpointing_on_the_disk_tier(tmp_path):
 def test_auto_checkpointing_turns_on_where_the_batch_would_not_fit_the_device_without_it():
     """`needs_checkpointing` (the jobs' `--gradient-checkpointing auto` on a GPU): off where the batch fits, on where
     the estimate's device figure without checkpointing exceeds 90% of the budget."""
-    from hf_moe_offload.estimate import Workload, estimate, needs_checkpointing
+    from hf_moe_offload.planning.estimate import Workload, estimate, needs_checkpointing
     from hf_moe_offload.models.moe_gpt import MoEGPTConfig
 
     config = MoEGPTConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_experts=8,

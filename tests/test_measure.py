@@ -1,4 +1,4 @@
-"""`hf-moe-offload estimate --measure` (hf_moe_offload/measure.py): the step it predicts from rates measured here
+"""`hf-moe-offload estimate --measure` (hf_moe_offload/planning/measure.py): the step it predicts from rates measured here
 against the step the package trains, on the CPU, for a small Qwen3-MoE (resident and host tier).
 
 Timing on a shared 2-core machine is noisy: the training steps run in the measuring's own rounds (each a median
@@ -18,8 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
-from hf_moe_offload.estimate import Workload, estimate
-from hf_moe_offload.measure import measure, one_layer_config, predict
+from hf_moe_offload.planning.estimate import Workload, estimate
+from hf_moe_offload.planning.measure import measure, one_layer_config, predict
 
 BATCH, SEQ = 2, 256
 TOLERANCE = 0.25
@@ -108,8 +108,8 @@ def test_one_layer_config_keeps_one_moe_layer_and_caps_the_experts():
     one = one_layer_config(config, max_experts=8)
     assert (one.num_hidden_layers, one.first_k_dense_replace, one.n_routed_experts) == (1, 0, 8)
     assert (config.num_hidden_layers, config.n_routed_experts) == (4, 16)  # the caller's config is left alone
-    from hf_moe_offload.estimate import meta_model
-    from hf_moe_offload.moe_path import experts_layers
+    from hf_moe_offload.planning.estimate import meta_model
+    from hf_moe_offload.families.moe_path import experts_layers
 
     ((_, _, layout),) = experts_layers(meta_model(one))
     assert layout.num_experts == 8
@@ -147,7 +147,7 @@ def test_the_cli_measures_on_the_cpu_where_no_gpu_is_and_says_so(tmp_path, capsy
     step and a floor; its JSON holds the measured rates and each tier's predicted step; LoRA is refused."""
     import json
 
-    from hf_moe_offload.cli import main
+    from hf_moe_offload.cli.main import main
 
     config = small_config(layers=2)
     config.hidden_size, config.moe_intermediate_size, config.intermediate_size = 64, 32, 64
@@ -168,7 +168,7 @@ def test_the_link_is_timed_through_the_device_runtime_in_order():
     """The link's copies go through the device runtime as the engine's do: on the simulated device (asynchronous
     streams, every access checked for its happens-before edge) both directions run, land the bytes and give rates; a
     copy that was not waited for would raise there. A byte copy has no dtype to autocast: nothing to run under it."""
-    from hf_moe_offload.measure import _link_rates
+    from hf_moe_offload.planning.measure import _link_rates
     from hf_moe_offload.runtime.simulated import SimulatedRuntime
 
     rt = SimulatedRuntime(seed=4, max_delay=0.002, track_views=True)

@@ -180,7 +180,7 @@ def trainer_run(tier: str, bf16: bool, tmp_path, use_cpu: bool):
 @pytest.mark.parametrize("offload", ["auto", "device", "host", "disk"])
 def test_main_job_bf16_on_every_offload_value(offload, tmp_path):
     """`hf-moe-offload train --short --precision bf16 --offload X` (few steps, small model: the CLI path)."""
-    from hf_moe_offload.cli import main
+    from hf_moe_offload.cli.main import main
 
     out = tmp_path / "run"
     assert main(["train", "--short", "--precision", "bf16", "--offload", offload, "--steps", "3",

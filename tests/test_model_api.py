@@ -19,7 +19,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 import hf_moe_offload  # noqa: F401  (registers experts implementation "hf_moe_offload")
 from hf_moe_offload import (ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, disable_expert_offload,
                             enable_expert_offload, get_offload_engine, reference_copy)
-from hf_moe_offload.moe_path import attached_path
+from hf_moe_offload.families.moe_path import attached_path
 from hf_moe_offload.offload.plan import resolve_plan
 from hf_moe_offload.runtime import use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime

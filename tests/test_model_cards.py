@@ -1,6 +1,6 @@
 """Model cards describe the run that made them: the method and its targets, what was trained and what was frozen, how
 the frozen experts were stored, whether the expert-wise CPU optimizer stepped experts, activation checkpointing, the
-offload tier, and the MoE layers of any family (hf_moe_offload/hub.py, model_cards/TEMPLATE.md).
+offload tier, and the MoE layers of any family (hf_moe_offload/hub/cards.py, model_cards/TEMPLATE.md).
 
 A full run's card (the expert-wise optimizer named, checkpointing on):
 test_main_job.py::test_main_job_with_activation_checkpointing_on_the_disk_tier."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_moe_offload.hub import EXPERT_WISE, card_values, describe_model, moe_layer_indices
+from hf_moe_offload.hub.cards import EXPERT_WISE, card_values, describe_model, moe_layer_indices
 
 from moe_families import tiny_config
 
@@ -23,7 +23,7 @@ from moe_families import tiny_config
 def lora_nf4_run(tmp_path_factory):
     """`hf-moe-offload train --method lora --lora-targets experts,attention --expert-storage nf4` on a Hub-layout
     Qwen3-MoE checkpoint (transformers' own save_pretrained) whose layer 1 is dense: MoE layers 0 and 2."""
-    from hf_moe_offload.cli import main
+    from hf_moe_offload.cli.main import main
     from hf_moe_offload.data import gpt2_tokenizer
 
     root = tmp_path_factory.mktemp("card")

@@ -1,4 +1,4 @@
-"""`estimate` by Hub name, offline (hf_moe_offload/model_shapes.py), and docs/hardware.md (hf_moe_offload/hardware_table.py).
+"""`estimate` by Hub name, offline (hf_moe_offload/planning/model_shapes.py), and docs/hardware.md (hf_moe_offload/planning/hardware_table.py).
 
 The bundled shapes are checked against the releases' published parameter totals (their model cards and papers), the
 local Hugging Face cache against a cache laid out here in the layout huggingface_hub reads, and the hardware page
@@ -14,10 +14,10 @@ import huggingface_hub.constants
 import pytest
 from transformers import AutoConfig
 
-from hf_moe_offload.cli import main
+from hf_moe_offload.cli.main import main
 from hf_moe_offload.errors import UserError
-from hf_moe_offload.estimate import meta_model
-from hf_moe_offload.model_shapes import SHAPES, SOURCE_CACHE, SOURCE_FOLDER, SOURCE_TABLE, bundled_shape, load_config
+from hf_moe_offload.planning.estimate import meta_model
+from hf_moe_offload.planning.model_shapes import SHAPES, SOURCE_CACHE, SOURCE_FOLDER, SOURCE_TABLE, bundled_shape, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -125,8 +125,8 @@ def test_an_unknown_name_fails_with_the_way_out(hub_cache, capsys):
 
 @pytest.mark.slow
 def test_the_hardware_page_is_what_the_code_generates():
-    from hf_moe_offload.hardware_table import render
+    from hf_moe_offload.planning.hardware_table import render
 
     with open(os.path.join(ROOT, "docs", "hardware.md"), encoding="utf-8") as f:
         committed = f.read()
-    assert render() == committed, "docs/hardware.md is stale: python -m hf_moe_offload.hardware_table docs/hardware.md"
+    assert render() == committed, "docs/hardware.md is stale: python -m hf_moe_offload.planning.hardware_table docs/hardware.md"

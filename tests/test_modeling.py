@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import hf_moe_offload  # noqa: F401  (registers the Auto classes)
 from hf_moe_offload import MOE_GPT_PRESETS, MoEGPTConfig, MoEGPTForCausalLM, MoEGPTForSequenceClassification
 from hf_moe_offload.models.moe_gpt import MoEGPTSparseMoeBlock
-from hf_moe_offload.run_stats import routed_counts
+from hf_moe_offload.jobs.run_stats import routed_counts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATOL = 1e-5  # fp32 through a few layers; the MoE layer itself is compared at 1e-6

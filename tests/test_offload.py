@@ -134,7 +134,7 @@ def test_upload_order_forward_then_reverse_backward_with_lookahead(tmp_path, mon
     """An instrumented store records acquire/prefetch order: forward in expert order, backward reversed, with
     `depth` experts acquired ahead of the one computing (the host tier streaming expert by expert, as it does on a
     device: on the CPU it would run the layer as one grouped GEMM)."""
-    from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
+    from hf_moe_offload.offload.streaming.streamed import OffloadedExpertsLayer
 
     monkeypatch.setattr(OffloadedExpertsLayer, "grouped_counts", lambda self, *args: None)
     model = small_model(num_experts=5, num_hidden_layers=1)
@@ -251,7 +251,7 @@ def test_pins_stay_put_under_noisy_loads_and_follow_a_lasting_one(tmp_path, monk
     `last_counts`): under uniform random loads the pins move far less than under ES-MoE's rule (the last step's
     load alone), an expert whose load triples for good is pinned within a few steps, and no more than `pin_limit`
     experts (the cache less the records in flight) are ever pinned."""
-    from hf_moe_offload.offload.pinning import PinChoice
+    from hf_moe_offload.offload.pins.pinning import PinChoice
 
     g = torch.Generator().manual_seed(3)
     loads = [torch.poisson(torch.full((2, 16), 16.0), generator=g).long() for _ in range(30)]
@@ -561,7 +561,7 @@ def test_disk_tier_reads_and_writes_only_the_rows_each_phase_needs(tmp_path):
     """Forward reads the weights (one row), backward adds to a gradient known to be zero without reading it, the
     step reads the moments, and a write-back writes the changed rows only (never a zeroed gradient); every value
     survives the evictions."""
-    from hf_moe_offload.offload.store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD
+    from hf_moe_offload.offload.stores.store import GRAD, WEIGHTS, WEIGHTS_AND_GRAD
 
     a, b = (0, 0), (0, 1)
     store = _row_store(tmp_path, [a, b], cache=1)
@@ -632,7 +632,7 @@ def test_disk_tier_row_io_and_schedule_change_no_bit(clip, mapped, tmp_path, mon
     from the mapped files (the default on the CPU) or reading through the cache. Both tiers compute expert by expert
     (the host tier's grouped GEMM rounds some sums in another order)."""
     from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer
-    from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
+    from hf_moe_offload.offload.streaming.streamed import OffloadedExpertsLayer
 
     monkeypatch.setattr(OffloadedExpertsLayer, "grouped_counts", lambda self, *args: None)
 
@@ -762,7 +762,7 @@ def test_kept_activations_give_the_recomputed_gradients_bit_for_bit(tier, autoca
     runs no expert forward; the gradients (experts in the store, every other parameter) and the input gradient
     equal the recompute path's bit for bit (torch.equal), in fp32 and under bf16 autocast, over 2 accumulated
     micro-steps."""
-    from hf_moe_offload.layouts import ExpertLayout
+    from hf_moe_offload.families.layouts import ExpertLayout
 
     calls = {"n": 0}
     original, original_grouped = ExpertLayout.forward, ExpertLayout.grouped_forward
@@ -861,7 +861,7 @@ def test_disk_tier_staged_chunks_train_exactly_like_the_host_tiers_grouped_gemm(
     kept (fp32) or recomputed (bf16 autocast casts the fp32 weights); the weights, Adam moments and step counts equal
     the host tier's, which runs each layer as one grouped GEMM over its store (torch.equal: per expert the same
     GEMMs and the same bias sums). During backward the optimizer steps a chunk's experts several per fused call."""
-    from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
+    from hf_moe_offload.offload.streaming.streamed import OffloadedExpertsLayer
 
     chunks = []
     original = OffloadedExpertsLayer.plan
@@ -921,7 +921,7 @@ def test_stage_experts_needs_room_for_two_chunks(tmp_path):
 def test_training_experts_compute_with_compute_threads(setting, expected, tmp_path):
     """A training call's experts (forward and backward) run with `compute_threads` intra-op threads (default: one
     fewer than torch's), and torch's setting is back afterwards; inference calls keep torch's."""
-    from hf_moe_offload.layouts import ExpertLayout
+    from hf_moe_offload.families.layouts import ExpertLayout
 
     seen = []
     original = ExpertLayout.grouped_forward
@@ -970,7 +970,7 @@ def test_host_store_keeps_each_layer_in_one_block_of_separate_records():
     copies); records keep autograd version counters of their own (an update of one expert must not count as a change
     of another expert's, or of the block's, saved weights); a layer whose experts here are not all of 0..E-1 (an
     expert-parallel shard) has none, and `used` counts that many hits."""
-    from hf_moe_offload.offload.store import ROW_GAP_BYTES, HostExpertStore
+    from hf_moe_offload.offload.stores.store import ROW_GAP_BYTES, HostExpertStore
     from hf_moe_offload.offload.telemetry import OffloadStats
 
     stats = OffloadStats()
@@ -1005,7 +1005,7 @@ def test_host_tier_runs_expert_by_expert_where_one_grouped_gemm_cannot(tmp_path,
     """The per-expert loop stays where the grouped path does not apply: dropout inside the experts (the recompute
     replays each expert's RNG state), too few rows (a decoded token), and the disk tier (no block of weights on the
     CPU; on a device a cache of 6 leaves no room for the slab's two chunks beside 2 reads ahead)."""
-    from hf_moe_offload.offload.streamed import OffloadedExpertsLayer
+    from hf_moe_offload.offload.streaming.streamed import OffloadedExpertsLayer
 
     used = []
     original = OffloadedExpertsLayer.grouped_counts

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hf_moe_offload import MoEGPTConfig, MoEGPTForCausalLM, OffloadConfig, enable_expert_offload
-from hf_moe_offload.models.moe_gpt.modeling_moe_gpt import MoEGPTExperts
+from hf_moe_offload.models.moe_gpt.moe_layer import MoEGPTExperts
 from hf_moe_offload.models.moe_gpt.moe_ops import DispatchPlan
 from hf_moe_offload.pipelining import (
     GranularitySearch,
@@ -33,7 +33,7 @@ from hf_moe_offload.pipelining import (
     split_plan,
 )
 from hf_moe_offload.pipelining.memory import measure_saving
-from hf_moe_offload.moe_path import get_moe_path, moe_path, sorted_experts
+from hf_moe_offload.families.moe_path import get_moe_path, moe_path, sorted_experts
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 STRATEGIES = ["keep", "S1", "S2", "S3", "S4"]

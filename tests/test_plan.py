@@ -110,7 +110,7 @@ def test_bound_engine_follows_its_plan(tmp_path):
     """The engine's parts are the plan's: a disk tier on the simulated device gets a slab of the plan's chunk and a
     device stager; on the CPU a host stager and staged chunks."""
     from hf_moe_offload import enable_expert_offload
-    from hf_moe_offload.offload.transfers import DeviceStager, HostStager
+    from hf_moe_offload.offload.streaming.transfers import DeviceStager, HostStager
     from hf_moe_offload.runtime import use_runtime
     from hf_moe_offload.runtime.simulated import SimulatedRuntime
     from moe_families import tiny_model

@@ -1,5 +1,5 @@
 """Checkpoints released quantized stream into the offload store, dequantized expert by expert
-(hf_moe_offload/offload/prequantized.py).
+(hf_moe_offload/offload/stores/prequantized.py).
 
 The checkpoints are fabricated as the Hub releases lay them out: a tiny model of the family saved by transformers,
 then its weights replaced by the release's tensors, from reference quantizers written here from the formats'

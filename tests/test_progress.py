@@ -10,7 +10,7 @@ from datasets import Dataset
 from transformers import ProgressCallback, Trainer, TrainingArguments, default_data_collator
 
 from hf_moe_offload import ExpertOptimizerCallback, OffloadConfig, enable_expert_offload
-from hf_moe_offload.run_stats import OffloadTotalsCallback, TrainingProgressCallback, use_progress_bar
+from hf_moe_offload.jobs.run_stats import OffloadTotalsCallback, TrainingProgressCallback, use_progress_bar
 
 from test_offload import small_model
 

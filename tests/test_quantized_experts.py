@@ -22,8 +22,8 @@ from peft import LoraConfig, get_peft_model
 
 import bitsandbytes.functional as bnb_f
 from hf_moe_offload import OffloadConfig, enable_expert_offload
-from hf_moe_offload.moe_path import experts_layers
-from hf_moe_offload.offload.quantized import ExpertQuantization
+from hf_moe_offload.families.moe_path import experts_layers
+from hf_moe_offload.offload.stores.quantized import ExpertQuantization
 from hf_moe_offload.runtime import use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
 

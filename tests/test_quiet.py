@@ -19,13 +19,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.slow
 def test_help_prints_the_help_only(monkeypatch):
-    """`python -m hf_moe_offload.cli --help` (which runs `import hf_moe_offload` first, then imports every
+    """`python -m hf_moe_offload.cli.main --help` (which runs `import hf_moe_offload` first, then imports every
     subcommand's module to build the parser) prints nothing on stderr and exactly the parser's help on stdout."""
-    from hf_moe_offload.cli import build_parser
+    from hf_moe_offload.cli.main import build_parser
 
     monkeypatch.setenv("COLUMNS", "100")  # argparse's width, here and in the child
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}  # Python's default warning filters
-    run = subprocess.run([sys.executable, "-m", "hf_moe_offload.cli", "--help"], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "hf_moe_offload.cli.main", "--help"], capture_output=True, text=True,
                          timeout=300, cwd=ROOT, env=env)
     assert run.returncode == 0 and run.stderr == "", run.stderr
     assert run.stdout == build_parser().format_help(), run.stdout[:500]

@@ -76,7 +76,7 @@ def test_cpu_two_process_launch_config(tmp_path):
 
 
 def test_pipelining_flag_rejects_nonsense():
-    from hf_moe_offload.train import add_arguments
+    from hf_moe_offload.cli.train import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)

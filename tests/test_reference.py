@@ -1,4 +1,4 @@
-"""docs/reference.md is what `hf_moe_offload.reference` generates from the code (OffloadConfig's field metadata, the
+"""docs/reference.md is what `hf_moe_offload.cli.reference` generates from the code (OffloadConfig's field metadata, the
 CLI's parser), and it documents every field and every flag."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import os
 import pytest
 
 from hf_moe_offload import OffloadConfig
-from hf_moe_offload.cli import build_parser
+from hf_moe_offload.cli.main import build_parser
 from hf_moe_offload.errors import UserError
-from hf_moe_offload.reference import REGENERATE, _subcommands, _visible, config_rows, main, render, write_text_atomic
+from hf_moe_offload.cli.reference import REGENERATE, _subcommands, _visible, config_rows, main, render, write_text_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "reference.md")

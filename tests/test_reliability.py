@@ -32,7 +32,7 @@ from hf_moe_offload.offload.checkpoint import (
     load_offloaded_pretrained,
     save_expert_state,
 )
-from hf_moe_offload.offload.safetensors_io import SafetensorsReader
+from hf_moe_offload.offload.stores.safetensors_io import SafetensorsReader
 from hf_moe_offload.offload.saving import save_offloaded_pretrained
 from hf_moe_offload.optim.checkpoints import (
     checkpoint_problems,
@@ -360,7 +360,7 @@ def test_sigkill_around_a_checkpoint_save_then_resume_is_bit_exact(tmp_path):
 
 @pytest.mark.slow
 def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
-    from hf_moe_offload.cli import main
+    from hf_moe_offload.cli.main import main
 
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
@@ -378,10 +378,10 @@ def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
         assert len(errors) == 1 and message in errors[0], (extra, err[-2000:])
         assert "Traceback" not in err, extra
     # A real process: exit code 2 and one line; --debug shows the traceback instead.
-    res = _run([sys.executable, "-m", "hf_moe_offload.cli", "train", "--short", "--train-file", str(empty)],
+    res = _run([sys.executable, "-m", "hf_moe_offload.cli.main", "train", "--short", "--train-file", str(empty)],
                check=False)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("hf-moe-offload: error: data file(s) hold no text")
-    res = _run([sys.executable, "-m", "hf_moe_offload.cli", "train", "--short", "--train-file", str(empty), "--debug"],
+    res = _run([sys.executable, "-m", "hf_moe_offload.cli.main", "train", "--short", "--train-file", str(empty), "--debug"],
                check=False)
     assert res.returncode == 1 and "Traceback" in res.stderr and "UserError" in res.stderr

@@ -10,8 +10,8 @@ from moe_families import VOCAB, Unshrinkable, experts_families, tiny_model
 
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
 from hf_moe_offload.jobs import _ready_for_training
-from hf_moe_offload.moe_path import find_experts_modules
-from hf_moe_offload.routing import freeze_routers, keep_load_balancing_loss, router_modules
+from hf_moe_offload.families.moe_path import find_experts_modules
+from hf_moe_offload.families.routing import freeze_routers, keep_load_balancing_loss, router_modules
 
 
 def test_every_family_has_one_router_per_moe_layer():
@@ -74,7 +74,7 @@ def test_expert_load_is_counted_for_any_family_from_the_experts_call(tmp_path):
 
     from transformers import TrainerState
 
-    from hf_moe_offload.run_stats import ExpertLoadCallback
+    from hf_moe_offload.jobs.run_stats import ExpertLoadCallback
 
     for family, offload in (("mixtral", True), ("gpt_oss", False)):
         model = tiny_model(family, num_experts=16)

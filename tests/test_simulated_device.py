@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig, enable_expert_offload
-from hf_moe_offload.offload.transfers import DeviceStager, GradArrival
+from hf_moe_offload.offload.streaming.transfers import DeviceStager, GradArrival
 from hf_moe_offload.runtime import HOST, HappensBeforeError, use_runtime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
 

@@ -1,5 +1,8 @@
 """Several GPUs under `accelerate launch`: token exchange, static expert parallelism, ES-MoE dynamic expert placement
-(§4.2) with a node-shared expert store, and Pipeline-MoE dispatch (PPMoE §3.3)."""
+(§4.2) with a node-shared expert store, and Pipeline-MoE dispatch (PPMoE §3.3).
+
+May import: `families`, `offload`, `pipelining`.
+"""
 
 from .callback import ExpertParallelCallback
 from .exchange import (

@@ -1,9 +1,9 @@
 """Expert parallelism for a few GPUs under `accelerate launch`: static EP, ES-MoE dynamic placement, PPMoE dispatch.
 
 Each process runs the model on its own micro-batch (data parallel: non-expert parameters go through DDP as usual) and
-the MoE layers exchange tokens so that every expert runs on exactly one rank. `enable_expert_parallel` sets an
-executor on every layer of the model's MoE path (hf_moe_offload.moe_path: any family served through transformers'
-experts signature). One MoE layer, from router to combine, on rank r of k:
+the MoE layers exchange tokens so that every expert runs on exactly one rank. `enable_expert_parallel` sets an executor
+on every layer of the model's MoE path (families/moe_path.py: any family served through transformers' experts
+signature). One MoE layer, from router to combine, on rank r of k:
 
     router -> DispatchPlan (local tokens sorted by expert, counts c_r)
       -> all-gather counts: C (k x E)                                   [one small collective]
@@ -57,16 +57,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..moe_path import attached_path, moe_path
+from ..families.moe_path import attached_path, moe_path
 from ..pipelining.partition import PartitionedExecutor
 from ..offload.api import enable_expert_offload, get_offload_engine
 from ..offload.config import OffloadConfig
 from ..offload.engine import OffloadEngine
-from ..offload.disk_store import DiskExpertStore
-from ..offload.store import ExpertKey, HostExpertStore
+from ..offload.stores.store import ExpertKey
 from .comm_stages import AllToAllComm, PPMoEComm
 from .placement import Placement, PlacementCost, plan_placement, static_owner, static_placement
-from .shared_store import create_node_shared_store
+from .shared_store import create_node_shared_store, private_copy
 
 logger = logging.getLogger(__name__)
 
@@ -474,13 +473,7 @@ def disable_expert_parallel(model: nn.Module, offload_dir: str | None = None) ->
                              "own for its private copy of the experts")
         engine.synchronize()
         dist.barrier(group=coordinator.group)  # every rank's updates are in the shared copy
-        if shared.tier == "host":
-            private = HostExpertStore(shared.keys(), shared.numel, shared.compute_dtype, engine.stats)
-        else:
-            private = DiskExpertStore(shared.keys(), shared.numel, shared.compute_dtype, engine.stats, offload_dir,
-                                      shared.cache_experts, 2)
-        private.copy_experts_from(shared)
-        private.flush()
+        private = private_copy(shared, engine.stats, offload_dir)
         dist.barrier(group=coordinator.group)  # nobody reads the shared copy any more
         engine.replace_store(private)
         shared.close()

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..offload.disk_store import CACHED, DiskExpertStore
-from ..offload.store import (
+from ..offload.stores.disk_store import CACHED, DiskExpertStore
+from ..offload.stores.store import (
     STATE_ROWS,
     ExpertKey,
     ExpertRecord,
@@ -377,7 +377,21 @@ def create_node_shared_store(
     return store, leader
 
 
+def private_copy(shared, stats: OffloadStats, offload_dir: str | None):
+    """A store of this process's own holding what the node-shared store holds (host memory, or files in
+    `offload_dir`), for a process that goes on training alone."""
+    if shared.tier == "host":
+        private = HostExpertStore(shared.keys(), shared.numel, shared.compute_dtype, stats)
+    else:
+        private = DiskExpertStore(shared.keys(), shared.numel, shared.compute_dtype, stats, offload_dir,
+                                  shared.cache_experts, 2)
+    private.copy_experts_from(shared)
+    private.flush()
+    return private
+
+
 __all__ = [
+    "private_copy",
     "SharedRegion",
     "SharedStepCounts",
     "SharedExpertRecord",

@@ -1,4 +1,7 @@
-"""Fine-tuning fairseq MoE checkpoints: the converter (`hf-moe-offload convert-fairseq`) and a fairseq-id tokenizer."""
+"""Fine-tuning fairseq MoE checkpoints: the converter (`hf-moe-offload convert-fairseq`) and a fairseq-id tokenizer.
+
+May import: `data`, `errors`, `models`.
+"""
 
 from .convert import (
     FairseqConversionError,

@@ -16,6 +16,9 @@ In the order a job uses them:
    update);
 5. `finish_run(...)` (`report`): save model + tokenizer (streaming save), plots, `metrics.json`, the model card, and
    push.
+
+May import: `cli.flags`, `data`, `distributed`, `errors`, `families`, `host_allocator`, `hub`, `models`, `offload`,
+`optim`, `pipelining`, `planning`, `quiet`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The jobs' argument groups, and the `OffloadConfig` their flags describe.
 
-The offload flags are `OffloadConfig`'s fields (`hf_moe_offload.flags`: default, type and help from the field and
+The offload flags are `OffloadConfig`'s fields (`hf_moe_offload.cli.flags`: default, type and help from the field and
 its metadata); a training flag that maps onto a `TrainingArguments` field takes transformers' help for it
 (`trainer_help`), with what the jobs add. A job's own defaults (steps, batch size, learning rate, tier) are the
 parameters of these functions.
@@ -18,7 +18,7 @@ import re
 import torch
 
 from ..errors import UserError, add_debug_flag
-from ..flags import add_dataclass_arguments, dataclass_values, option_names
+from ..cli.flags import add_dataclass_arguments, dataclass_values, option_names
 from ..host_allocator import MMAP_THRESHOLD, POLICIES, RETURN_MMAP_THRESHOLD, TRIM_THRESHOLD, set_policy
 from ..models.moe_gpt import MOE_GPT_PRESETS
 from ..offload import OffloadConfig
@@ -54,7 +54,7 @@ def add_model_arguments(p: argparse.ArgumentParser, preset: str = "moe-tiny", nu
     g.add_argument("--loss-chunk-tokens", type=int, default=1024,
                    help="take the training LM loss this many tokens at a time, so that no (tokens, vocab) logits "
                         "tensor is held (same loss and gradients; every causal-LM family whose logits are "
-                        "lm_head(hidden), hf_moe_offload.lm_loss); 0: the plain head. Default: %(default)s")
+                        "lm_head(hidden), hf_moe_offload.families.lm_loss); 0: the plain head. Default: %(default)s")
     g.add_argument("--freeze-router", action="store_true",
                    help="do not train the routers (every MoE family: the `gate` / `router` next to the experts)")
 

@@ -7,8 +7,8 @@ import os
 
 from torch import nn
 
-from ..estimate import LORA_ATTENTION
-from ..offload.expert_lora import expert_target_parameters
+from ..planning.estimate import LORA_ATTENTION
+from ..offload.lora.expert_lora import expert_target_parameters
 from ..offload.saving import save_merged_lora
 from ..quiet import peft_wrapping
 

@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from ..data import gpt2_tokenizer
 from ..errors import UserError
-from ..estimate import Workload, needs_checkpointing
+from ..planning.estimate import Workload, needs_checkpointing
 from ..models.moe_gpt import MoEGPTConfig
 from ..offload import enable_expert_offload, get_offload_engine
 from ..offload.checkpoint import load_offloaded_pretrained
-from ..routing import freeze_routers, keep_load_balancing_loss
+from ..families.routing import freeze_routers, keep_load_balancing_loss
 from .arguments import JOB_PRESETS, offload_config
 from .distribution import world
 

@@ -17,11 +17,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from ..hub import EXPERT_WISE, RECORD_FILE, push_to_hub, write_model_card
+from ..hub.cards import EXPERT_WISE, RECORD_FILE, write_model_card
+from ..hub.upload import push_to_hub
 from ..offload import get_offload_engine
 from ..offload.saving import save_offloaded_pretrained
 from ..optim import ExpertOptimizerCallback
-from ..run_stats import ExpertLoadCallback, OffloadTotalsCallback, plot_expert_load, plot_training_curves
+from .run_stats import ExpertLoadCallback, OffloadTotalsCallback, plot_expert_load, plot_training_curves
 from .arguments import EXPERT_STORE_DIR
 from .distribution import world
 
@@ -36,7 +37,7 @@ def hardware() -> dict[str, Any]:
 
 def command_line() -> str:
     prog = os.path.basename(sys.argv[0])
-    if prog in ("hf-moe-offload", "cli.py", "__main__.py"):
+    if prog in ("hf-moe-offload", "main.py", "__main__.py"):
         prog = "hf-moe-offload"
     elif sys.argv[0].endswith(".py"):
         prog = f"python {os.path.relpath(sys.argv[0])}" if os.path.exists(sys.argv[0]) else prog
@@ -96,7 +97,7 @@ def experts_summary(model: nn.Module, engine, callbacks: list) -> dict[str, Any]
     """How the run treated its experts, for the card and metrics.json: trained or frozen, what stepped them (the
     expert-wise CPU optimizer only when its callback is among the Trainer's `callbacks`), where and how they were
     stored (`storage`: the per-parameter format of their weights: fp32, bf16, int8, nf4)."""
-    from ..moe_path import find_experts_modules
+    from ..families.moe_path import find_experts_modules
 
     offloaded = engine is not None and engine.store is not None
     expert_wise = any(isinstance(c, ExpertOptimizerCallback) for c in callbacks)

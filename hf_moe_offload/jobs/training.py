@@ -15,7 +15,7 @@ from transformers import TrainingArguments
 
 from ..errors import UserError
 from ..optim import ExpertOptimizerCallback
-from ..run_stats import ExpertLoadCallback, OffloadTotalsCallback
+from .run_stats import ExpertLoadCallback, OffloadTotalsCallback
 from .arguments import RESUME_LATEST
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Turning expert offload on and off for a model, and keeping `state_dict()` whole while it is on.
 
 `enable_expert_offload(model, OffloadConfig(...))` moves every experts module's weights into an expert store and
-puts the streamed experts on the model's MoE path (hf_moe_offload.moe_path: transformers' experts implementation
+puts the streamed experts on the model's MoE path (hf_moe_offload.families.moe_path: transformers' experts implementation
 "hf_moe_offload"; the module object and its name stay; its expert tensors are no longer `nn.Parameter`s, so
 Trainer/DDP optimizers never see them). `state_dict()` and `load_state_dict()` still show the
 experts under their standard names, whatever the tier. `disable_expert_offload(model)` puts everything back.
@@ -20,26 +20,26 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..moe_path import (IMPLEMENTATION, MoELayer, attached_path, experts_layers, find_experts_modules, holding_path,
+from ..families.moe_path import (IMPLEMENTATION, MoELayer, attached_path, experts_layers, find_experts_modules, holding_path,
                         moe_path)
 from .config import OffloadConfig
 from .copies import copy_engine
 from .engine import OffloadEngine
 from .resident import ResidentEngine
-from .inference import PreGate, Router, find_router
-from .stand_ins import stand_in_parameter
-from .streamed import DTYPE_BUFFER
-from .quantized import store_quantization
+from .inference.policies import PreGate, Router, find_router
+from .lora.stand_ins import stand_in_parameter
+from .streaming.streamed import DTYPE_BUFFER
+from .stores.quantized import store_quantization
 from .planner import HEADROOM, MemoryEstimate, choose_tier, detect_budgets, estimate_memory, offloaded_device_bytes
-from .disk_store import DiskExpertStore
-from .store import STATE_ROWS, ExpertStore, ExpertStoreError, HostExpertStore
+from .stores.disk_store import DiskExpertStore
+from .stores.store import STATE_ROWS, ExpertStore, ExpertStoreError, HostExpertStore
 from .telemetry import OffloadStats
 
 logger = logging.getLogger(__name__)
 
 
 def find_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Experts modules in forward order (see `hf_moe_offload.moe_path.find_experts_modules`)."""
+    """Experts modules in forward order (see `hf_moe_offload.families.moe_path.find_experts_modules`)."""
     return find_experts_modules(model)
 
 
@@ -66,7 +66,7 @@ def enable_expert_offload(
         raise ValueError(
             f"{type(model).__name__} has no experts module that hf_moe_offload can serve: it needs an experts module "
             "decorated with transformers' @use_experts_implementation whose tensors an ExpertLayout describes "
-            "(hf_moe_offload/layouts.py)"
+            "(hf_moe_offload/families/layouts.py)"
         )
     modules = [module for _, module, _ in found]
     if _initialize:
@@ -159,7 +159,7 @@ def _frozen_bytes_per_param(model_dtype: torch.dtype, quantization) -> float:
 def _build_store(mode: str, config: OffloadConfig, layouts: list, model_dtype: torch.dtype, stats: OffloadStats,
                  store_factory: Callable[..., ExpertStore] | None, quantization=None) -> ExpertStore:
     """The host or disk tier's store, one record per (layer, expert); `quantization`: frozen experts kept in 8 or 4
-    bits (offload/quantized.py)."""
+    bits (offload/stores/quantized.py)."""
     compute_dtype = config.compute_dtype or model_dtype
     numel = layouts[0].numel
     if any(lay.numel != numel for lay in layouts):
@@ -265,7 +265,7 @@ def _router(model: nn.Module, route) -> Router | None:
 def _detach_parameters(module: nn.Module, layout, stand_ins: bool) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Take the expert tensors off the module; returns their (shape, dtype) in registration order, so that
     disable_expert_offload restores the same parameter order. Frozen experts (`stand_ins`) leave a frozen
-    `ExpertStandIn` parameter in each one's place, for peft's LoRA on expert tensors (offload/stand_ins.py)."""
+    `ExpertStandIn` parameter in each one's place, for peft's LoRA on expert tensors (offload/lora/stand_ins.py)."""
     names = set(layout.names())
     meta = {n: (p.shape, p.dtype) for n, p in module._parameters.items() if n in names}
     for t in layout.tensors:

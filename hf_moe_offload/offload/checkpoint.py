@@ -1,11 +1,11 @@
 """Streaming, atomic checkpoints of offloaded experts (never all experts in memory at once).
 
-- `write_safetensors_streaming` (offload/safetensors_io.py): writes a safetensors file tensor by tensor, chunk by chunk, to a temporary name,
+- `write_safetensors_streaming` (offload/stores/safetensors_io.py): writes a safetensors file tensor by tensor, chunk by chunk, to a temporary name,
   fsyncs and renames it, so a crash or a full disk never leaves a half-written checkpoint under the final name.
 - `save_offloaded_pretrained` (offload/saving.py) / `load_offloaded_pretrained`: a transformers-compatible sharded checkpoint
   (`model-*.safetensors` + `model.safetensors.index.json` + config + remote code) written and read expert by expert,
   so a model whose experts exceed host RAM loads straight into the disk tier. Checkpoints released in MXFP4 or
-  fine-grained FP8 are dequantized expert by expert on the way in (offload/prequantized.py).
+  fine-grained FP8 are dequantized expert by expert on the way in (offload/stores/prequantized.py).
 - `save_expert_state` / `load_expert_state`: fp32 master weights and Adam moments of every expert plus step counts,
   for Trainer checkpoints (`expert_state.safetensors`).
 """
@@ -28,9 +28,9 @@ from tqdm.auto import tqdm
 from ..errors import CheckpointError
 from .api import enable_expert_offload
 from .config import OffloadConfig
-from .hub_layout import TensorsView, plan_checkpoint
-from .prequantized import dequantizing_quantizer, method_name
-from .safetensors_io import (
+from .stores.hub_layout import TensorsView, plan_checkpoint
+from .stores.prequantized import dequantizing_quantizer, method_name
+from .stores.safetensors_io import (
     INDEX_FILE,
     SafetensorsReader,
     missing_shards,
@@ -38,7 +38,7 @@ from .safetensors_io import (
     write_safetensors_streaming,
 )
 from .saving import _expert_param_names
-from .store import EXP_AVG, EXP_AVG_SQ, PARAM, tensor_bytes
+from .stores.store import EXP_AVG, EXP_AVG_SQ, PARAM, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def load_offloaded_pretrained(path: str, offload_config: OffloadConfig, model_cl
     is dequantized to `dtype` by transformers' own conversion ops as it streams, one expert at a time (non-expert
     weights whole), as `from_pretrained(path, quantization_config=<its config>(dequantize=True))` would; the model's
     config then carries no `quantization_config`, so a save writes a plain checkpoint. Other formats raise
-    CheckpointError (offload/prequantized.py).
+    CheckpointError (offload/stores/prequantized.py).
     """
     if device is not None:
         offload_config = dataclasses.replace(offload_config, device=device)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .quantized import EXPERT_STORAGES, QUANTIZED_STORAGES
+from .stores.quantized import EXPERT_STORAGES, QUANTIZED_STORAGES
 
 TIERS = ("device", "host", "disk")
 
@@ -66,7 +66,7 @@ class OffloadConfig:
     expert_storage: str = field(default="auto", metadata={
         "help": "how the store keeps frozen experts (train_experts=False): auto / bf16 (the model's own dtype), int8 "
                 "(LLM.int8 row-wise) or nf4 (4-bit NormalFloat, blocks of 64), quantized by bitsandbytes when the "
-                "store is filled and dequantized per chunk where the experts compute (offload/quantized.py); the "
+                "store is filled and dequantized per chunk where the experts compute (offload/stores/quantized.py); the "
                 "quantized formats need an offloaded tier (host or disk)",
         "choices": EXPERT_STORAGES, "group": "method"})
     lora_in_store: bool = field(default=False, metadata={
@@ -111,7 +111,7 @@ class OffloadConfig:
                 "instead of 16. None (default): on where the device's memory is bounded and the resident state would "
                 "take more than half of device_budget_bytes (else of the memory free), off otherwise "
                 "(plan.dense_on_host); OffloadTrainer builds the optimizer (optim/dense_host.py)"})
-    # --- inference (generation, evaluation: offload/inference.py) ---
+    # --- inference (generation, evaluation: offload/inference/policies.py) ---
     inference: bool | None = field(default=None, metadata={
         "help": "None (default): a call runs in inference mode under torch.no_grad() or model.eval() (the disk "
                 "tier's cache scores experts by decayed use frequency with a per-layer budget; pre-gating reads the "

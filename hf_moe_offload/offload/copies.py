@@ -24,9 +24,9 @@ import weakref
 
 import torch
 
-from .disk_store import DiskExpertStore
-from .lora_store import LoraStore
-from .store import ExpertStore, HostExpertStore
+from .stores.disk_store import DiskExpertStore
+from .lora.lora_store import LoraStore
+from .stores.store import ExpertStore, HostExpertStore
 from .telemetry import OffloadStats
 
 

@@ -1,15 +1,15 @@
 """The offload engine: the shared resources of the expert offload and their life cycle (ES-MoE §4.1).
 
-It owns the store (offload/store.py) and the counters, binds to the compute device of the first forward (its runtime
+It owns the store (offload/stores/store.py) and the counters, binds to the compute device of the first forward (its runtime
 and the plan resolved once there: offload/plan.py, which sizes the slab, the device pins and the stager), and composes
 the parts that do the work, one job each:
-- `sources` (offload/chunk_sources.py): each call's chunks of experts brought where they compute, read and uploaded
+- `sources` (offload/streaming/chunk_sources.py): each call's chunks of experts brought where they compute, read and uploaded
   ahead of the one computing;
-- `gradients` (offload/gradients.py): a chunk's gradients home, on the host or down from a device;
+- `gradients` (offload/streaming/gradients.py): a chunk's gradients home, on the host or down from a device;
 - `ledger` (offload/ledger.py): the expert optimizer's hooks, pending updates (the next forward of an expert waits for
   its own update only: no staleness, no global barrier), gradient landings;
-- `decoding` (offload/decoding.py): inference calls (decode cache, device cache, pre-gating, compute on host);
-- `pins` (offload/pinning.py): ES-MoE §4.3's pins, updated at each accumulation window's close.
+- `decoding` (offload/inference/decoding.py): inference calls (decode cache, device cache, pre-gating, compute on host);
+- `pins` (offload/pins/pinning.py): ES-MoE §4.3's pins, updated at each accumulation window's close.
 The engine keeps the waits and barriers over all of them (`synchronize`, `step_barrier`, `wait_in_flight`), its host
 worker, and the store's replacement. On CPU-only machines the "device" is the host: weights are used in place (host
 tier) or from the disk tier's cache.
@@ -27,25 +27,25 @@ import torch
 from torch import nn
 
 from ..host_threads import set_thread_team
-from ..layouts import ExpertLayout
+from ..families.layouts import ExpertLayout
 from ..runtime import DeviceRuntime, Event, runtime_for
-from .chunk_sources import ChunkSources
+from .streaming.chunk_sources import ChunkSources
 from .copies import copy_engine
 from .config import OffloadConfig
-from .decoding import DecodePath
-from .device_pins import DevicePins
-from .gradients import DeviceGradients, HostGradients
-from .inference import PreGate
+from .inference.decoding import DecodePath
+from .pins.device_pins import DevicePins
+from .streaming.gradients import DeviceGradients, HostGradients
+from .inference.policies import PreGate
 from .ledger import UpdateCoordinator, UpdateLedger
-from .lora_store import LoraStore
-from .pinning import PinManager
+from .lora.lora_store import LoraStore
+from .pins.pinning import PinManager
 from .plan import (GRADS_DOWNLOADED, Machine, OffloadPlan, StoreFacts, clamp_depth, compute_threads, pin_room,
                    resolve_plan)
-from .slab import DeviceSlab
-from .store import WEIGHTS_AND_GRAD, ExpertKey, ExpertStore
-from .streamed import OffloadedExpertsLayer
+from .streaming.slab import DeviceSlab
+from .stores.store import WEIGHTS_AND_GRAD, ExpertKey, ExpertStore
+from .streaming.streamed import OffloadedExpertsLayer
 from .telemetry import OffloadStats
-from .transfers import DeviceStager, GradArrival, GradRing, HostStager
+from .streaming.transfers import DeviceStager, GradArrival, GradRing, HostStager
 from .updates import ExpertUpdates
 
 logger = logging.getLogger(__name__)
@@ -83,22 +83,22 @@ class OffloadEngine:
         self.pin_fraction = self.config.pin_fraction
         # --- resolved at bind (offload/plan.py) ---
         self.plan: OffloadPlan | None = None
-        self.slab: DeviceSlab | None = None  # a device's training calls (offload/slab.py)
+        self.slab: DeviceSlab | None = None  # a device's training calls (offload/streaming/slab.py)
         self.device_pins: DevicePins | None = None  # training on a device: pins' whole state there (device_pins.py)
         # --- streaming and gradients ---
         # Host-side work of asynchronous runtimes, in order on one thread: releasing records once their upload has
         # happened, landing gradients nobody else takes.
         self._host_worker: ThreadPoolExecutor | None = None
         self._host_jobs: deque[Future] = deque()
-        self.sources = ChunkSources(self)  # where each call's chunks come from (offload/chunk_sources.py)
+        self.sources = ChunkSources(self)  # where each call's chunks come from (offload/streaming/chunk_sources.py)
         self.ledger = UpdateLedger()  # hooks, pending updates, gradient landings (offload/ledger.py)
-        self.gradients: HostGradients | None = None  # the plan's gradient sink (offload/gradients.py)
+        self.gradients: HostGradients | None = None  # the plan's gradient sink (offload/streaming/gradients.py)
         self.coordinator: UpdateCoordinator | None = None  # several processes sharing the store
         self._state_dict_experts = True  # `experts_left_out_of_state_dict`
         self._warned_lora = False  # LoRA factors in the store with no expert optimizer: said once
-        # Inference calls: decode cache, device cache, pre-gating, compute on host (offload/decoding.py)
+        # Inference calls: decode cache, device cache, pre-gating, compute on host (offload/inference/decoding.py)
         self.decoding = DecodePath(self, pregate, cache if cache is not None else len(self.store.keys()))
-        self.pins = PinManager(self)  # pinning (ES-MoE §4.3; offload/pinning.py)
+        self.pins = PinManager(self)  # pinning (ES-MoE §4.3; offload/pins/pinning.py)
         self.updates = ExpertUpdates(self)  # what the expert optimizer sees (offload/updates.py)
 
     def __deepcopy__(self, memo: dict) -> "OffloadEngine":
@@ -232,10 +232,10 @@ class OffloadEngine:
         self.submit_host(release)
 
     def on_device(self, key: ExpertKey) -> bool:
-        """A device-pinned expert (offload/device_pins.py): neither acquired nor uploaded; compute places it."""
+        """A device-pinned expert (offload/pins/device_pins.py): neither acquired nor uploaded; compute places it."""
         return self.device_pins is not None and key in self.device_pins
 
-    # --- gradients and updates (offload/gradients.py, offload/ledger.py) ---
+    # --- gradients and updates (offload/streaming/gradients.py, offload/ledger.py) ---
     def layer_backward_done(self, layer: int) -> None:
         # Plain autograd gives every expert of a layer that ran backward a (possibly zero) gradient; frozen experts
         # get none.

@@ -16,8 +16,8 @@ from typing import Protocol
 
 from torch.utils.hooks import RemovableHandle
 
-from .store import ExpertKey
-from .transfers import GradHook
+from .stores.store import ExpertKey
+from .streaming.transfers import GradHook
 
 logger = logging.getLogger(__name__)
 

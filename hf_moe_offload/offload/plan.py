@@ -5,7 +5,7 @@ is (`StoreFacts`) and the layers' expert counts; it returns a frozen `OffloadPla
 and the layers then follow: which chunk source a grouped training call uses, how gradients come home, which device
 parts exist and how large, thread and decoding policies. It is the one place that asks where the experts compute
 (`Machine.asynchronous`); after it, code reads the choice, not the device. The same rules size the estimate
-(hf_moe_offload.estimate), which calls `clamp_depth`, `stage_chunk` and `pin_room` instead of restating them.
+(hf_moe_offload.planning.estimate), which calls `clamp_depth`, `stage_chunk` and `pin_room` instead of restating them.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 
 from ..host_threads import DEVICE_THREADS, optimizer_threads
 from .config import OffloadConfig
-from .device_pins import pins_within_budget
-from .slab import default_chunk, slab_nbytes
+from .pins.device_pins import pins_within_budget
+from .streaming.slab import default_chunk, slab_nbytes
 
 # A staged chunk's records are held from its backward's stream until the optimizer has stepped them, while the next
 # chunk's are acquired: 2 chunks and the reads ahead, beside the pins, each of which saves an expert's I/O every step.
@@ -32,9 +32,9 @@ STAGE_MAX = 8
 OPTIMIZER_WORKERS = 2
 
 class Source(str, Enum):
-    """Where a chunk's weights come from (offload/chunk_sources.py; `ChunkPlan.source`)."""
+    """Where a chunk's weights come from (offload/streaming/chunk_sources.py; `ChunkPlan.source`)."""
 
-    SLAB = "slab"  # a device's two blocks of k experts (offload/slab.py)
+    SLAB = "slab"  # a device's two blocks of k experts (offload/streaming/slab.py)
     LAYER = "layer"  # the host tier's (E, P) block: a whole layer's experts
     STAGED = "staged"  # one by one, copied into the host staging block (the disk tier on the CPU)
     EXPERT = "expert"  # one by one, k = 1
@@ -72,7 +72,7 @@ class Machine:
 
 @dataclass(frozen=True)
 class StoreFacts:
-    """What the plan needs of the expert store (offload/store.py, offload/disk_store.py)."""
+    """What the plan needs of the expert store (offload/stores/store.py, offload/stores/disk_store.py)."""
 
     tier: str
     experts: int
@@ -157,7 +157,7 @@ def pin_room(cache: int | None, depth: int, stage_experts: int = 1, slab_experts
 def device_pin_count(pin_fraction: float, layer_experts: list[int], limit: int | None, numel: int,
                      dtype: torch.dtype, budget: int | None, slab_experts: int) -> int:
     """Training through the slab: the pins (`pin_fraction` of each layer's experts, within the cache's `limit`) keep
-    their whole state on the device and step there (offload/device_pins.py), as many as the device `budget` leaves
+    their whole state on the device and step there (offload/pins/device_pins.py), as many as the device `budget` leaves
     beside the slab's two blocks."""
     pins = sum(math.ceil(pin_fraction * n) for n in layer_experts)
     if limit is not None:
@@ -299,7 +299,7 @@ def compute_threads(config: OffloadConfig) -> int:
 def _slab_chunk(config: OffloadConfig, machine: Machine, store: StoreFacts, layer_experts: list[int],
                 dtype: torch.dtype, depth: int) -> int:
     """The slab's experts per chunk: `OffloadConfig.stage_experts`, else a whole layer's experts within the device
-    budget and, on the disk tier, the host cache (offload/slab.py `default_chunk`); 0: no room for two chunks of two,
+    budget and, on the disk tier, the host cache (offload/streaming/slab.py `default_chunk`); 0: no room for two chunks of two,
     expert by expert through the stager's slots."""
     cache = store.cache
     if config.stage_experts is not None:

@@ -20,8 +20,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..errors import CheckpointError
-from ..moe_path import attached_path, find_experts_modules
-from .safetensors_io import (
+from ..families.moe_path import attached_path, find_experts_modules
+from .stores.safetensors_io import (
     _SHARD_PATTERN,
     INDEX_FILE,
     _raise_io,
@@ -30,8 +30,8 @@ from .safetensors_io import (
     read_weight_map,
     write_safetensors_streaming,
 )
-from .expert_lora import active_expert_lora
-from .store import WEIGHTS
+from .lora.expert_lora import active_expert_lora
+from .stores.store import WEIGHTS
 
 logger = logging.getLogger(__name__)
 

@@ -20,12 +20,12 @@ class OffloadStats:
     cache_hits: int = 0
     cache_misses: int = 0
     evictions: int = 0
-    # Inference (offload/inference.py): routed experts of calls that had a pre-gating guess, and how many it had;
+    # Inference (offload/inference/policies.py): routed experts of calls that had a pre-gating guess, and how many it had;
     # experts run on the host instead of uploaded.
     pregate_routed: int = 0
     pregate_hits: int = 0
     host_computed_experts: int = 0
-    # Decoding on a device (offload/device_cache.py): uses served by the device cache, uses it missed, its evictions.
+    # Decoding on a device (offload/inference/device_cache.py): uses served by the device cache, uses it missed, its evictions.
     device_cache_hits: int = 0
     device_cache_misses: int = 0
     device_cache_evictions: int = 0

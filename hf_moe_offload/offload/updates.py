@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 from ..host_threads import DEVICE_THREADS, optimizer_threads
 from .ledger import UpdateLedger
 from .plan import OPTIMIZER_WORKERS
-from .store import ExpertKey, ExpertRecord, ExpertStore
+from .stores.store import ExpertKey, ExpertRecord, ExpertStore
 
 if TYPE_CHECKING:
-    from ..layouts import ExpertLayout
+    from ..families.layouts import ExpertLayout
 
 
 class ExpertUpdates:
@@ -37,7 +37,7 @@ class ExpertUpdates:
 
     @property
     def lora(self):
-        """The experts' LoRA factors kept in the store (`OffloadConfig.lora_in_store`; offload/lora_store.py)."""
+        """The experts' LoRA factors kept in the store (`OffloadConfig.lora_in_store`; offload/lora/lora_store.py)."""
         return self._engine.lora
 
     @property
@@ -79,7 +79,7 @@ class ExpertUpdates:
         return self._engine.coordinator is not None
 
     def on_device(self, keys: Iterable[ExpertKey]) -> set[ExpertKey]:
-        """Those of `keys` whose state lives on the device (offload/device_pins.py): stepped there."""
+        """Those of `keys` whose state lives on the device (offload/pins/device_pins.py): stepped there."""
         pins = self._engine.device_pins
         return set() if pins is None else {key for key in keys if key in pins}
 

@@ -26,7 +26,7 @@ import sys
 
 from ..errors import CheckpointError
 from ..offload.checkpoint import EXPERT_STATE_FILE, read_expert_state_header
-from ..offload.safetensors_io import missing_shards, read_weight_map
+from ..offload.stores.safetensors_io import missing_shards, read_weight_map
 
 logger = logging.getLogger(__name__)
 

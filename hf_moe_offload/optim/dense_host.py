@@ -339,7 +339,7 @@ class HostDenseAdamW(torch.optim.Optimizer):
     def save(self, folder: str) -> str:
         """Write the state to `folder/dense_state.safetensors` atomically (a CRC32 per tensor): each parameter's
         rows [master, exp_avg, exp_avg_sq], the step counts and the param groups in the metadata."""
-        from ..offload.safetensors_io import write_safetensors_streaming
+        from ..offload.stores.safetensors_io import write_safetensors_streaming
 
         self.synchronize()
         slots = sorted(self._slots.values(), key=lambda s: s.index)
@@ -362,7 +362,7 @@ class HostDenseAdamW(torch.optim.Optimizer):
     def load(self, folder: str) -> None:
         """Restore what `save` wrote (every tensor checked against its CRC32 before any is used)."""
         from ..errors import CheckpointError
-        from ..offload.safetensors_io import SafetensorsReader
+        from ..offload.stores.safetensors_io import SafetensorsReader
 
         path = os.path.join(folder, DENSE_STATE_FILE)
         f = SafetensorsReader(path)

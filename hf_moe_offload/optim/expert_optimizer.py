@@ -5,7 +5,7 @@ the micro-step that closes a gradient-accumulation window, the engine hands ever
 backward, so host updates overlap the rest of backward. (Where the disk tier's experts compute on the CPU, the step
 runs on the thread that hands the gradient over by default: see `ExpertOptimizer.workers`.) On other micro-steps
 gradients only accumulate in the store. The next forward of expert e waits for e's own update only (no delayed
-update, no staleness). Pinned experts whose state lives on the device (training on a GPU: offload/device_pins.py)
+update, no staleness). Pinned experts whose state lives on the device (training on a GPU: offload/pins/device_pins.py)
 step there instead, in `step()`, with the same fused arithmetic.
 
 Semantics are those of `torch.optim.AdamW` / `Adam` (the same fused kernel, on per-expert views): betas, eps,
@@ -38,7 +38,7 @@ import torch
 
 from ..offload.engine import GradArrival, OffloadEngine
 from ..offload.updates import ExpertUpdates
-from ..offload.store import ExpertKey, ExpertRecord
+from ..offload.stores.store import ExpertKey, ExpertRecord
 from .adamw_step import AdamWSettings, adamw_update_
 from .aware_optimizer import ExpertAwareOptimizer
 from .grad_norms import GradNorms, global_clip, non_finite, unscale_non_experts_

@@ -15,7 +15,7 @@ from contextlib import ExitStack, closing
 
 import torch
 
-from ..offload.store import GRAD, WEIGHTS_AND_GRAD, ExpertKey
+from ..offload.stores.store import GRAD, WEIGHTS_AND_GRAD, ExpertKey
 from .adamw_step import clip_coefficient
 from .store_steps import Entry, StoreSteps
 

@@ -1,4 +1,4 @@
-"""The experts' LoRA factors kept in the store (offload/lora_store.py), stepped by the expert optimizer.
+"""The experts' LoRA factors kept in the store (offload/lora/lora_store.py), stepped by the expert optimizer.
 
 A layer's factors are stepped once its gradients are final, as its experts are: during backward on the window's
 last micro-step (ES-MoE §4.1's overlap, on the thread that finishes the layer's backward: the factors are small
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..offload.lora_store import EXP_AVG, EXP_AVG_SQ, GRAD, PARAM, LoraStore
+from ..offload.lora.lora_store import EXP_AVG, EXP_AVG_SQ, GRAD, PARAM, LoraStore
 from .adamw_step import AdamWSettings, ExpertTensors, adamw_update_
 from .grad_norms import non_finite, squared_norms
 

@@ -12,8 +12,8 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from ..offload.transfers import GradArrival
-from ..offload.store import ExpertKey, ExpertRecord
+from ..offload.streaming.transfers import GradArrival
+from ..offload.stores.store import ExpertKey, ExpertRecord
 from ..offload.updates import ExpertUpdates
 from .adamw_step import ExpertTensors, prepare_grads_
 
@@ -128,7 +128,7 @@ class StoreSteps:
 
     def step_device(self, keys: Iterable[ExpertKey], update: Update, lr: Callable[[], float],
                     grad_scale: float | None, clip_coef: float | None, max_norm: float | None) -> None:
-        """Step device-pinned experts (offload/device_pins.py) on the device, on the calling thread (the compute
+        """Step device-pinned experts (offload/pins/device_pins.py) on the device, on the calling thread (the compute
         stream): the host path's arithmetic, then their compute copies. `lr` is read only if there is one."""
         keys = sorted(keys)
         if not keys:

@@ -1,4 +1,4 @@
-"""MPMoE for every MoE family on the model's MoE path (hf_moe_offload.moe_path): micro-batch pipelining of the MoE layer
+"""MPMoE for every MoE family on the model's MoE path (hf_moe_offload.families.moe_path): micro-batch pipelining of the MoE layer
 (§3.2), memory reuse with the restore strategies S1-S4 (§3.3, Table 2) and the adaptive (n, S) configurator (§4).
 
     >>> from hf_moe_offload.pipelining import enable_micro_batch_pipelining, disable_micro_batch_pipelining
@@ -7,6 +7,8 @@
     >>> disable_micro_batch_pipelining(model)
 
 References: MPMoE (Zhang et al., IEEE TPDS 2024; MPipeMoE, IPDPS 2023).
+
+May import: `families`, `models`, `precision`, `rng`, `runtime`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from ..models.moe_gpt.moe_ops import DispatchPlan
-from ..moe_path import get_moe_path, moe_path
+from ..families.moe_path import get_moe_path, moe_path
 from .configurator import (
     GranularitySearch,
     PerformanceModel,

@@ -71,7 +71,7 @@ class SavingMeasurement:
 
 def measure_saving(x: torch.Tensor, plan, experts, n: int, strategy: str) -> SavingMeasurement:
     """Run the layer unpartitioned and as (n, strategy), count what is saved for backward (see module docstring).
-    `experts`: resident experts in the sorted signature (`hf_moe_offload.moe_path.sorted_experts(module)`). `plan`:
+    `experts`: resident experts in the sorted signature (`hf_moe_offload.families.moe_path.sorted_experts(module)`). `plan`:
     built with `gathers=False`, the partitions' own index_add_ combine (the unpartitioned layer's gathering combine
     saves no copy of T_DO, a smaller baseline than the one Eq. 5 counts from)."""
     params = {p.untyped_storage().data_ptr() for p in experts.expert_parameters()}

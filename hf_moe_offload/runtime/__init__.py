@@ -24,6 +24,8 @@ Contract (what callers must do, and what the simulation checks):
    reuse), unless it is allocated `persistent=True` (owned for the runtime's whole life: rings, slots).
 5. Buffers touched on several streams are declared with `access(t, write=...)` at the point of use, so the
    simulation can check 2-4; on CUDA the declaration costs nothing.
+
+May import: nothing of the package.
 """
 
 from __future__ import annotations

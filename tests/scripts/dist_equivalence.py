@@ -34,7 +34,7 @@ from accelerate import Accelerator
 
 import hf_moe_offload  # noqa: F401
 from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, MoEGPTConfig, MoEGPTForCausalLM, OffloadConfig
-from hf_moe_offload.moe_path import get_moe_path
+from hf_moe_offload.families.moe_path import get_moe_path
 from hf_moe_offload.distributed import (
     ExchangePlan,
     all_to_all,

@@ -82,6 +82,6 @@ elif phase == "rotate":
 elif phase != "none":
     raise SystemExit(f"unknown phase {phase}")
 
-from hf_moe_offload.cli import main  # noqa: E402
+from hf_moe_offload.cli.main import main  # noqa: E402
 
 sys.exit(main(argv))

@@ -13,7 +13,7 @@ import torch
 import hf_moe_offload  # noqa: F401
 from hf_moe_offload import OffloadConfig, load_offloaded_pretrained
 from hf_moe_offload.offload import get_offload_engine
-from hf_moe_offload.offload.stand_ins import ExpertStandIn
+from hf_moe_offload.offload.lora.stand_ins import ExpertStandIn
 
 
 def peak_rss() -> int:

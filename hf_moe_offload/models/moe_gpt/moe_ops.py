@@ -11,7 +11,7 @@ One MoE layer, from router to combine (ES-MoE §4.1 "Supporting larger batches")
 
 This file imports only torch: it is saved beside MoE-GPT's modeling file as the Hub model's remote code
 (transformers copies the files a modeling file imports relatively), and `hf_moe_offload` imports it for every
-family (hf_moe_offload.moe_path, the offload engine, MPMoE partitions, expert parallelism). It knows nothing of
+family (hf_moe_offload.families.moe_path, the offload engine, MPMoE partitions, expert parallelism). It knows nothing of
 offload: an executor calls `experts(x_sorted, counts, expert_ids)` and nothing else.
 
 References: ES-MoE (Kim et al., ICML 2024) §4.1; fairseq `moe` branch (moe_layer.py).
@@ -298,7 +298,7 @@ class _Combine(torch.autograd.Function):
 def run_moe(x: torch.Tensor, plan: DispatchPlan, experts) -> torch.Tensor:
     """Dispatch -> sequential experts -> weighted combine for flattened tokens x: (S, C). `experts(x_sorted, counts)`
     runs each expert on its contiguous rows. Experts whose weights must arrive first (offloaded ones) are asked for
-    them by their layer before this call (`hf_moe_offload.moe_path.MoELayer.forward`), so the reads overlap the
+    them by their layer before this call (`hf_moe_offload.families.moe_path.MoELayer.forward`), so the reads overlap the
     permutation."""
     gathers = plan.inverse is not None
     # T_DI
