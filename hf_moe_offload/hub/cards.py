@@ -113,7 +113,7 @@ def load_card_template(path: str | os.PathLike | None = None) -> str:
     """The card template: `path`, else `model_cards/TEMPLATE.md` of the source tree or of the installed package."""
     if path is not None:
         return Path(path).read_text(encoding="utf-8")
-    repo_copy = Path(__file__).resolve().parent.parent / "model_cards" / "TEMPLATE.md"
+    repo_copy = Path(__file__).resolve().parents[2] / "model_cards" / "TEMPLATE.md"
     if repo_copy.exists():
         return repo_copy.read_text(encoding="utf-8")
     try:  # wheels ship it as package data (setup.py maps model_cards/ to hf_moe_offload.model_cards)
