@@ -84,7 +84,7 @@ class OffloadEngine:
         self._host_worker: ThreadPoolExecutor | None = None
         self._host_jobs: deque[Future] = deque()
         self.ledger = UpdateLedger()  # hooks, pending updates, gradient landings (offload/ledger.py)
-        self.gradients: HostGradients | None = None  # the plan's gradient sink, at bind (offload/streaming/gradients.py)
+        self.gradients: HostGradients | None = None  # the plan's gradient sink, at bind (streaming/gradients.py)
         self._state_dict_experts = True  # `experts_left_out_of_state_dict`
         self._warned_lora = False  # LoRA factors in the store with no expert optimizer: said once
         res = self.resources
@@ -100,7 +100,7 @@ class OffloadEngine:
 
     # --- the shared resources (offload/resources.py), read here as the parts read them ---
     store = property(lambda self: self.resources.store, doc="The expert store (offload/stores/store.py).")
-    tier = property(lambda self: self.store.tier, doc='"host" or "disk": `OffloadConfig.mode` resolved (offload/api.py).')
+    tier = property(lambda self: self.store.tier, doc='"host" or "disk": `OffloadConfig.mode` resolved (api.py).')
     runtime = property(lambda self: self.resources.runtime, doc="The compute device's runtime (None before bind).")
     plan = property(lambda self: self.resources.plan, doc="The OffloadPlan (offload/plan.py; None before bind).")
     slab = property(lambda self: self.resources.slab, doc="A device's slab (offload/streaming/slab.py) or None.")
@@ -192,7 +192,7 @@ class OffloadEngine:
 
     def set_coordinator(self, coordinator: UpdateCoordinator | None) -> None:
         """Several processes share the store from now on (hf_moe_offload.distributed), or none does (None)."""
-        self.resources.share(coordinator)
+        self.resources.set_coordinator(coordinator)
 
     def replace_store(self, store: ExpertStore) -> None:
         """Swap the expert store (node-shared <-> private, hf_moe_offload.distributed): device copies made from the

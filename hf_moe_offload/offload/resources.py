@@ -3,7 +3,8 @@ resolves (the runtime, the plan, the slab, the stager, the device pins), and the
 model runs (whether the experts train, and the coordinator of processes sharing the store).
 
 The engine (offload/engine.py) owns one `EngineResources` and changes it only through its methods: `bind` once the
-plan is resolved, `replace_store` when the store is swapped (hf_moe_offload.distributed), `freeze_experts`, `share`.
+plan is resolved, `replace_store` when the store is swapped (hf_moe_offload.distributed), `freeze_experts` and
+`set_coordinator`.
 Each part (offload/streaming/chunk_sources.py, offload/streaming/gradients.py, offload/inference/decoding.py,
 offload/pins/pinning.py) is handed this object with the rest of what it uses when the engine composes it, and reads
 the resources where it uses them: a bind or a replaced store reaches every part at once, and no part holds the engine.
@@ -44,7 +45,7 @@ class EngineResources:
     def freeze_experts(self) -> None:
         self.train_experts = False
 
-    def share(self, coordinator) -> None:
+    def set_coordinator(self, coordinator) -> None:
         """Several processes share the store from now on (`coordinator`), or none does (None)."""
         self.coordinator = coordinator
 
