@@ -272,7 +272,7 @@ def _frozen_backward(tmp_path, rt, stage_experts: int | None, cache: int) -> Non
 
 def _release_at_once(self, key, record):  # DeviceGradients.release_record minus its event
     if record is not None:
-        self.engine.release_after(key, None)
+        self.release_after(key, None)
 
 
 @pytest.mark.parametrize("stage_experts,cache", [(2, 6), (None, 3)], ids=["slab", "expert by expert"])

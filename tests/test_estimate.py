@@ -165,7 +165,7 @@ def test_mode_auto_in_the_estimate_is_the_engine_choice(tmp_path):
         engine = enable_expert_offload(model, OffloadConfig(mode="auto", offload_dir=str(tmp_path / "e"),
                                                             device_budget_bytes=budgets[0],
                                                             host_budget_bytes=budgets[1]))
-        assert engine.mode == est.auto, budgets
+        assert engine.tier == est.auto, budgets
 
 
 def test_the_cli_prints_every_tier_from_a_config_json(tmp_path, capsys):

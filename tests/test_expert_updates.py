@@ -71,7 +71,7 @@ def test_a_shared_store_steps_only_what_this_process_owns():
     model = tiny_model("qwen3_moe", num_hidden_layers=2)
     engine = enable_expert_offload(model, OffloadConfig(mode="host"))
     coordinator = _Coordinator()
-    engine.coordinator = coordinator
+    engine.set_coordinator(coordinator)
     updates = engine.updates
     assert updates.shared and updates.owns((0, 2)) and not updates.owns((0, 3))
     before = {key: engine.store.read_param(key).clone() for key in engine.store.keys()}

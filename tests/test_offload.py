@@ -502,7 +502,7 @@ def test_device_tier_is_the_plain_model(tmp_path):
     reference = small_model()
     model = copy.deepcopy(reference)
     engine = enable_expert_offload(model, OffloadConfig(mode="device"))
-    assert engine.mode == "device" and engine.store is None
+    assert engine.tier == "device" and engine.store is None
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
     for _ in range(2):
         x = torch.randint(0, 101, (3, 11))

@@ -270,7 +270,7 @@ def enable_expert_parallel(
     coordinator = ExpertParallelCoordinator(mode, group, num_experts, engine if offloaded else None,
                                             placement_cost, pin_fraction, validate_replicated)
     if offloaded:
-        engine.coordinator = coordinator
+        engine.set_coordinator(coordinator)
         coordinator.layer_hook = engine.ledger.add_layer_done_hook(coordinator.on_layer_backward_done)
     else:
         _exclude_from_ddp(model, path.layers)
@@ -477,7 +477,7 @@ def disable_expert_parallel(model: nn.Module, offload_dir: str | None = None) ->
         dist.barrier(group=coordinator.group)  # nobody reads the shared copy any more
         engine.replace_store(private)
         shared.close()
-        engine.coordinator = None
+        engine.set_coordinator(None)
         coordinator.layer_hook.remove()
     for layer in coordinator.layers:
         layer.set_parallel(None)

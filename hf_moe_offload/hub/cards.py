@@ -234,12 +234,12 @@ def run_experts(record: dict) -> dict[str, Any]:
 def _tier_phrase(record: dict) -> str:
     """Where the experts lived: the offload tier, in words."""
     off = record.get("offload") or {}
-    mode = off.get("mode") or "device"
+    tier = off.get("mode") or "device"
     chosen = " (chosen by `--offload auto`)" if off.get("requested_mode") == "auto" else ""
-    if mode == "disk":
+    if tier == "disk":
         return (f"experts on the disk tier{chosen}, files behind a host cache of {off.get('host_cache_experts')} "
                 "experts, streamed to the compute device expert by expert (ES-MoE §4.1)")
-    if mode == "host":
+    if tier == "host":
         return (f"experts in host memory (host tier{chosen}), streamed to the compute device expert by expert "
                 "(ES-MoE §4.1)")
     return f"experts resident on the compute device{chosen} (not offloaded)"

@@ -34,8 +34,8 @@ def distribute(model: nn.Module, engine, args: argparse.Namespace, trainable_exp
     # The engine's own settings (every offload flag, e.g. --io-threads), with the tier it resolved and the node's
     # shared directory.
     shared = dataclasses.replace(
-        engine.config, mode=engine.mode,
-        offload_dir=os.path.join(offload_dir(args), "node") if engine.mode == "disk" else None,
+        engine.config, mode=engine.tier,
+        offload_dir=os.path.join(offload_dir(args), "node") if engine.tier == "disk" else None,
         host_cache_experts=getattr(engine.store, "cache_experts", None), host_cache_bytes=None,
     )
     enable_expert_parallel(model, mode="dynamic", offload_config=shared)

@@ -95,7 +95,7 @@ def checkpoint_activations(args: argparse.Namespace, targs: TrainingArguments, m
         on = False
         if torch.cuda.is_available():
             free = torch.cuda.mem_get_info()[0]
-            on = needs_checkpointing(model.config, _workload(args, model), engine.mode if engine else "device", free)
+            on = needs_checkpointing(model.config, _workload(args, model), engine.tier if engine else "device", free)
     else:
         on = choice == "on"
     targs.gradient_checkpointing = on

@@ -70,7 +70,7 @@ def offload_summary(engine, args: argparse.Namespace) -> dict[str, Any] | None:
     """What the card and metrics say about the offload settings actually used."""
     if engine is None:
         return None
-    summary: dict[str, Any] = {"mode": engine.mode, "requested_mode": args.offload}
+    summary: dict[str, Any] = {"mode": engine.tier, "requested_mode": args.offload}
     if engine.store is None:
         return summary
     store = engine.store
@@ -116,7 +116,7 @@ def experts_summary(model: nn.Module, engine, callbacks: list) -> dict[str, Any]
     if trained:
         stepped_by = EXPERT_WISE if expert_wise else "Trainer's optimizer"
     return {"trained": trained, "stepped_by": stepped_by, "storage": storage, "stored": stored,
-            "tier": engine.mode if engine is not None else "device"}
+            "tier": engine.tier if engine is not None else "device"}
 
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -154,7 +154,7 @@ def finish_run(trainer, model: nn.Module, tokenizer: PreTrainedTokenizerBase, re
     record.setdefault("training", {}).setdefault("trainer", type(trainer).__name__)
     record["expert_load"] = load.summary()
     record["expert_load_history"] = load.history
-    record["telemetry"] = totals.as_dict() if totals.mode in ("host", "disk") else None
+    record["telemetry"] = totals.as_dict() if totals.tier in ("host", "disk") else None
     record.setdefault("plots", {})
     title = os.path.basename(os.path.normpath(out))
     if load.history:

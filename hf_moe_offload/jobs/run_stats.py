@@ -171,14 +171,14 @@ class OffloadTotalsCallback(TrainerCallback):
 
     def __init__(self) -> None:
         self.totals = OffloadStats()
-        self.mode: str | None = None
+        self.tier: str | None = None
         self._stats: OffloadStats | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         engine = get_offload_engine(model) if model is not None else None
         if engine is None:
             return
-        self.mode = getattr(engine, "mode", None)
+        self.tier = getattr(engine, "tier", None)
         self._stats = engine.stats
         self._stats.start_run()
         self.totals = OffloadStats()
@@ -195,7 +195,7 @@ class OffloadTotalsCallback(TrainerCallback):
         d = {k: v for k, v in asdict(t).items() if k != "tokens_per_expert"}
         lookups = t.cache_hits + t.cache_misses
         return {
-            "mode": self.mode,
+            "mode": self.tier,
             "disk_read_MB": round(t.disk_read_bytes / 2**20, 2),
             "disk_write_MB": round(t.disk_write_bytes / 2**20, 2),
             "disk_mapped_MB": round(t.disk_mapped_bytes / 2**20, 2),  # forwards computed from the mapped files
@@ -212,7 +212,7 @@ class OffloadTotalsCallback(TrainerCallback):
 
     def hit_rate(self) -> float | None:
         """The disk tier's cache hit rate over the run so far (None for the other tiers, or before training)."""
-        if self.mode != "disk" or self._stats is None:
+        if self.tier != "disk" or self._stats is None:
             return None
         totals = self._stats.run_totals()
         lookups = totals.cache_hits + totals.cache_misses

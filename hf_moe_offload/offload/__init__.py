@@ -2,11 +2,12 @@
 compute, stepped on the host.
 
 Here: the user's settings (`config`) resolved once at bind into a plan (`plan`), the engine that owns the shared
-resources and composes the parts (`engine`; `resident` for the device tier, `copies` for deep copies), what the expert
-optimizer sees of it (`updates`, `ledger`), enabling and disabling (`api`), loading and saving whole models
-(`checkpoint`, `saving`), the tier for a memory budget (`planner`) and the counters (`telemetry`). The parts, each in its
-subpackage: `stores` (the tiers and their files), `streaming` (a chunk and its gradients), `pins`, `inference`, `lora`.
-A part receives the resources it uses from the engine when the engine composes it.
+resources (`resources`) and composes the parts (`engine`; `resident` for the device tier, `copies` for deep copies),
+what the expert optimizer sees of it (`updates`, `ledger`), enabling and disabling (`api`), loading and saving whole
+models (`checkpoint`, `saving`), the tier for a memory budget (`planner`) and the counters (`telemetry`). The parts,
+each in its subpackage: `stores` (the tiers and their files), `streaming` (a chunk and its gradients), `pins`,
+`inference`, `lora`. A part receives what it uses from the engine when the engine composes it (the shared resources,
+the other parts it calls, the engine's calls it needs), never the engine itself.
 
 May import: `errors`, `families`, `host_threads`, `models`, `precision`, `rng`, `runtime`.
 """

@@ -77,12 +77,12 @@ def enable_expert_offload(
     quantization = store_quantization(config.expert_storage, model_dtype, [t.shape for t in layouts[0].tensors])
     est = estimate_memory(model, modules, tokens_per_batch, trained_experts=config.train_experts,
                           frozen_bytes_per_param=_frozen_bytes_per_param(model_dtype, quantization))
-    mode = _resolve_mode(config, device, est, modules[0])
-    if mode == "device" and quantization is not None:  # mode="auto" (config refuses "device"): quantized = stored
-        mode = "host"
+    tier = _resolve_tier(config, device, est, modules[0])
+    if tier == "device" and quantization is not None:  # mode="auto" (config refuses "device"): quantized = stored
+        tier = "host"
     stats = OffloadStats()
-    store = (None if mode == "device"
-             else _build_store(mode, config, layouts, model_dtype, stats, store_factory, quantization))
+    store = (None if tier == "device"
+             else _build_store(tier, config, layouts, model_dtype, stats, store_factory, quantization))
     if store is None:
         engine = ResidentEngine(stats)
         holding_path(model).engine = engine
@@ -91,7 +91,7 @@ def enable_expert_offload(
 
     # The compute device is bound on the first forward, from the inputs (or checked against OffloadConfig.device).
     path = moe_path(model)  # the engine's layers and the path's share one layout per module
-    engine = _build_engine(model, path.layers, store, config, mode, stats)
+    engine = _build_engine(model, path.layers, store, config, stats)
     for streamed, route in zip(engine.layers, path.layers):
         _put_layer_in_store(streamed, route, store, _initialize)
     store.flush()
@@ -111,16 +111,16 @@ def _refuse_meta_experts(found: list) -> None:
             "hf_moe_offload.load_offloaded_pretrained(path, OffloadConfig(...))")
 
 
-def _resolve_mode(config: OffloadConfig, device: torch.device, est: MemoryEstimate, first_experts: nn.Module) -> str:
+def _resolve_tier(config: OffloadConfig, device: torch.device, est: MemoryEstimate, first_experts: nn.Module) -> str:
     """The tier: `config.mode`, or for mode="auto" the one the memory budgets allow (ES-MoE §4.3 adaptive offload)."""
     if config.mode != "auto":
         return config.mode
     dev_budget, host_budget = detect_budgets(device)
     dev_budget = config.device_budget_bytes or dev_budget
     host_budget = config.host_budget_bytes or host_budget
-    mode, why = choose_tier(est, dev_budget, host_budget)
-    logger.info("expert offload mode=auto chose %r: %s", mode, why)
-    if mode != "device":
+    tier, why = choose_tier(est, dev_budget, host_budget)
+    logger.info("expert offload mode=auto chose %r: %s", tier, why)
+    if tier != "device":
         # Device copies every offloaded tier keeps: pinned experts (ES-MoE §4.3) and the upload slots.
         resident = math.ceil(config.pin_fraction * est.num_experts_total) + config.prefetch_depth + 1
         compute_bytes = (config.compute_dtype.itemsize if config.compute_dtype is not None
@@ -131,11 +131,11 @@ def _resolve_mode(config: OffloadConfig, device: torch.device, est: MemoryEstima
                 "even offloaded, training needs ~%.2f GiB on %s (non-expert state, activations, %d resident "
                 "expert copies) of %.2f GiB free: lower pin_fraction, prefetch_depth or the batch size",
                 need / 2**30, device, resident, dev_budget / 2**30)
-    if mode == "disk" and not config.offload_dir:
+    if tier == "disk" and not config.offload_dir:
         raise ValueError(
             f"mode='auto' chose the disk tier ({why}); set OffloadConfig.offload_dir to a directory on a fast disk"
         )
-    return mode
+    return tier
 
 
 def weights_only_row_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -156,7 +156,7 @@ def _frozen_bytes_per_param(model_dtype: torch.dtype, quantization) -> float:
     return weights_only_row_dtype(model_dtype).itemsize
 
 
-def _build_store(mode: str, config: OffloadConfig, layouts: list, model_dtype: torch.dtype, stats: OffloadStats,
+def _build_store(tier: str, config: OffloadConfig, layouts: list, model_dtype: torch.dtype, stats: OffloadStats,
                  store_factory: Callable[..., ExpertStore] | None, quantization=None) -> ExpertStore:
     """The host or disk tier's store, one record per (layer, expert); `quantization`: frozen experts kept in 8 or 4
     bits (offload/stores/quantized.py)."""
@@ -173,7 +173,7 @@ def _build_store(mode: str, config: OffloadConfig, layouts: list, model_dtype: t
     # A weights-only store keeps the model's own dtype (a bf16 model: bf16 rows, no fp32 copy: nothing is updated,
     # so there is no master to keep); training keeps fp32 masters, gradients and moments.
     row_dtype = weights_only_row_dtype(model_dtype) if state_rows == 1 else torch.float32
-    if mode == "host":
+    if tier == "host":
         return (HostExpertStore(keys, numel, compute_dtype, stats, state_rows, row_dtype, quantization)
                 if store_factory is None else store_factory("host", keys, numel, compute_dtype, stats, None))
     record_bytes = quantization.nbytes if quantization is not None else state_rows * numel * row_dtype.itemsize
@@ -202,12 +202,12 @@ def _build_store(mode: str, config: OffloadConfig, layouts: list, model_dtype: t
     return store
 
 
-def _build_engine(model: nn.Module, layers: list[MoELayer], store: ExpertStore, config: OffloadConfig, mode: str,
+def _build_engine(model: nn.Module, layers: list[MoELayer], store: ExpertStore, config: OffloadConfig,
                   stats: OffloadStats) -> OffloadEngine:
     pregate = None
     if config.pregate is not False:  # dropped at bind where it has nothing to do early (`OffloadEngine.bind`)
         pregate = PreGate([_router(model, route) for route in layers], stats)
-    return OffloadEngine(store, [(layer.module, layer.layout) for layer in layers], config, stats, mode, pregate)
+    return OffloadEngine(store, [(layer.module, layer.layout) for layer in layers], config, stats, pregate)
 
 
 def _put_layer_in_store(streamed, route: MoELayer, store: ExpertStore, initialize: bool) -> None:

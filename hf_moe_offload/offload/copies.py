@@ -50,12 +50,12 @@ def copy_engine(engine, memo: dict, frozen_row_dtype: torch.dtype | None = None)
     stats = OffloadStats()
     memo[id(engine.stats)] = stats
     frozen = frozen_row_dtype is not None
-    new.store = memo[id(engine.store)] = copy_store(engine.store, stats, engine.config.io_threads, frozen_row_dtype)
+    store = memo[id(engine.store)] = copy_store(engine.store, stats, engine.config.io_threads, frozen_row_dtype)
     new.config = dataclasses.replace(engine.config, train_experts=engine.train_experts and not frozen)
-    new.stats, new.mode, new.train_experts = stats, engine.mode, new.config.train_experts
+    new.stats = stats
     new.layers = copy.deepcopy(engine.layers, memo)
     new.lora = LoraStore()
-    new._compose(copy.deepcopy(engine.decoding.pregate, memo))
+    new._compose(store, copy.deepcopy(engine.decoding.pregate, memo))
     return new
 
 

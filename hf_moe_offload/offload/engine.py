@@ -1,8 +1,9 @@
 """The offload engine: the shared resources of the expert offload and their life cycle (ES-MoE §4.1).
 
-It owns the store (offload/stores/store.py) and the counters, binds to the compute device of the first forward (its runtime
-and the plan resolved once there: offload/plan.py, which sizes the slab, the device pins and the stager), and composes
-the parts that do the work, one job each:
+It owns the resources the parts share (offload/resources.py: the store, offload/stores/store.py, and once bound to the
+compute device of the first forward its runtime and the plan resolved once there, offload/plan.py, which sizes the
+slab, the device pins and the stager) and the counters, and composes the parts that do the work, one job each, handing
+each the resources, the other parts and the engine's calls it uses (no part holds the engine):
 - `sources` (offload/streaming/chunk_sources.py): each call's chunks of experts brought where they compute, read and uploaded
   ahead of the one computing;
 - `gradients` (offload/streaming/gradients.py): a chunk's gradients home, on the host or down from a device;
@@ -28,7 +29,7 @@ from torch import nn
 
 from ..host_threads import set_thread_team
 from ..families.layouts import ExpertLayout
-from ..runtime import DeviceRuntime, Event, runtime_for
+from ..runtime import Event, runtime_for
 from .streaming.chunk_sources import ChunkSources
 from .copies import copy_engine
 from .config import OffloadConfig
@@ -39,8 +40,8 @@ from .inference.policies import PreGate
 from .ledger import UpdateCoordinator, UpdateLedger
 from .lora.lora_store import LoraStore
 from .pins.pinning import PinManager
-from .plan import (GRADS_DOWNLOADED, Machine, OffloadPlan, StoreFacts, clamp_depth, compute_threads, pin_room,
-                   resolve_plan)
+from .plan import GRADS_DOWNLOADED, Machine, StoreFacts, clamp_depth, compute_threads, resolve_plan
+from .resources import EngineResources
 from .streaming.slab import DeviceSlab
 from .stores.store import WEIGHTS_AND_GRAD, ExpertKey, ExpertStore
 from .streaming.streamed import OffloadedExpertsLayer
@@ -61,45 +62,59 @@ class OffloadEngine:
     """
 
     def __init__(self, store: ExpertStore, layers_modules: list[tuple[nn.Module, ExpertLayout]], config: OffloadConfig,
-                 stats: OffloadStats, mode: str, pregate: PreGate | None = None):
+                 stats: OffloadStats, pregate: PreGate | None = None):
         # The user's settings (a copy): what depends on the device is resolved once, at `bind`; `inference` per call.
         self.config = dataclasses.replace(config)
-        self.store = store
         self.stats = stats
-        self.mode = mode
-        self.train_experts = config.train_experts  # False (frozen experts, e.g. LoRA): input gradients only
         self.layers = [OffloadedExpertsLayer(self, i, m, layout) for i, (m, layout) in enumerate(layers_modules)]
         self.lora = LoraStore()  # the experts' LoRA factors, with OffloadConfig.lora_in_store (lora_store.py)
-        self._compose(pregate)
+        self._compose(store, pregate)
 
-    def _compose(self, pregate: PreGate | None) -> None:
-        """The parts over the store and layers, unbound (what a new engine and a copy start from)."""
+    def _compose(self, store: ExpertStore, pregate: PreGate | None) -> None:
+        """The shared resources over `store` and the parts over them and the layers, unbound (what a new engine and a
+        copy start from)."""
         self.device: torch.device | None = None  # bound on the first forward (set last: bound = device set)
-        self.runtime: DeviceRuntime | None = None
-        self.stager: DeviceStager | HostStager | None = None
-        cache = getattr(self.store, "cache_experts", None)
-        self._cache = cache
-        self.depth = clamp_depth(self.config.prefetch_depth, cache)
+        cache = getattr(store, "cache_experts", None)
+        # The store, the device resources resolved at bind (offload/plan.py) and the coordinator (offload/resources.py)
+        self.resources = EngineResources(store, clamp_depth(self.config.prefetch_depth, cache), cache,
+                                         self.config.train_experts)
         self.pin_fraction = self.config.pin_fraction
-        # --- resolved at bind (offload/plan.py) ---
-        self.plan: OffloadPlan | None = None
-        self.slab: DeviceSlab | None = None  # a device's training calls (offload/streaming/slab.py)
-        self.device_pins: DevicePins | None = None  # training on a device: pins' whole state there (device_pins.py)
-        # --- streaming and gradients ---
         # Host-side work of asynchronous runtimes, in order on one thread: releasing records once their upload has
         # happened, landing gradients nobody else takes.
         self._host_worker: ThreadPoolExecutor | None = None
         self._host_jobs: deque[Future] = deque()
-        self.sources = ChunkSources(self)  # where each call's chunks come from (offload/streaming/chunk_sources.py)
         self.ledger = UpdateLedger()  # hooks, pending updates, gradient landings (offload/ledger.py)
-        self.gradients: HostGradients | None = None  # the plan's gradient sink (offload/streaming/gradients.py)
-        self.coordinator: UpdateCoordinator | None = None  # several processes sharing the store
+        self.gradients: HostGradients | None = None  # the plan's gradient sink, at bind (streaming/gradients.py)
         self._state_dict_experts = True  # `experts_left_out_of_state_dict`
         self._warned_lora = False  # LoRA factors in the store with no expert optimizer: said once
+        res = self.resources
         # Inference calls: decode cache, device cache, pre-gating, compute on host (offload/inference/decoding.py)
-        self.decoding = DecodePath(self, pregate, cache if cache is not None else len(self.store.keys()))
-        self.pins = PinManager(self)  # pinning (ES-MoE §4.3; offload/pins/pinning.py)
+        self.decoding = DecodePath(res, self.layers, self.config, self.stats, self.ledger, self.pin_fraction,
+                                   self.release_after, pregate, cache if cache is not None else len(store.keys()))
+        # Pinning (ES-MoE §4.3; offload/pins/pinning.py); decoding pins its hot experts through it, from bind on.
+        self.pins = PinManager(res, self.layers, self.ledger, self.decoding, self.pin_fraction, self.wait_in_flight)
+        # Where each call's chunks come from (offload/streaming/chunk_sources.py)
+        self.sources = ChunkSources(res, self.layers, self.stats, self.ledger, self.decoding, self.pins,
+                                    self.release_after)
         self.updates = ExpertUpdates(self)  # what the expert optimizer sees (offload/updates.py)
+
+    # --- the shared resources (offload/resources.py), read here as the parts read them ---
+    store = property(lambda self: self.resources.store, doc="The expert store (offload/stores/store.py).")
+    tier = property(lambda self: self.store.tier, doc='"host" or "disk": `OffloadConfig.mode` resolved (api.py).')
+    runtime = property(lambda self: self.resources.runtime, doc="The compute device's runtime (None before bind).")
+    plan = property(lambda self: self.resources.plan, doc="The OffloadPlan (offload/plan.py; None before bind).")
+    slab = property(lambda self: self.resources.slab, doc="A device's slab (offload/streaming/slab.py) or None.")
+    stager = property(lambda self: self.resources.stager, doc="The per-expert stager (None before bind).")
+    device_pins = property(lambda self: self.resources.device_pins, doc="The device pins' state or None.")
+    coordinator = property(lambda self: self.resources.coordinator, doc="Several processes sharing the store.")
+    train_experts = property(lambda self: self.resources.train_experts, doc="False: frozen experts.")
+    depth = property(lambda self: self.resources.depth, doc="Experts read and uploaded ahead.")
+    stage_experts = property(lambda self: self.resources.stage_experts,
+                             doc="The disk tier on the host: experts per staged chunk (1 before bind).")
+    keep_activations = property(lambda self: self.resources.keep_activations)
+    map_files = property(lambda self: self.resources.map_files)
+    pin_limit = property(lambda self: self.resources.pin_limit,
+                         doc="Pins the disk tier's cache has room for beside the records in flight.")
 
     def __deepcopy__(self, memo: dict) -> "OffloadEngine":
         """`copy.deepcopy(model)`: an engine of the copy's own, unbound, over a copy of the store (copies.py)."""
@@ -136,35 +151,22 @@ class OffloadEngine:
             slab = DeviceSlab(runtime, self.store.numel, plan.compute_dtype, plan.slab_experts, self.stats)
         elif plan.waits_for_device:
             logger.info("expert offload: no room for the slab's two chunks (host cache %s experts): streaming one "
-                        "expert at a time", self._cache)
+                        "expert at a time", self.resources.cache)
         if plan.device_pins:
             device_pins = DevicePins(runtime, self.store, plan.device_pins, self.stats)
         stager = (DeviceStager if plan.waits_for_device else HostStager)(
             runtime, self.store.numel, self.store.compute_dtype, max(self.depth, 1), self.stats)
         self.store.bind_runtime(runtime)
-        self.runtime, self.plan, self.slab, self.device_pins, self.stager = runtime, plan, slab, device_pins, stager
-        self.gradients = (DeviceGradients if plan.gradients == GRADS_DOWNLOADED else HostGradients)(self)
-        self.decoding.bind(plan)
+        self.resources.bind(runtime, plan, slab, stager, device_pins)
+        if plan.gradients == GRADS_DOWNLOADED:
+            self.gradients = DeviceGradients(self.resources, self.layers, self.ledger, self.stats, self.submit_host,
+                                             self.release_after)
+        else:
+            self.gradients = HostGradients(self.resources, self.layers, self.ledger)
+        self.sources.bind(self.gradients)
+        self.decoding.bind(plan, self.pins)
         self.device = device
         logger.debug("expert offload: computing on %s (runtime %s)", device, self.runtime.name)
-
-    @property
-    def stage_experts(self) -> int:
-        """The disk tier on the host: experts per staged chunk (1 before bind)."""
-        return 1 if self.plan is None else self.plan.stage_experts
-
-    @property
-    def keep_activations(self) -> bool:
-        return self.plan is not None and self.plan.keep_activations
-
-    @property
-    def map_files(self) -> bool:
-        return self.plan is not None and self.plan.map_files
-
-    @property
-    def pin_limit(self) -> int | None:
-        """Pins the disk tier's cache has room for beside the records in flight (offload/plan.py `pin_room`)."""
-        return pin_room(self._cache, self.depth) if self.plan is None else self.plan.pin_limit
 
     @contextmanager
     def training_threads(self):
@@ -186,16 +188,18 @@ class OffloadEngine:
 
     def freeze_experts(self) -> None:
         """The experts are not trained from now on (LoRA on the other parts): backward gives input gradients only."""
-        self.train_experts = False
+        self.resources.freeze_experts()
+
+    def set_coordinator(self, coordinator: UpdateCoordinator | None) -> None:
+        """Several processes share the store from now on (hf_moe_offload.distributed), or none does (None)."""
+        self.resources.set_coordinator(coordinator)
 
     def replace_store(self, store: ExpertStore) -> None:
         """Swap the expert store (node-shared <-> private, hf_moe_offload.distributed): device copies made from the
         old one are dropped, since the new store counts versions afresh."""
         self.pins.release_device()  # into the old store, which the new one is made from
         self.wait_in_flight()
-        self.store = store
-        if self.device_pins is not None:
-            self.device_pins.store = store
+        self.resources.replace_store(store)
         for layer in self.layers:
             layer.forget_buffers()
         if self.runtime is not None:
@@ -233,7 +237,7 @@ class OffloadEngine:
 
     def on_device(self, key: ExpertKey) -> bool:
         """A device-pinned expert (offload/pins/device_pins.py): neither acquired nor uploaded; compute places it."""
-        return self.device_pins is not None and key in self.device_pins
+        return self.resources.on_device(key)
 
     # --- gradients and updates (offload/streaming/gradients.py, offload/ledger.py) ---
     def layer_backward_done(self, layer: int) -> None:

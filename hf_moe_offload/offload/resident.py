@@ -11,7 +11,7 @@ from .telemetry import OffloadStats
 class ResidentEngine:
     """The `device` tier: experts stay ordinary resident parameters (still dropless and mask-free)."""
 
-    mode = "device"
+    tier = "device"
     store = None
     plan = None
     layers: list = []

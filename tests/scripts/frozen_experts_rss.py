@@ -36,7 +36,7 @@ baseline = current_rss()
 model = load_offloaded_pretrained(ckpt, OffloadConfig(mode="host", pin_fraction=0.0,
                                                       train_experts=kind != "frozen"))
 engine = get_offload_engine(model)
-engine.train_experts = False  # (already off when frozen)
+engine.freeze_experts()  # (already off when frozen)
 experts_before = [engine.store.read_param(k).sum().item() for k in engine.store.keys()]
 model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
 model.train()

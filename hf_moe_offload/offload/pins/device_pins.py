@@ -63,6 +63,10 @@ class DevicePins:
         return ("device", self.versions[key])
 
     # --- moving state in and out ---
+    def use_store(self, store: ExpertStore) -> None:
+        """The engine's store was replaced (its state all home already, `release_all`): pins come up from this one."""
+        self.store = store
+
     def set(self, keys: list[ExpertKey]) -> None:
         """Hold exactly these experts (at most `capacity`, the first ones): the others' state goes back to the store
         now, the new ones' comes up when `admit`ted."""

@@ -57,64 +57,71 @@ class PinChoice:
 class PinManager:
     """Applies the pinning choice for the engine: the pins in the store and the stager, the device pins' state
     (offload/pins/device_pins.py), admitted at a training forward and sent home before the store is read from outside
-    training. The engine updates the pins at each window's close (`OffloadEngine.end_window`)."""
+    training. The engine updates the pins at each window's close (`OffloadEngine.end_window`), and hands the manager
+    what it uses: the shared resources (offload/resources.py: the store, stager, device pins, coordinator and the
+    room for pins), the layers, the update ledger, the decoding path (whose mode and device cache the pins follow)
+    and the engine's `wait_in_flight`."""
 
-    def __init__(self, engine):
-        self.engine = engine  # the OffloadEngine whose store, stager and device pins hold the pins
-        self.pin_choice = PinChoice(engine.pin_fraction)
+    def __init__(self, resources, layers: list, ledger, decoding, pin_fraction: float, wait_in_flight):
+        self.res = resources  # the store, stager and device pins that hold the pins (offload/resources.py)
+        self.layers = layers  # the engine's OffloadedExpertsLayers: their loads choose the pins
+        self.ledger = ledger  # a pin comes up once its gradient has landed and its update is done
+        self.decoding = decoding  # decoding pins device copies only, none while its device cache is open
+        self.wait_in_flight = wait_in_flight  # the engine's: everything in flight done before the pins go home
+        self.pin_choice = PinChoice(pin_fraction)
         self.pinned: list[ExpertKey] = []  # best first, at most the engine's `pin_limit`
 
     def admit(self, keys: list[ExpertKey]) -> None:
         """A training forward is about to use these: pins among them that wait to come up do, once their gradient
         has landed and their update is done (which the forward would wait for anyway)."""
-        engine = self.engine
-        pins = engine.device_pins
+        res = self.res
+        pins = res.device_pins
         for key in keys:
             if key in pins.pending:
-                engine.ledger.wait_for_grad(key)
-                engine.ledger.wait_for_update(key)
+                self.ledger.wait_for_grad(key)
+                self.ledger.wait_for_update(key)
                 pins.admit(key)
 
     def release_device(self) -> None:
         """The device-pinned experts' state back into the store (they stay pinned, pending: their next training
         forward brings them up again): before anything reads or writes the store from outside training."""
-        engine = self.engine
-        if engine.device_pins is not None and len(engine.device_pins):
-            engine.wait_in_flight()
-            engine.device_pins.release_all()
+        res = self.res
+        if res.device_pins is not None and len(res.device_pins):
+            self.wait_in_flight()
+            res.device_pins.release_all()
             self.sync_stager()
 
     def update(self) -> None:
         """At a window's close: pin each layer's `pin_fraction` experts by recent load (several processes: the
         placement's pins)."""
-        engine = self.engine
-        if engine.coordinator is not None:  # several ranks: pins must agree with the placement (ES-MoE §4.2-4.3)
-            self.set(engine.coordinator.pinned_keys())
+        res = self.res
+        if res.coordinator is not None:  # several ranks: pins must agree with the placement (ES-MoE §4.2-4.3)
+            self.set(res.coordinator.pinned_keys())
             return
-        self.set(self.pin_choice.by_load(engine.layers, self.pinned))
+        self.set(self.pin_choice.by_load(self.layers, self.pinned))
 
     def set(self, pinned: list[ExpertKey]) -> None:
         """Pin these (best first), at most `pin_limit` of them."""
-        engine = self.engine
-        pinned = list(pinned)[: engine.pin_limit]
-        engine.store.set_pinned(pinned)
+        res = self.res
+        pinned = list(pinned)[: res.pin_limit]
+        res.store.set_pinned(pinned)
         on_device = []
-        if engine.device_pins is not None:
+        if res.device_pins is not None:
             # Training, one process: the first (best) pins keep their whole state on the device. A shared store's
             # ranks, and decoding, pin device copies of the weights only.
-            if engine.coordinator is None and not engine.decoding.inference:
-                on_device = pinned[: engine.device_pins.capacity]
-            engine.device_pins.set(on_device)  # new ones come up at their next training forward (`admit`)
+            if res.coordinator is None and not self.decoding.inference:
+                on_device = pinned[: res.device_pins.capacity]
+            res.device_pins.set(on_device)  # new ones come up at their next training forward (`admit`)
         self.pinned = pinned
         self.sync_stager(set(on_device))
 
     def sync_stager(self, on_device: set[ExpertKey] = frozenset()) -> None:
         """The stager keeps device copies of the pinned experts whose state is not on the device (`on_device`: the
         device pins'), none while the device cache is open: it holds decoding's device copies, within its budget."""
-        engine = self.engine
-        if engine.stager is not None:
-            decoding_copies = engine.decoding.device_cache is not None
-            engine.stager.set_pinned(set() if decoding_copies else set(self.pinned) - on_device)
+        res = self.res
+        if res.stager is not None:
+            decoding_copies = self.decoding.device_cache is not None
+            res.stager.set_pinned(set() if decoding_copies else set(self.pinned) - on_device)
 
 
 __all__ = ["PinChoice", "PinManager"]

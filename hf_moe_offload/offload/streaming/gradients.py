@@ -3,7 +3,9 @@
 The engine's plan picks one at bind (`OffloadPlan.gradients`): `HostGradients` where the host computes (autograd's
 gradients land in the records on the thread that has them), `DeviceGradients` on a device (the chunk's gradients go
 down as one block on the gradient stream, `GradRing`; device-pinned experts' stay on the device). Both hand final
-gradients to the update ledger's hooks (the expert optimizer) and land what no hook takes.
+gradients to the update ledger's hooks (the expert optimizer) and land what no hook takes. The engine composes the sink
+at bind and hands it what it uses: the shared resources (offload/resources.py: the store, runtime, slab and device
+pins), the layers and the update ledger; on a device also the counters and the engine's host worker and record release.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from .transfers import GradArrival, GradRing
 class HostGradients:
     """The host computes: each expert's slices of autograd's tensors are its arrival, landed where they are."""
 
-    def __init__(self, engine):
-        self.engine = engine  # the OffloadEngine whose store, runtime, layers and ledger these gradients go through
+    def __init__(self, resources, layers: list, ledger):
+        self.res = resources  # the store and runtime these gradients go through (offload/resources.py)
+        self.layers = layers  # the engine's OffloadedExpertsLayers, by index
+        self.ledger = ledger  # the update ledger: its hooks take final gradients (offload/ledger.py)
 
     def chunk_arrived(self, layer: int, chunk: list[Segment], records: list[ExpertRecord | None],
                       grads: tuple[torch.Tensor, ...]) -> None:
@@ -37,8 +41,8 @@ class HostGradients:
     def _deliver(self, layer: int, chunk: list[Segment], routed: list[int], keys: list[ExpertKey],
                  records: list[ExpertRecord | None], grads: tuple[torch.Tensor, ...]) -> None:
         """The routed experts' (`routed`: their indices in the chunk) gradients handed over."""
-        views = self.engine.layers[layer].layout.views
-        rt = self.engine.runtime
+        views = self.layers[layer].layout.views
+        rt = self.res.runtime
         self.hand_over(layer, [(key, records[i], GradArrival.on_host(rt, [g[i] for g in grads], views))
                                for i, key in reversed(list(zip(routed, keys)))])
 
@@ -46,23 +50,22 @@ class HostGradients:
         """Gradients of `layer`'s experts on their way to the store (a chunk's at once, so that the expert optimizer
         can step them several per fused call): to the ledger's hooks if they are final, else (or what no hook takes)
         landed and released here."""
-        engine = self.engine
         for key, _, _ in items:
-            engine.store.has_grad[key] = True
-        if engine.layers[layer].in_last_backward:  # else more calls of this layer still run backward (partitions)
-            items = engine.ledger.offer(items)
+            self.res.store.has_grad[key] = True
+        if self.layers[layer].in_last_backward:  # else more calls of this layer still run backward (partitions)
+            items = self.ledger.offer(items)
         for key, record, arrival in items:
             self.land(key, record, arrival)
 
     def land(self, key: ExpertKey, record: ExpertRecord, arrival: GradArrival) -> None:
         arrival.land(record)
-        self.engine.store.release(key, dirty=(GRAD,))
+        self.res.store.release(key, dirty=(GRAD,))
 
     def release_record(self, key: ExpertKey, record: ExpertRecord | None) -> None:
         """Hand back a record the stream yielded, without a gradient (frozen experts). None: a device-pinned expert
         (nothing was acquired)."""
         if record is not None:
-            self.engine.store.release(key)
+            self.res.store.release(key)
 
 
 class DeviceGradients(HostGradients):
@@ -72,20 +75,23 @@ class DeviceGradients(HostGradients):
 
     ring_size = 4  # gradient download buffers in flight
 
-    def __init__(self, engine):
-        super().__init__(engine)
+    def __init__(self, resources, layers: list, ledger, stats, submit_host, release_after):
+        super().__init__(resources, layers, ledger)
+        self.stats = stats
+        self.submit_host = submit_host  # the engine's host worker: lands a gradient once its download is done
+        self.release_after = release_after  # the engine's: a record back to the store once its upload happened
         self.rings: dict[torch.dtype, GradRing] = {}  # by the dtype the GEMMs produced the gradients in
 
     def _deliver(self, layer: int, chunk: list[Segment], routed: list[int], keys: list[ExpertKey],
                  records: list[ExpertRecord | None], grads: tuple[torch.Tensor, ...]) -> None:
-        engine = self.engine
+        res = self.res
         flat = torch.cat([g.reshape(g.shape[0], -1) for g in grads], dim=1)
         if len(routed) < len(chunk):
             flat = flat.index_select(0, torch.tensor(routed, device=flat.device))
         records = [records[i] for i in routed]
         on_device = [i for i, record in enumerate(records) if record is None]
         if on_device:  # device-pinned experts: their gradients stay on the device
-            engine.device_pins.add_grads([keys[i] for i in on_device],
+            res.device_pins.add_grads([keys[i] for i in on_device],
                                          flat.index_select(0, torch.tensor(on_device, device=flat.device)))
             if len(on_device) == len(keys):
                 return
@@ -95,15 +101,15 @@ class DeviceGradients(HostGradients):
         k = len(keys)
         ring = self.rings.get(flat.dtype)
         if ring is None:
-            per_chunk = engine.slab.experts if engine.slab is not None else 1
-            ring = self.rings[flat.dtype] = GradRing(engine.runtime, per_chunk * engine.store.numel, flat.dtype,
+            per_chunk = res.slab.experts if res.slab is not None else 1
+            ring = self.rings[flat.dtype] = GradRing(res.runtime, per_chunk * res.store.numel, flat.dtype,
                                                      self.ring_size)
         block = ring.send(flat.reshape(-1))
-        engine.stats.d2h_bytes += flat.numel() * flat.element_size()
+        self.stats.d2h_bytes += flat.numel() * flat.element_size()
         if k == 1:
             self.hand_over(layer, [(keys[0], records[0], block)])
             return
-        per_expert = block.buffer.view(k, engine.store.numel).unbind(0)  # one op, not one per expert
+        per_expert = block.buffer.view(k, res.store.numel).unbind(0)  # one op, not one per expert
         left = [k]
         lock = threading.Lock()
 
@@ -114,14 +120,14 @@ class DeviceGradients(HostGradients):
             if last:
                 block.release()
 
-        self.hand_over(layer, [(key, record, GradArrival(engine.runtime, per_expert[i], block.event, landed))
+        self.hand_over(layer, [(key, record, GradArrival(res.runtime, per_expert[i], block.event, landed))
                                for i, (key, record) in enumerate(zip(keys, records))])
 
     def land(self, key: ExpertKey, record: ExpertRecord, arrival: GradArrival) -> None:
         """Landed on the engine's host worker, never on the compute thread (it waits for the download)."""
-        self.engine.ledger.grad_job(key, self.engine.submit_host(super().land, key, record, arrival))
+        self.ledger.grad_job(key, self.submit_host(super().land, key, record, arrival))
 
     def release_record(self, key: ExpertKey, record: ExpertRecord | None) -> None:
         """Handed back once the compute enqueued so far (which used its upload) has run."""
         if record is not None:
-            self.engine.release_after(key, self.engine.runtime.record())
+            self.release_after(key, self.res.runtime.record())
