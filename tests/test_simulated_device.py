@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -381,73 +382,59 @@ def test_global_clipping_takes_expert_norms_as_gradients_become_final(tmp_path):
 
 
 # --- 4. the suites, re-run on the simulated device ---
-# What the re-runs leave out, each with where it stays covered. The CPU run keeps all of them; a census ran the suites
-# on the simulated device recording, per test, the device work issued (copies, checks) and the engine's call site of
-# every runtime call (waits, events, copies, record_stream, frees): benchmarks/RESULTS.md has the method and figures.
-# Tests that issue no device work there run the same code as on the CPU: their CPU run is their cover.
-NO_DEVICE_WORK = [
-    "tests/test_offload.py::test_pins_stay_put_under_noisy_loads_and_follow_a_lasting_one",
-    "tests/test_offload.py::test_auto_mode_picks_tier_from_budgets",
-    "tests/test_offload.py::test_config_validation_errors",
-    "tests/test_offload.py::test_budget_smaller_than_one_expert",
-    "tests/test_offload.py::test_unwritable_offload_dir",
-    "tests/test_offload.py::test_truncated_checkpoint_shard_is_refused",
-    "tests/test_offload.py::test_disk_store_reads_what_it_wrote_across_evictions",
-    "tests/test_offload.py::test_device_tier_is_the_plain_model",
-    "tests/test_offload.py::test_disk_tier_reads_and_writes_only_the_rows_each_phase_needs",
-    "tests/test_offload.py::test_disk_tier_evicts_the_expert_needed_furthest_in_the_schedule",
-    "tests/test_offload.py::test_write_behind_cleans_only_records_evicted_before_their_next_use",
-    "tests/test_pipelining.py::test_split_plan_keeps_every_row_once_and_expert_order",
-]
-# Parametrizations whose every runtime call site the kept ones of the same test reach (the prefetch depth and the
-# pin fraction do not change which waits a tier's step goes through; a second family or clipping setting of the
-# disk tier's row I/O does not either): the re-run keeps the cross of tiers and dtypes, the CPU run keeps the rest.
-SAME_WAITS = {
-    "tests/test_offload.py::test_streamed_equals_resident_with_grad_accumulation[0.0-":
-        "[0.25-3-host] and [0.25-3-disk] (pins on): a superset of the call sites without pins",
-    "tests/test_offload.py::test_streamed_equals_resident_with_grad_accumulation[0.25-1-": "[0.25-3-host], [0.25-3-disk]",
-    "tests/test_offload.py::test_streamed_equals_resident_with_grad_accumulation[0.25-2-": "[0.25-3-host], [0.25-3-disk]",
-    "tests/test_offload.py::test_transformers_moe_families_offload_through_their_layout_adapter[mixtral]":
-        "[qwen3_moe]; tests/test_families.py's re-run covers the families on both tiers",
-    "tests/test_offload.py::test_disk_tier_row_io_and_schedule_change_no_bit[True-0.05]": "[True-None]",
-    "tests/test_offload.py::test_disk_tier_row_io_and_schedule_change_no_bit[False-": "[True-None]",
-}
-# The pipelining's granularity: one partition reaches a subset of two's call sites, and 2, 3, 4 and 8 partitions
-# reach the same ones, for every strategy and experts factory; the re-run keeps 2 partitions.
-for _test in ("test_layer_equals_unpartitioned", "test_causal_lm_equals_unpartitioned"):
-    for _n in (1, 3, 4, 8):
-        SAME_WAITS[f"tests/test_pipelining.py::{_test}[{_n}-"] = "[2-*]: every strategy and experts factory"
+# The offload, pipelining, optimizer, autocast and family suites re-run only what the census shows checks stream
+# waits (benchmarks/device_work_census.py, its log benchmarks/device_work_census.jsonl: per test, the device work
+# and every runtime call site reached on the simulated device): for each test function that issues device work, the
+# parametrizations reaching every call site its parametrizations reach; for each cell of tiers and dtypes, the tests
+# reaching every call site the cell's tests reach. The rest run on the CPU, where their numerics are checked; a test
+# that issues no device work runs that same code again on the simulated device.
+CENSUS = os.path.join(ROOT, "benchmarks", "device_work_census.jsonl")
 
 
-def _rerun(*targets: str) -> list[str]:
-    """`targets` for the re-run's pytest, less the tests listed above that they select."""
-    left_out = [t for t in (*NO_DEVICE_WORK, *SAME_WAITS) if any(t.startswith(x.split("::")[0]) for x in targets)]
-    return [*targets, *(arg for t in left_out for arg in ("--deselect", t))]
+def _census_rows() -> list[dict]:
+    with open(CENSUS, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
 
 
+def _selection() -> list[str]:
+    spec = importlib.util.spec_from_file_location("device_work_census", os.path.join(ROOT, "benchmarks",
+                                                                                    "device_work_census.py"))
+    census = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(census)
+    return census.selection(_census_rows())
+
+
+RERUN = _selection()
 SUITES = {
-    "offload": _rerun("tests/test_offload.py"),
-    "pipelining+optimizer": _rerun("tests/test_pipelining.py", "tests/test_expert_optimizer.py",
-                                   "tests/test_mixed_precision.py::test_autocast_trains_on_every_tier_and_strategy"),
+    "offload": [t for t in RERUN if t.startswith("tests/test_offload.py")],
+    "pipelining+optimizer": [t for t in RERUN if not t.startswith(("tests/test_offload.py", "tests/test_families.py"))],
     # Other families through the one entry: gpt-oss (transposed, biased, its own gate) and Qwen3-MoE offloaded,
     # and Qwen3-MoE with MPMoE partitions.
-    "families": ["tests/test_families.py", "-k", "qwen3_moe or gpt_oss"],
+    "families": [t for t in RERUN if t.startswith("tests/test_families.py")],
     "expert-parallel": ["tests/test_distributed.py::test_expert_parallel_equals_one_process_on_the_concatenated_batch",
                         # NOTE: world 3 fails under simulation (a rank dies in an S-strategy restore during backward;
-                        # not diagnosed yet, see the issue-12 note); world 2 passes.
+                        # not diagnosed yet); world 2 passes.
                         "tests/test_distributed.py::test_micro_batch_pipelining_over_expert_parallelism[2]",
                         "tests/test_distributed.py::test_expert_parallel_under_autocast"],
 }
 
 
-def test_what_the_re_runs_leave_out_names_tests_that_exist():
-    """Each left-out entry names a test function of its file (a renamed test would otherwise be re-run unnoticed, or
-    an entry would stand for nothing), and the kept cross of each pruned test is named in its reason."""
-    for entry in (*NO_DEVICE_WORK, *SAME_WAITS):
-        path, _, name = entry.partition("::")
+def test_the_re_runs_keep_a_test_of_every_cell_and_name_tests_that_exist():
+    """The census names test functions of their files (a renamed test would otherwise leave the re-run, or fail it
+    with 'not found'), every census test is in a suite's files, and the selection keeps tests of both tiers, every
+    compute dtype and every file: the cross the census covers."""
+    rows = _census_rows()
+    for row in rows:
+        path, _, name = row["id"].partition("::")
         with open(os.path.join(ROOT, path), encoding="utf-8") as f:
-            assert f"def {name.split('[')[0]}(" in f.read(), entry
-    assert all(reason.startswith("[") for reason in SAME_WAITS.values())
+            assert f"def {name.split('[')[0]}(" in f.read(), row["id"]
+    assert sorted(RERUN) == sorted(t for suite in ("offload", "pipelining+optimizer", "families") for t in SUITES[suite])
+    kept = " ".join(RERUN)
+    for part in ("[", "host", "disk", "bf16", "fp16", "test_offload.py", "test_pipelining.py",
+                 "test_expert_optimizer.py", "test_mixed_precision.py", "test_families.py"):
+        assert part in kept, part
+    with_work = {row["id"].split("[")[0] for row in rows if row["sites"]}
+    assert with_work == {t.split("[")[0] for t in RERUN}, "a test function with device work left the re-run"
 
 
 @pytest.mark.slow
