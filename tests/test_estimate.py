@@ -8,6 +8,7 @@ device. Agreement asked: within 10% (every expert gets tokens: 2 x 64 tokens, to
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import os
 
@@ -179,6 +180,26 @@ def test_the_cli_prints_every_tier_from_a_config_json(tmp_path, capsys):
     assert (tmp_path / "est.json").exists()
     assert main(["estimate", str(tmp_path / "nowhere")]) == 2
     assert main(["estimate", str(tmp_path / "model"), "--method", "full", "--expert-storage", "nf4"]) == 2
+
+
+def test_the_largest_batch_per_gpu_size_grows_with_the_gpu(tmp_path, capsys):
+    """`estimate --gpu-sizes`: per method and tier, the largest batch within each size, never smaller on a larger
+    GPU, and never smaller with activation checkpointing than without; sizes it cannot read are a one-line error."""
+    from hf_moe_offload.cli.main import main
+
+    _config().save_pretrained(tmp_path / "model")
+    assert main(["estimate", str(tmp_path / "model"), "--device", "cuda", "--gpu-memory", "1", "--seq-len", "64",
+                 "--gpu-sizes", "0.05,0.2",
+                 "--json", str(tmp_path / "est.json")]) == 0
+    assert "largest batch per GPU size" in capsys.readouterr().out
+    fits = json.loads((tmp_path / "est.json").read_text())["largest_batch"]
+    assert {f["tier"] for f in fits} >= {"host", "disk"} and len({f["label"] for f in fits}) >= 2, fits
+    for fit in fits:
+        (small_with, small_without), (big_with, big_without) = fit["batch"].values()
+        assert big_with >= small_with and big_without >= small_without and small_with >= small_without, fit
+    assert any(fit["batch"]["0.2"][0] > 0 for fit in fits), fits
+    assert main(["estimate", str(tmp_path / "model"), "--device", "cuda", "--gpu-memory", "1", "--gpu-sizes", "12,x"]) == 2
+    assert main(["estimate", str(tmp_path / "model"), "--device", "cpu", "--gpu-sizes", "12"]) == 2
 
 
 # --- the time model's inputs: bytes and FLOPs per step (time_model.py) ---
