@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
-import subprocess
-import sys
 from unittest import mock
 
 import pytest
@@ -14,17 +14,31 @@ import torch
 
 import hf_moe_offload  # noqa: F401  (registers moe_gpt with the Auto classes)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from small_corpus import write_corpus
+
+# The runs below whose assertions are about a flag's path (LoRA, checkpointing, the push, a refusal) train on a few KB
+# of text in blocks of 32 tokens: the flag's path is the same, without a parse and tokenization of the default data.
+SMALL_RUN = ["--steps", "2", "--max-eval-blocks", "2", "--num-experts", "4", "--block-size", "32", "--batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """One short run of the README's main-job command (the default model and data, fewer steps)."""
+    """One short run of the README's main-job command (the default model, data and vocabulary), in this process (the
+    CLI's `main`; its stdout is the report). Batches of 4 sequences and 4 evaluation blocks instead of 8 and 16: the
+    assertions (the loss falls over 12 steps, the figures, the card, the files) do not depend on the batch size."""
+    from hf_moe_offload.cli.main import main
+
     out = tmp_path_factory.mktemp("main_job") / "run"
-    res = subprocess.run([sys.executable, "-m", "hf_moe_offload.cli.main", "train", "--short", "--output-dir", str(out)],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return out, res.stdout
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["train", "--short", "--batch-size", "4", "--max-eval-blocks", "4", "--output-dir", str(out)])
+    assert code == 0, stdout.getvalue()[-3000:]
+    return out, stdout.getvalue()
 
 
 @pytest.mark.slow
@@ -111,7 +125,7 @@ def test_push_refuses_an_incomplete_folder(tmp_path):
 
 
 @pytest.mark.slow
-def test_push_to_hub_flag_of_the_cli(tmp_path, capsys):
+def test_push_to_hub_flag_of_the_cli(tmp_path, capsys, corpus):
     """`hf-moe-offload train --push-to-hub --hub-model-id ...` pushes the finished run (upload mocked at the
     network boundary) and prints the URL; the card names the repo."""
     from huggingface_hub import HfApi
@@ -126,8 +140,8 @@ def test_push_to_hub_flag_of_the_cli(tmp_path, capsys):
     out = tmp_path / "run"
     with mock.patch.object(HfApi, "create_repo", return_value=mock.Mock(repo_id="me/tiny-moe")), \
             mock.patch.object(HfApi, "upload_folder", fake_upload):
-        assert main(["train", "--short", "--steps", "2", "--max-eval-blocks", "4", "--num-experts", "4",
-                     "--output-dir", str(out), "--push-to-hub", "--hub-model-id", "me/tiny-moe"]) == 0
+        assert main(["train", "--short", *SMALL_RUN, "--train-file", str(corpus), "--output-dir", str(out),
+                     "--push-to-hub", "--hub-model-id", "me/tiny-moe"]) == 0
     assert uploaded["repo_id"] == "me/tiny-moe" and os.path.samefile(uploaded["folder"], out)
     assert {"README.md", "config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(uploaded["files"])
     assert "pushed" in capsys.readouterr().out
@@ -135,14 +149,14 @@ def test_push_to_hub_flag_of_the_cli(tmp_path, capsys):
     assert json.loads((out / "metrics.json").read_text())["hub_model_id"] == "me/tiny-moe"
 
 
-def test_main_job_with_lora_on_the_streamed_experts(tmp_path):
+def test_main_job_with_lora_on_the_streamed_experts(tmp_path, corpus):
     """Issue 38, item 4: `hf-moe-offload train --method lora --lora-targets experts,attention` trains adapters on
     every expert matrix while the frozen experts stay on the disk tier; it saves the peft adapter (its config names
     the expert tensors) and the merged model, which transformers loads as a plain model, and the card says so."""
     from hf_moe_offload.cli.main import main
 
     out = tmp_path / "run"
-    assert main(["train", "--short", "--steps", "2", "--max-eval-blocks", "4", "--num-experts", "4", "--method", "lora",
+    assert main(["train", "--short", *SMALL_RUN, "--train-file", str(corpus), "--method", "lora",
                  "--lora-targets", "experts,attention", "--expert-storage", "nf4", "--output-dir", str(out)]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["training"]["method"] == "lora" and "(every expert, streamed)" in metrics["training"]["lora"]
@@ -158,10 +172,11 @@ def test_main_job_with_lora_on_the_streamed_experts(tmp_path):
     assert "| experts | frozen, stored as nf4, never stepped |" in card and "expert-wise CPU optimizer" not in card
 
 
-def test_main_job_refuses_quantized_storage_of_trained_experts(tmp_path, capsys):
+def test_main_job_refuses_quantized_storage_of_trained_experts(tmp_path, capsys, corpus):
     from hf_moe_offload.cli.main import main
 
-    assert main(["train", "--short", "--expert-storage", "int8", "--output-dir", str(tmp_path / "run")]) != 0
+    assert main(["train", "--short", *SMALL_RUN, "--train-file", str(corpus), "--expert-storage", "int8",
+                 "--output-dir", str(tmp_path / "run")]) != 0
     assert "--expert-storage int8 keeps frozen experts quantized" in capsys.readouterr().err
 
 
@@ -189,15 +204,15 @@ def test_lm_nll_per_sequence_equals_the_batched_cross_entropy():
     assert metrics["perplexity"] == pytest.approx(math.exp(float(nll[mask].mean())), rel=1e-6)
 
 
-def test_main_job_with_activation_checkpointing_on_the_disk_tier(tmp_path):
+def test_main_job_with_activation_checkpointing_on_the_disk_tier(tmp_path, corpus):
     """`--gradient-checkpointing on`: the Trainer recomputes every decoder layer in the backward while the experts
     stream from the disk tier, and the run records the choice (`auto`, the default, on a machine without a GPU leaves
     it off: test_main_job_prints_figures_and_saves_a_loadable_model)."""
     from hf_moe_offload.cli.main import main
 
     out = tmp_path / "run"
-    assert main(["train", "--short", "--steps", "2", "--max-eval-blocks", "4", "--num-experts", "4",
-                 "--gradient-checkpointing", "on", "--output-dir", str(out)]) == 0
+    assert main(["train", "--short", *SMALL_RUN, "--train-file", str(corpus), "--gradient-checkpointing", "on",
+                 "--output-dir", str(out)]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["gradient_checkpointing"] is True and math.isfinite(metrics["metrics"]["eval_loss"])
     # the card of a full run says what stepped the experts, that checkpointing was on, and the MoE layers

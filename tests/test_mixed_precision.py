@@ -18,6 +18,7 @@ from hf_moe_offload import ExpertAwareOptimizer, ExpertOptimizer, OffloadConfig,
 from hf_moe_offload.pipelining import enable_micro_batch_pipelining
 from hf_moe_offload.precision import GemmCounter
 
+from small_corpus import write_corpus
 from test_offload import small_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -179,12 +180,15 @@ def trainer_run(tier: str, bf16: bool, tmp_path, use_cpu: bool):
 @pytest.mark.slow
 @pytest.mark.parametrize("offload", ["auto", "device", "host", "disk"])
 def test_main_job_bf16_on_every_offload_value(offload, tmp_path):
-    """`hf-moe-offload train --short --precision bf16 --offload X` (few steps, small model: the CLI path)."""
+    """`hf-moe-offload train --short --precision bf16 --offload X` (few steps, small model: the CLI path). A few KB
+    of text in blocks of 32 tokens (tests/small_corpus.py): the bf16 path of each tier is the same at any size."""
     from hf_moe_offload.cli.main import main
 
     out = tmp_path / "run"
+    corpus = write_corpus(tmp_path / "corpus.txt")
     assert main(["train", "--short", "--precision", "bf16", "--offload", offload, "--steps", "3",
-                 "--max-eval-blocks", "4", "--num-experts", "4", "--output-dir", str(out)]) == 0
+                 "--max-eval-blocks", "2", "--num-experts", "4", "--block-size", "32", "--batch-size", "2",
+                 "--train-file", str(corpus), "--output-dir", str(out)]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     losses = [h["loss"] for h in metrics["log_history"] if "loss" in h]
     assert losses and all(torch.isfinite(torch.tensor(v)) for v in losses)
