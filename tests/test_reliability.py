@@ -40,6 +40,8 @@ from hf_moe_offload.optim.checkpoints import (
     latest_complete_checkpoint,
 )
 
+from fork_runs import ForkRuns
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILL_SCRIPT = os.path.join(ROOT, "tests", "scripts", "kill_during_save.py")
 TRAINER_SCRIPT = os.path.join(ROOT, "tests", "scripts", "trainer_offload.py")
@@ -330,7 +332,7 @@ def _write_corpus(path) -> None:
 
 
 def _cli(out, corpus, phase="none", step=0, resume=False):
-    args = [sys.executable, KILL_SCRIPT, phase, str(step), "--", "--log-level", "WARNING", "train",
+    args = [KILL_SCRIPT, phase, str(step), "--", "--log-level", "WARNING", "train",
             "--train-file", str(corpus), "--output-dir", str(out), "--num-experts", "4", "--host-cache-experts", "3",
             "--block-size", "32", "--batch-size", "2", "--steps", "9", "--save-steps", "3", "--save-total-limit", "1",
             "--logging-steps", "3", "--eval-steps", "100", "--max-eval-blocks", "2"]
@@ -341,21 +343,28 @@ def _cli(out, corpus, phase="none", step=0, resume=False):
 def test_sigkill_around_a_checkpoint_save_then_resume_is_bit_exact(tmp_path):
     corpus = tmp_path / "corpus.txt"
     _write_corpus(corpus)
-    _run(_cli(tmp_path / "reference", corpus))
-    reference = _tensors(tmp_path / "reference")
-    assert reference
-    # (phase, the checkpoint `--resume` must pick): killed during the save of step 6, with save_total_limit=1.
-    for phase, latest in (("expert_state", 3), ("model_save", 3), ("trainer_state", 3), ("rotate", 6)):
-        out = tmp_path / phase
-        killed = _run(_cli(out, corpus, phase, 6), check=False)
-        assert killed.returncode == -9, (phase, killed.stderr[-3000:])
-        assert latest_complete_checkpoint(str(out)) == str(out / f"checkpoint-{latest}"), phase
-        assert not (out / "model.safetensors.index.json").exists()  # it really died before the end
-        _run(_cli(out, corpus, resume=True))
-        got = _tensors(out)
-        assert got.keys() == reference.keys(), phase
-        assert all(torch.equal(got[k], reference[k]) for k in got), phase
-        assert [p for p in os.listdir(out) if p.startswith("checkpoint-")] == ["checkpoint-9"], phase
+    # Every run is a forked child of one process that imported the CLI once (tests/scripts/fork_server.py): a
+    # process of its own (the kill is a real SIGKILL; the resume shares no state with the killed run), and the nine
+    # runs pay the ~10 s import once.
+    server = ForkRuns(["transformers.trainer", "hf_moe_offload.cli.main"])
+    try:
+        server.run(_cli(tmp_path / "reference", corpus), tmp_path / "reference.log")
+        reference = _tensors(tmp_path / "reference")
+        assert reference
+        # (phase, the checkpoint `--resume` must pick): killed during the save of step 6, with save_total_limit=1.
+        for phase, latest in (("expert_state", 3), ("model_save", 3), ("trainer_state", 3), ("rotate", 6)):
+            out = tmp_path / phase
+            code, log = server.run(_cli(out, corpus, phase, 6), tmp_path / f"{phase}-killed.log", check=False)
+            assert code == -9, (phase, log[-3000:])
+            assert latest_complete_checkpoint(str(out)) == str(out / f"checkpoint-{latest}"), phase
+            assert not (out / "model.safetensors.index.json").exists()  # it really died before the end
+            server.run(_cli(out, corpus, resume=True), tmp_path / f"{phase}-resumed.log")
+            got = _tensors(out)
+            assert got.keys() == reference.keys(), phase
+            assert all(torch.equal(got[k], reference[k]) for k in got), phase
+            assert [p for p in os.listdir(out) if p.startswith("checkpoint-")] == ["checkpoint-9"], phase
+    finally:
+        server.close()
 
 
 @pytest.mark.slow
