@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from hf_moe_offload import host_allocator
 from hf_moe_offload.host_allocator import USER_SETTINGS
 from hf_moe_offload.cli.train import add_arguments
 
@@ -23,8 +24,13 @@ glibc_linux = pytest.mark.skipif(not sys.platform.startswith("linux") or platfor
 # every `keep`-th (what a step keeps, between its transients); prints whether the policy was set, the minor page
 # faults of the last step and the RSS the process kept over what it holds at the end.
 STEPS = """
-import json, resource, sys, torch
-from hf_moe_offload.host_allocator import set_policy
+import importlib.util, json, resource, sys, torch
+# The module alone, not the package: what is measured is glibc under torch's tensors, and the package's import
+# (transformers, peft) would add ~8 s to every interpreter here.
+spec = importlib.util.spec_from_file_location("host_allocator", sys.argv[3])
+host_allocator = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(host_allocator)
+set_policy = host_allocator.set_policy
 
 def rss():
     with open("/proc/self/status") as f:
@@ -48,7 +54,7 @@ PAGES = 48 * 2 * 2**20 // 4096  # the pages one step writes
 
 def run_steps(mode: str, keep: int = 0, **env) -> dict:
     clean = {k: v for k, v in os.environ.items() if k not in USER_SETTINGS}
-    res = subprocess.run([sys.executable, "-c", STEPS, mode, str(keep)], capture_output=True, text=True, timeout=120,
+    res = subprocess.run([sys.executable, "-c", STEPS, mode, str(keep), host_allocator.__file__], capture_output=True, text=True, timeout=120,
                          env=dict(clean, OMP_NUM_THREADS="1", **env))
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from fork_runs import ForkRuns
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(ROOT, "recipes")
 CONFIGS = os.path.join(RECIPES, "accelerate_configs")
@@ -22,15 +24,31 @@ def _run(args, timeout=600, env=None):
     return res
 
 
+@pytest.fixture(scope="module")
+def recipe_runs():
+    """The recipe runs of this file as forked children of one process that imported transformers' Trainer, peft and
+    the package once (tests/scripts/fork_server.py): each run is still `python recipes/X.py ...` in a process of its
+    own, but the ~10 s import is paid once for the file, not once per run."""
+    runs = ForkRuns(["transformers.trainer", "peft", "hf_moe_offload.jobs", "hf_moe_offload.cli.train"])
+    yield runs
+    runs.close()
+
+
+def _recipe(runs, log, *argv):
+    runs.run([os.path.join(RECIPES, argv[0]), *argv[1:]], log)
+
+
 def _metrics(folder):
     return json.loads((folder / "metrics.json").read_text())
 
 
 @pytest.mark.slow
-def test_causal_lm_recipe(tmp_path):
-    _run([sys.executable, os.path.join(RECIPES, "train_causal_lm.py"), "--preset", "moe-tiny", "--num-experts", "4",
-          "--dataset", "offline-wikipedia", "--block-size", "64", "--short", "--pipelining", "auto",
-          "--output-dir", str(tmp_path / "lm")])
+def test_causal_lm_recipe(tmp_path, recipe_runs):
+    # 8 rows of 64 tokens instead of the recipe's 32: the configurator still chooses (n, S) for the training batch
+    # (what is asserted), at a quarter of the work of the GPT-2-vocabulary head per step.
+    _recipe(recipe_runs, tmp_path / "log", "train_causal_lm.py", "--preset", "moe-tiny", "--num-experts", "4",
+            "--dataset", "offline-wikipedia", "--block-size", "64", "--short", "--pipelining", "auto",
+            "--batch-size", "8", "--output-dir", str(tmp_path / "lm"))
     metrics = _metrics(tmp_path / "lm")
     assert "eval_perplexity" in json.dumps(metrics)
     # MPMoE's configurator chose (n, S) for the training batch size, and the card says so.
@@ -43,9 +61,9 @@ def test_causal_lm_recipe(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_classification_recipe_full_and_lora(tmp_path, method):
-    _run([sys.executable, os.path.join(RECIPES, "finetune_classification.py"), "--method", method, "--short",
-          "--output-dir", str(tmp_path / method)])
+def test_classification_recipe_full_and_lora(tmp_path, method, recipe_runs):
+    _recipe(recipe_runs, tmp_path / "log", "finetune_classification.py", "--method", method, "--short",
+            "--output-dir", str(tmp_path / method))
     metrics = _metrics(tmp_path / method)
     assert "eval_accuracy" in json.dumps(metrics)  # computed by evaluate with the local metric module
     # issue 16: the offline tweets by default, the majority-class baseline and a 95% interval beside the accuracy
@@ -62,7 +80,8 @@ def test_classification_recipe_full_and_lora(tmp_path, method):
 @pytest.mark.multiprocess
 def test_cpu_two_process_launch_config(tmp_path):
     """recipes/accelerate_configs/cpu_2proc.yaml really starts two gloo processes."""
-    res = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+    # Port 0: the launcher picks a free port, so two launches at once (pytest -n 2) cannot collide on 29500.
+    res = _run([sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", "--config_file",
                 os.path.join(CONFIGS, "cpu_2proc.yaml"), os.path.join(RECIPES, "finetune_classification.py"),
                 "--short", "--pipelining", "2", "--restore-strategy", "S4", "--output-dir", str(tmp_path / "cls")],
                timeout=900)
@@ -109,7 +128,7 @@ def test_every_recipe_states_its_launch_command():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "full", "lora-experts"])
-def test_classification_recipe_on_a_qwen3_moe_checkpoint(tmp_path, method):
+def test_classification_recipe_on_a_qwen3_moe_checkpoint(tmp_path, method, recipe_runs):
     """Issue 13: the recipe takes another family's checkpoint (written by transformers' save_pretrained, Hub layout)
     with that family's sequence-classification head, experts on the disk tier. LoRA: the offloaded experts are
     frozen and come out exactly as they went in; full: the expert optimizer trains them (routers frozen here);
@@ -128,8 +147,8 @@ def test_classification_recipe_on_a_qwen3_moe_checkpoint(tmp_path, method):
     out = tmp_path / method
     flags = ["--method", "lora", "--lora-targets", "experts,attention"] if method == "lora-experts" else [
         "--method", method]
-    _run([sys.executable, os.path.join(RECIPES, "finetune_classification.py"), *flags, "--short",
-          "--model-path", str(tmp_path / "hub"), "--offload", "disk", "--freeze-router", "--output-dir", str(out)])
+    _recipe(recipe_runs, tmp_path / "log", "finetune_classification.py", *flags, "--short",
+            "--model-path", str(tmp_path / "hub"), "--offload", "disk", "--freeze-router", "--output-dir", str(out))
     metrics = _metrics(out)
     assert metrics["model"]["class"] == "Qwen3MoeForSequenceClassification"
     assert "`qwen3_moe`" in (out / "README.md").read_text()

@@ -40,6 +40,8 @@ from hf_moe_offload.optim.checkpoints import (
     latest_complete_checkpoint,
 )
 
+from fork_runs import ForkRuns
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILL_SCRIPT = os.path.join(ROOT, "tests", "scripts", "kill_during_save.py")
 TRAINER_SCRIPT = os.path.join(ROOT, "tests", "scripts", "trainer_offload.py")
@@ -284,14 +286,6 @@ def test_latest_complete_checkpoint_and_cleaning_of_interrupted_saves(tmp_path):
     assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-8"]  # a checkpoint without experts is kept
 
 
-def _run(args, timeout=600, check=True):
-    res = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if check:
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return res
-
-
 def _tensors(folder) -> dict[str, torch.Tensor]:
     out = {}
     for name in sorted(os.listdir(folder)):
@@ -304,21 +298,28 @@ def _tensors(folder) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_trainer_resume_from_a_moved_checkpoint_restores_the_experts(tmp_path):
     full = tmp_path / "full"
-    _run([sys.executable, TRAINER_SCRIPT, str(full), "--max-steps", "4", "--save-steps", "2"])
-    # The checkpoint moved out of any output_dir: Trainer.train(resume_from_checkpoint=...) is all the callback gets.
-    moved = tmp_path / "elsewhere" / "my-checkpoint"
-    shutil.copytree(full / "checkpoint-2", moved)
-    resumed = tmp_path / "resumed"
-    _run([sys.executable, TRAINER_SCRIPT, str(resumed), "--max-steps", "4", "--save-steps", "2",
-          "--resume", str(moved)])
-    a, b = _tensors(full / "final"), _tensors(resumed / "final")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-exact on CPU
-    # Without its expert state the same resume stops and says what is missing (no silent restart of the experts).
-    os.remove(moved / EXPERT_STATE_FILE)
-    res = _run([sys.executable, TRAINER_SCRIPT, str(tmp_path / "again"), "--max-steps", "4", "--save-steps", "2",
-                "--resume", str(moved)], check=False)
-    assert res.returncode != 0
-    assert f"cannot resume the offloaded experts from {moved}: expert_state.safetensors is missing" in res.stderr
+    # The three runs are forked children of one process that imported the Trainer once (tests/fork_runs.py): each a
+    # process of its own, as the script run by `python`, without paying the ~10 s import three times.
+    runs = ForkRuns(["transformers.trainer", "datasets", "hf_moe_offload"])
+    try:
+        runs.run([TRAINER_SCRIPT, full, "--max-steps", "4", "--save-steps", "2"], tmp_path / "full.log")
+        # The checkpoint moved out of any output_dir: Trainer.train(resume_from_checkpoint=...) is all the callback
+        # gets.
+        moved = tmp_path / "elsewhere" / "my-checkpoint"
+        shutil.copytree(full / "checkpoint-2", moved)
+        resumed = tmp_path / "resumed"
+        runs.run([TRAINER_SCRIPT, resumed, "--max-steps", "4", "--save-steps", "2", "--resume", moved],
+                 tmp_path / "resumed.log")
+        a, b = _tensors(full / "final"), _tensors(resumed / "final")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-exact on CPU
+        # Without its expert state the same resume stops and says what is missing (no silent restart of the experts).
+        os.remove(moved / EXPERT_STATE_FILE)
+        code, err = runs.run([TRAINER_SCRIPT, tmp_path / "again", "--max-steps", "4", "--save-steps", "2",
+                              "--resume", moved], tmp_path / "again.log", check=False)
+    finally:
+        runs.close()
+    assert code != 0
+    assert f"cannot resume the offloaded experts from {moved}: expert_state.safetensors is missing" in err
 
 
 def _write_corpus(path) -> None:
@@ -330,7 +331,7 @@ def _write_corpus(path) -> None:
 
 
 def _cli(out, corpus, phase="none", step=0, resume=False):
-    args = [sys.executable, KILL_SCRIPT, phase, str(step), "--", "--log-level", "WARNING", "train",
+    args = [KILL_SCRIPT, phase, str(step), "--", "--log-level", "WARNING", "train",
             "--train-file", str(corpus), "--output-dir", str(out), "--num-experts", "4", "--host-cache-experts", "3",
             "--block-size", "32", "--batch-size", "2", "--steps", "9", "--save-steps", "3", "--save-total-limit", "1",
             "--logging-steps", "3", "--eval-steps", "100", "--max-eval-blocks", "2"]
@@ -341,21 +342,28 @@ def _cli(out, corpus, phase="none", step=0, resume=False):
 def test_sigkill_around_a_checkpoint_save_then_resume_is_bit_exact(tmp_path):
     corpus = tmp_path / "corpus.txt"
     _write_corpus(corpus)
-    _run(_cli(tmp_path / "reference", corpus))
-    reference = _tensors(tmp_path / "reference")
-    assert reference
-    # (phase, the checkpoint `--resume` must pick): killed during the save of step 6, with save_total_limit=1.
-    for phase, latest in (("expert_state", 3), ("model_save", 3), ("trainer_state", 3), ("rotate", 6)):
-        out = tmp_path / phase
-        killed = _run(_cli(out, corpus, phase, 6), check=False)
-        assert killed.returncode == -9, (phase, killed.stderr[-3000:])
-        assert latest_complete_checkpoint(str(out)) == str(out / f"checkpoint-{latest}"), phase
-        assert not (out / "model.safetensors.index.json").exists()  # it really died before the end
-        _run(_cli(out, corpus, resume=True))
-        got = _tensors(out)
-        assert got.keys() == reference.keys(), phase
-        assert all(torch.equal(got[k], reference[k]) for k in got), phase
-        assert [p for p in os.listdir(out) if p.startswith("checkpoint-")] == ["checkpoint-9"], phase
+    # Every run is a forked child of one process that imported the CLI once (tests/scripts/fork_server.py): a
+    # process of its own (the kill is a real SIGKILL; the resume shares no state with the killed run), and the nine
+    # runs pay the ~10 s import once.
+    server = ForkRuns(["transformers.trainer", "hf_moe_offload.cli.main"])
+    try:
+        server.run(_cli(tmp_path / "reference", corpus), tmp_path / "reference.log")
+        reference = _tensors(tmp_path / "reference")
+        assert reference
+        # (phase, the checkpoint `--resume` must pick): killed during the save of step 6, with save_total_limit=1.
+        for phase, latest in (("expert_state", 3), ("model_save", 3), ("trainer_state", 3), ("rotate", 6)):
+            out = tmp_path / phase
+            code, log = server.run(_cli(out, corpus, phase, 6), tmp_path / f"{phase}-killed.log", check=False)
+            assert code == -9, (phase, log[-3000:])
+            assert latest_complete_checkpoint(str(out)) == str(out / f"checkpoint-{latest}"), phase
+            assert not (out / "model.safetensors.index.json").exists()  # it really died before the end
+            server.run(_cli(out, corpus, resume=True), tmp_path / f"{phase}-resumed.log")
+            got = _tensors(out)
+            assert got.keys() == reference.keys(), phase
+            assert all(torch.equal(got[k], reference[k]) for k in got), phase
+            assert [p for p in os.listdir(out) if p.startswith("checkpoint-")] == ["checkpoint-9"], phase
+    finally:
+        server.close()
 
 
 @pytest.mark.slow
@@ -377,11 +385,16 @@ def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
         errors = [line for line in err.splitlines() if line.startswith("hf-moe-offload: error:")]
         assert len(errors) == 1 and message in errors[0], (extra, err[-2000:])
         assert "Traceback" not in err, extra
-    # A real process: exit code 2 and one line; --debug shows the traceback instead.
-    res = _run([sys.executable, "-m", "hf_moe_offload.cli.main", "train", "--short", "--train-file", str(empty)],
-               check=False)
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines()[-1].startswith("hf-moe-offload: error: data file(s) hold no text")
-    res = _run([sys.executable, "-m", "hf_moe_offload.cli.main", "train", "--short", "--train-file", str(empty), "--debug"],
-               check=False)
-    assert res.returncode == 1 and "Traceback" in res.stderr and "UserError" in res.stderr
+    # A real process (a forked child of one that imported the CLI once, tests/fork_runs.py: the two runs pay the
+    # import once): exit code 2 and one line; --debug shows the traceback instead.
+    runs = ForkRuns(["hf_moe_offload.cli.main", "hf_moe_offload.cli.train"])
+    try:
+        code, err = runs.run(["-m", "hf_moe_offload.cli.main", "train", "--short", "--train-file", empty],
+                             tmp_path / "plain.log", check=False)
+        assert code == 2 and "Traceback" not in err
+        assert err.strip().splitlines()[-1].startswith("hf-moe-offload: error: data file(s) hold no text")
+        code, err = runs.run(["-m", "hf_moe_offload.cli.main", "train", "--short", "--train-file", empty, "--debug"],
+                             tmp_path / "debug.log", check=False)
+        assert code == 1 and "Traceback" in err and "UserError" in err
+    finally:
+        runs.close()

@@ -422,7 +422,22 @@ def _cuda_free() -> int:
     raise UserError("no GPU here to read its free memory from: give --gpu-memory GB (or --device cpu)")
 
 
+# peft's counts by (config, method, r): wrapping a meta model costs seconds per call, and a table (docs/hardware.md)
+# asks for the same model and method under several expert storages and options, which do not change the adapters.
+_LORA_COUNTS: dict[tuple[str, str, int], tuple] = {}
+
+
 def _lora_params(model, w: Workload) -> tuple[int, int, list[tuple[int, int]], list[tuple[int, int]]]:
+    key = (model.config.to_json_string(), w.method, w.lora_r)
+    if key not in _LORA_COUNTS:
+        if len(_LORA_COUNTS) >= 64:
+            _LORA_COUNTS.clear()
+        _LORA_COUNTS[key] = _count_lora_params(model, w)
+    total, on_experts, dense, on_expert = _LORA_COUNTS[key]
+    return total, on_experts, list(dense), list(on_expert)
+
+
+def _count_lora_params(model, w: Workload) -> tuple[int, int, list[tuple[int, int]], list[tuple[int, int]]]:
     """peft's trainable parameters for the method (the jobs' targets), counted on the meta model (peft builds its
     adapters there): (all of them, those on the experts' tensors, (in, out) of each adapted dense matrix of one
     decoder layer stack, (in, out) of each adapted matrix of one expert)."""
