@@ -293,8 +293,9 @@ def test_offload_trainer_under_accelerate_launch_keeps_the_stand_ins_out_of_ddp(
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
     script = os.path.join(os.path.dirname(__file__), "scripts", "lora_experts_ddp.py")
     res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", script,
-                          str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+                          "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no",
+                          "--dynamo_backend", "no", script, str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["wrapper"] == "DistributedDataParallel" and r["ignored"] == 8 for r in ranks), ranks[0]["ignored"]

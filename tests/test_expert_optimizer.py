@@ -405,8 +405,8 @@ def test_trainer_callback_end_to_end_and_resume_in_new_process(tmp_path):
 def test_trainer_callback_under_accelerate_launch_two_cpu_processes(tmp_path):
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
     _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no", SCRIPT, str(tmp_path), "--max-steps", "3",
-          "--save-steps", "3", "--tier", "host"], env=env, timeout=400)
+          "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no", SCRIPT, str(tmp_path),
+          "--max-steps", "3", "--save-steps", "3", "--tier", "host"], env=env, timeout=400)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["world_size"] == 2
     assert result["expert_steps"] == [3]

@@ -360,37 +360,43 @@ print('REMOTE_OK', type(m).__module__)
     assert res.returncode == 0 and "REMOTE_OK" in res.stdout, res.stderr[-3000:]
 
 
+DDP_MODELS = ("moe_gpt", "qwen3_moe")
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("model", ["moe_gpt", "qwen3_moe"])
-def test_ddp_loss_is_not_doubled_two_cpu_processes(model, tmp_path):
+def test_ddp_loss_is_not_doubled_two_cpu_processes(tmp_path):
     """Trainer under `accelerate launch` with 2 gloo processes trains the same weights as one process on the
     concatenated batch (equal lengths, dropout 0). A doubled loss would double every step's gradient.
     qwen3_moe: the 2 processes train with ChunkedLossTrainer (the chunked loss outside DDP's forward, the head's
-    weight used in it), the one process with transformers' Trainer and the stock head."""
+    weight used in it), the one process with transformers' Trainer and the stock head. One process and one launch
+    train both families in turn (fresh model and Trainer each); each family is checked on its own."""
     script = os.path.join(ROOT, "tests", "scripts", "ddp_trainer.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    flags = ["--model", model]
+    flags = ["--models", ",".join(DDP_MODELS)]
     one = subprocess.run([sys.executable, script, str(tmp_path / "one"), "--per-device-batch", "4", *flags],
                          capture_output=True, text=True, timeout=300, env=env)
     assert one.returncode == 0, one.stderr[-3000:]
-    flags += ["--chunked"] if model == "qwen3_moe" else []
     two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", script,
-                          str(tmp_path / "two"), "--per-device-batch", "2", *flags],
+                          "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no",
+                          "--dynamo_backend", "no", script, str(tmp_path / "two"), "--per-device-batch", "2", *flags,
+                          "--chunked"],
                          capture_output=True, text=True, timeout=300, env=dict(env, ACCELERATE_USE_CPU="1"))
     assert two.returncode == 0, two.stderr[-3000:]
-    r1 = json.loads((tmp_path / "one" / "result.json").read_text())
-    r2 = json.loads((tmp_path / "two" / "result.json").read_text())
-    assert r2["world_size"] == 2 and r1["world_size"] == 1
-    for a, b in zip(r1["losses"], r2["losses"]):
-        assert abs(a - b) < 1e-5, (r1["losses"], r2["losses"])
     from safetensors.torch import load_file
 
-    w1 = load_file(tmp_path / "one" / "final" / "model.safetensors")
-    w2 = load_file(tmp_path / "two" / "final" / "model.safetensors")
-    worst = max((w1[k] - w2[k]).abs().max().item() for k in w1 if not k.endswith("k_proj.bias"))
-    assert worst < 2e-5, worst  # k_proj.bias: exactly-zero true gradient, Adam amplifies rounding noise
+    for model in DDP_MODELS:
+        r1 = json.loads((tmp_path / "one" / model / "result.json").read_text())
+        r2 = json.loads((tmp_path / "two" / model / "result.json").read_text())
+        assert r2["world_size"] == 2 and r1["world_size"] == 1, (model, r1, r2)
+        assert (r1["trainer"], r2["trainer"]) == (
+            "Trainer", "ChunkedLossTrainer" if model == "qwen3_moe" else "Trainer"), (model, r1, r2)
+        for a, b in zip(r1["losses"], r2["losses"]):
+            assert abs(a - b) < 1e-5, (model, r1["losses"], r2["losses"])
+        w1 = load_file(tmp_path / "one" / model / "final" / "model.safetensors")
+        w2 = load_file(tmp_path / "two" / model / "final" / "model.safetensors")
+        worst = max((w1[k] - w2[k]).abs().max().item() for k in w1 if not k.endswith("k_proj.bias"))
+        assert worst < 2e-5, (model, worst)  # k_proj.bias: exactly-zero true gradient, Adam amplifies rounding noise
 
 
 # --- the chunked LM loss (issue 14, item 5) ---

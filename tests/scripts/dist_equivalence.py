@@ -1,5 +1,6 @@
 """Expert parallelism equivalence under the real launcher (issue 6). Every rank also computes the single-process
-reference on the concatenated batch and compares; rank 0 writes the JSON report.
+reference on the concatenated batch (once per launch: it is the same for every mode) and compares; rank 0 writes the
+JSON report.
 
 ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 3 --num_machines 1 --mixed_precision no \
     --dynamo_backend no tests/scripts/dist_equivalence.py OUT.json --work-dir DIR
@@ -113,10 +114,37 @@ def max_diff(a: dict, b: dict, skip=NOISE_ONLY) -> tuple[float, str]:
     return worst, name
 
 
-def reference_grads(ids) -> dict:
-    ref = new_model()
-    ref(ids, labels=ids).loss.backward()
-    return ref, {n: q.grad.clone() for n, q in ref.named_parameters()}
+class Reference:
+    """The single-process run on the concatenated batches, computed once per launch: it is the same for every mode
+    (same seed, same batches, same AdamW), so each mode compares against the same recorded trajectory."""
+
+    _cached: "Reference | None" = None
+
+    @classmethod
+    def get(cls) -> "Reference":
+        if cls._cached is None:
+            cls._cached = cls()
+        return cls._cached
+
+    def __init__(self):
+        # (1) one micro-batch's gradients, before any update.
+        ref = new_model()
+        ids = global_batch(99, 0)
+        ref(ids, labels=ids).loss.backward()
+        self.grads = {n: q.grad.clone() for n, q in ref.named_parameters()}
+        # (2) STEPS x ACCUM micro-steps of AdamW: the weights after every optimizer step.
+        reference = new_model()
+        ref_opt = torch.optim.AdamW(param_groups(reference), lr=LR)
+        self.states = []
+        for step in range(args.steps):
+            for micro in range(args.accum):
+                ids = global_batch(step, micro)
+                (reference(ids, labels=ids).loss / args.accum).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            self.states.append({k: v.detach().clone() for k, v in reference.state_dict().items()})
+        with torch.no_grad():  # the trained model's logits, for the check after disable_expert_parallel
+            self.logits_98 = reference(global_batch(98, 0)).logits
 
 
 def expert_grads(model, engine) -> dict:
@@ -207,7 +235,8 @@ def run_mode(spec: str) -> dict:
             ignored) == sum(len(layer.layout.tensors) for layer in coordinator.layers)
     ddp_model(x, labels=x).loss.backward()
     dist.barrier()
-    _, ref_g = reference_grads(ids)
+    ref = Reference.get()
+    ref_g = ref.grads
     grads = {n: q.grad for n, q in model.named_parameters() if q.grad is not None}
     if engine is None and coordinator is not None:  # resident experts: each rank has its own experts' gradients
         for layer in coordinator.layers:
@@ -229,8 +258,6 @@ def run_mode(spec: str) -> dict:
         coordinator.load_imbalance(reset=True)
 
     # (2) training: STEPS x ACCUM micro-steps, AdamW (+ the expert-wise host optimizer for offloaded experts).
-    reference = new_model()
-    ref_opt = torch.optim.AdamW(param_groups(reference), lr=LR)
     opt = accelerator.prepare_optimizer(torch.optim.AdamW(param_groups(model), lr=LR))
     expert_opt = None
     updates: collections.Counter = collections.Counter()  # (layer, expert) -> Adam steps run by this rank
@@ -253,7 +280,6 @@ def run_mode(spec: str) -> dict:
         ran_on: dict = collections.defaultdict(set)
         for micro in range(args.accum):
             ids = global_batch(step, micro)
-            (reference(ids, labels=ids).loss / args.accum).backward()
             x = local_batch(mode, ids)
             with accelerator.accumulate(ddp_model):
                 accelerator.backward(ddp_model(x, labels=x).loss)
@@ -267,15 +293,13 @@ def run_mode(spec: str) -> dict:
                 opt.step()
                 opt.zero_grad()
         moved += sum(len(r) > 1 for r in ran_on.values())
-        ref_opt.step()
-        ref_opt.zero_grad()
         if engine is None and coordinator is not None:
             sync_expert_parameters(model)
-        per_step.append(max_diff(model.state_dict(), reference.state_dict())[0])
+        per_step.append(max_diff(model.state_dict(), ref.states[step])[0])
     result["weight_max_abs_diff_per_step"] = per_step
-    result["weight_max_abs_diff"], result["weight_worst"] = max_diff(model.state_dict(), reference.state_dict())
+    result["weight_max_abs_diff"], result["weight_worst"] = max_diff(model.state_dict(), ref.states[-1])
     result["noise_only_max_abs_diff"] = max(
-        ((model.state_dict()[k] - v).abs().max().item() for k, v in reference.state_dict().items()
+        ((model.state_dict()[k] - v).abs().max().item() for k, v in ref.states[-1].items()
          if k.endswith(NOISE_ONLY)), default=0.0)
     if coordinator is not None:
         result["load_imbalance_max_over_mean"] = coordinator.load_imbalance()
@@ -325,7 +349,7 @@ def run_mode(spec: str) -> dict:
         # disable_expert_parallel: every rank holds the whole trained model again (offloaded: a private copy).
         ids = global_batch(98, 0)
         with torch.no_grad():
-            expected = reference(ids).logits
+            expected = ref.logits_98
             disable_expert_parallel(model)
             result["after_disable_logits_max_abs_diff"] = (model(ids).logits - expected).abs().max().item()
         result["after_disable_no_executor"] = get_moe_path(model) is None or all(
