@@ -114,7 +114,10 @@ def simulated(suite: str, candidates: Callable[[], list[str]],
         for family in candidates():
             node = test_name(family)  # "tests/test_x.py::test_name[id]"
             path, _, name = node.partition("::")
-            if not any(t == path or node.startswith(t) for t in targets) or (deselected and node.startswith(deselected)):
+            # A target is a file, a test or one of its parametrizations: a test (or a parametrization) is selected
+            # by its file, by itself, or, named without its id, by any of its parametrizations.
+            if not any(t == path or node.startswith(t) or t.startswith(node + "[") for t in targets) or (
+                    deselected and node.startswith(deselected)):
                 continue
             if keyword is not None and not Expression.compile(keyword).evaluate(lambda s: s.lower() in name.lower()):
                 continue

@@ -408,9 +408,12 @@ RERUN = _selection()
 SUITES = {
     "offload": [t for t in RERUN if t.startswith("tests/test_offload.py")],
     "pipelining+optimizer": [t for t in RERUN if not t.startswith(("tests/test_offload.py", "tests/test_families.py"))],
-    # Other families through the one entry: gpt-oss (transposed, biased, its own gate) and Qwen3-MoE offloaded,
-    # and Qwen3-MoE with MPMoE partitions.
-    "families": [t for t in RERUN if t.startswith("tests/test_families.py")],
+    # Other families through the one entry: Qwen3-MoE offloaded and with MPMoE partitions, and gpt-oss offloaded on
+    # both tiers: its experts are transposed and biased, behind a gate of its own, which the census's call sites
+    # (the same engine lines for every family) cannot tell apart.
+    "families": sorted({t for t in RERUN if t.startswith("tests/test_families.py")}
+                       | {f"tests/test_families.py::test_family_offloaded_equals_stock[gpt_oss-{tier}]"
+                          for tier in ("host", "disk")}),
     "expert-parallel": ["tests/test_distributed.py::test_expert_parallel_equals_one_process_on_the_concatenated_batch",
                         # NOTE: world 3 fails under simulation (a rank dies in an S-strategy restore during backward;
                         # not diagnosed yet); world 2 passes.
@@ -428,7 +431,7 @@ def test_the_re_runs_keep_a_test_of_every_cell_and_name_tests_that_exist():
         path, _, name = row["id"].partition("::")
         with open(os.path.join(ROOT, path), encoding="utf-8") as f:
             assert f"def {name.split('[')[0]}(" in f.read(), row["id"]
-    assert sorted(RERUN) == sorted(t for suite in ("offload", "pipelining+optimizer", "families") for t in SUITES[suite])
+    assert set(RERUN) <= {t for suite in ("offload", "pipelining+optimizer", "families") for t in SUITES[suite]}
     kept = " ".join(RERUN)
     for part in ("[", "host", "disk", "bf16", "fp16", "test_offload.py", "test_pipelining.py",
                  "test_expert_optimizer.py", "test_mixed_precision.py", "test_families.py"):
