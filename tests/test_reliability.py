@@ -41,6 +41,7 @@ from hf_moe_offload.optim.checkpoints import (
 )
 
 from fork_runs import ForkRuns
+from small_corpus import write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILL_SCRIPT = os.path.join(ROOT, "tests", "scripts", "kill_during_save.py")
@@ -322,14 +323,6 @@ def test_trainer_resume_from_a_moved_checkpoint_restores_the_experts(tmp_path):
     assert f"cannot resume the offloaded experts from {moved}: expert_state.safetensors is missing" in err
 
 
-def _write_corpus(path) -> None:
-    words = ("the expert layer routes every token to two of its experts and the gate learns which experts fit "
-             "each token while the offload engine streams the weights from disk").split()
-    rng = torch.Generator().manual_seed(0)
-    lines = [" ".join(words[i] for i in torch.randint(0, len(words), (40,), generator=rng).tolist()) for _ in range(60)]
-    path.write_text("\n".join(lines))
-
-
 def _cli(out, corpus, phase="none", step=0, resume=False):
     args = [KILL_SCRIPT, phase, str(step), "--", "--log-level", "WARNING", "train",
             "--train-file", str(corpus), "--output-dir", str(out), "--num-experts", "4", "--host-cache-experts", "3",
@@ -341,7 +334,7 @@ def _cli(out, corpus, phase="none", step=0, resume=False):
 @pytest.mark.slow
 def test_sigkill_around_a_checkpoint_save_then_resume_is_bit_exact(tmp_path):
     corpus = tmp_path / "corpus.txt"
-    _write_corpus(corpus)
+    write_corpus(corpus)
     # Every run is a forked child of one process that imported the CLI once (tests/scripts/fork_server.py): a
     # process of its own (the kill is a real SIGKILL; the resume shares no state with the killed run), and the nine
     # runs pay the ~10 s import once.
