@@ -30,7 +30,12 @@ SHRINK = {
     "moe_intermediate_size": 24,
     "expert_intermediate_size": 24,
     "shared_expert_intermediate_size": 24,
+    "shared_intermediate_size": 24,
+    "first_dense_intermediate_size": 48,
+    "ffn_hidden_size": 48,
+    "expert_ffn_hidden_size": 24,
     "num_hidden_layers": LAYERS,
+    "num_layers": LAYERS,
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "head_dim": 8,
@@ -42,6 +47,7 @@ SHRINK = {
     "n_group": 1,
     "topk_group": 1,
     "n_shared_experts": 1,
+    "zero_expert_num": 2,
     "max_position_embeddings": 64,
     "first_k_dense_replace": 0,
     "decoder_sparse_step": 1,
@@ -93,7 +99,7 @@ def _checked_config(model_type: str, causal_lm: bool = True):
         raise Unshrinkable(f"composite config (sub-configs {sorted(default.sub_configs)})")
     fields = default.to_dict()
     overrides = {k: v for k, v in SHRINK.items() if k in fields}
-    n_default = fields.get("num_hidden_layers")
+    n_default = fields.get("num_hidden_layers") or fields.get("num_layers")
     for k, v in fields.items():
         if "dropout" in k and isinstance(v, float):
             overrides[k] = 0.0
@@ -121,9 +127,18 @@ def tiny_model(model_type: str, seed: int = 0, causal_lm: bool = True, **overrid
     those the family's config has: e.g. num_experts=7 reaches num_local_experts too)."""
     config = tiny_config(model_type, causal_lm)
     aliases = {"num_experts": ("num_experts", "num_local_experts", "n_routed_experts")}
+    if "num_layers" in config.to_dict():  # longcat_flash: num_hidden_layers counts two sublayers per decoder layer
+        aliases["num_hidden_layers"] = ("num_layers",)
     for key, value in overrides.items():
         for name in aliases.get(key, (key,)):
             if hasattr(config, name):
+                if key == "num_hidden_layers" and name in vars(config):
+                    # A count of its own (not one derived from a pattern, as nemotron_h's): per-layer patterns (layer
+                    # types) keep their last `value` layers.
+                    before = getattr(config, name)
+                    for field, pattern in list(vars(config).items()):
+                        if isinstance(pattern, list) and len(pattern) == before and field not in overrides:
+                            setattr(config, field, pattern[-value:])
                 setattr(config, name, value)
     torch.manual_seed(seed)
     model = (AutoModelForCausalLM if causal_lm else AutoModel).from_config(config, experts_implementation="eager")

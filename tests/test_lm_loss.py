@@ -63,7 +63,8 @@ def test_every_family_chunked_loss_equals_its_own(family):
     model = family_model(family)
     reason = why_not_chunked(model)
     if reason is not None:
-        assert "transforms its logits" in reason, reason
+        # A logit scale or cap, or a head of its own (ergo's computes its logits in fp32 under autocast).
+        assert "transforms its logits" in reason or "not a plain nn.Linear" in reason, reason
         with pytest.raises(UserError, match="loss_chunk_tokens=0"):
             chunked_causal_lm_loss(model, {"input_ids": random_batch()[0], "labels": random_batch()[1]}, CHUNK)
         return
