@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -347,6 +348,40 @@ def test_gradients_are_downloaded_in_their_own_dtype(tmp_path):
         record = engine.store.acquire((0, 0))
         assert record.grad.dtype == torch.float32
         engine.store.release((0, 0))
+
+
+def test_a_final_gradient_is_added_after_the_earlier_one_of_its_micro_step(tmp_path, monkeypatch):
+    """MPMoE's two partitions call each layer twice per micro-step: the first call's expert gradients land on the
+    engine's host worker once their download is done, the second call's (final) ones go to the expert optimizer.
+    With that worker behind (here: each landing made 20 ms slow), the optimizer took the final gradient in place of
+    a row the worker had not yet written (stale: counted as zero) and stepped on half the gradient. It waits for the
+    landing first: the weights after one step equal plain AdamW's."""
+    from hf_moe_offload.offload.streaming.gradients import HostGradients
+    from hf_moe_offload.pipelining import enable_micro_batch_pipelining
+
+    land = HostGradients.land
+
+    def slow_land(self, key, record, arrival):
+        time.sleep(0.02)
+        land(self, key, record, arrival)
+
+    monkeypatch.setattr(HostGradients, "land", slow_land)
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    with use_runtime(SimulatedRuntime(seed=0, max_delay=0.003)):
+        engine = enable_expert_offload(model, OffloadConfig(mode="host", offload_dir=str(tmp_path / "e"),
+                                                            compute_threads=torch.get_num_threads()))
+        enable_micro_batch_pipelining(model, n=2, strategy="S1")
+        expert_opt = ExpertOptimizer(engine, lr=1e-2)
+        opt = ExpertAwareOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0), expert_opt)
+        x = torch.randint(0, 101, (4, 11), generator=torch.Generator().manual_seed(0))
+        model(x, labels=x).loss.backward()
+        opt.step()
+        engine.synchronize()
+        expert_opt.close()
+    reference(x, labels=x).loss.backward()
+    torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0).step()
+    assert_same_weights(model, reference, lr=1e-2, steps=1)
 
 
 def test_global_clipping_takes_expert_norms_as_gradients_become_final(tmp_path):

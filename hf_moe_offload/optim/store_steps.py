@@ -73,8 +73,11 @@ class StoreSteps:
         is, in `held.grads`), released afterwards (`dirty`; the body sets `held.grad_zeroed` once it zeroed the
         gradient). A `record` passed in was acquired by the gradient hook that handed it over; None: acquire it
         here, once the engine's host worker has added the gradient."""
+        # An earlier gradient of this micro-step (another call of the layer: MPMoE's partitions, a layer called
+        # twice) may still be landing on the engine's host worker: the final one is added after it, never in its
+        # place.
+        self.updates.ledger.wait_for_grad(key)
         if record is None:
-            self.updates.ledger.wait_for_grad(key)
             record = self._acquire(key, rows)
         held = _Held(record)
         try:
