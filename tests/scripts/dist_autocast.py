@@ -32,6 +32,7 @@ p.add_argument("out")
 p.add_argument("--work-dir", required=True)
 p.add_argument("--tiers", default="device,host,disk")
 p.add_argument("--strategies", default="off,S1,S2,S3,S4")
+p.add_argument("--precisions", default="fp32,bf16,fp16")
 p.add_argument("--steps", type=int, default=3)
 args = p.parse_args()
 logging.basicConfig(level=logging.WARNING)
@@ -107,7 +108,7 @@ def run(tier: str, strategy: str, precision: str) -> dict:
 report: dict = {"world_size": world, "runs": {}}
 for tier in args.tiers.split(","):
     for strategy in args.strategies.split(","):
-        for precision in ("fp32", "bf16", "fp16"):
+        for precision in args.precisions.split(","):
             report["runs"][f"{tier}/{strategy}/{precision}"] = run(tier, strategy, precision)
             dist.barrier()
 if rank == 0:
