@@ -1,4 +1,4 @@
-"""Suite-wide: the `quick` edit loop's selection, and a report of the tests that ran longer than SLOW_SECONDS without
+"""Suite-wide: the cores shared among pytest-xdist's workers, the `quick` edit loop's selection, and a report of the tests that ran longer than SLOW_SECONDS without
 the `slow` marker (so that the marker keeps meaning what pytest.ini says). The report is not a failure: timings are
 the machine's, not the code's."""
 
@@ -26,6 +26,19 @@ QUICK = {
     "test_model_shapes.py": ("test_an_unknown_name_fails_with_the_way_out",),
     "test_routing.py": ("test_load_balancing_loss_counts_whenever_its_coefficient_is_set",),
 }
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n N`), each worker computes on its share of the cores, and so do the processes its tests
+    start (OMP_NUM_THREADS, where a test does not set its own): with every worker on every core, OpenMP threads spin
+    waiting for each other at every op (measured on the 2-core machine: a third of the suite's time)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 0:
+        import torch  # noqa: PLC0415
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
 def _quick_names(path: str) -> tuple[str, ...] | None:

@@ -50,7 +50,7 @@ def test_disk_tier_load_and_train_within_rss_bound(family, tmp_path):
         assert "model.layers.0.mlp.experts.0.gate_proj.weight" in keys  # the Hub layout, as transformers saves it
     res = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tests", "scripts", "bounded_memory.py"), str(tmp_path / "ckpt"),
-         str(tmp_path / "offload"), "8", "3"],
+         str(tmp_path / "offload"), "8", "2"],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2"),
     )
     assert res.returncode == 0, res.stderr[-4000:]
@@ -75,7 +75,7 @@ def test_lora_with_frozen_offloaded_experts_keeps_weights_only(tmp_path):
     for kind in ("frozen", "trainable"):
         res = subprocess.run(
             [sys.executable, os.path.join(ROOT, "tests", "scripts", "frozen_experts_rss.py"), str(tmp_path / "ckpt"),
-             kind, "3"], capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2"))
+             kind, "2"], capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2"))
         assert res.returncode == 0, res.stderr[-4000:]
         runs[kind] = json.loads(res.stdout.strip().splitlines()[-1])
     frozen, trainable = runs["frozen"], runs["trainable"]
