@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     use_progress_bar(trainer, offload_totals=totals)
     zero_shot = trainer.evaluate(metric_key_prefix="initial")  # before fine-tuning (ES-MoE Table 2's first row)
-    train_output = trainer.train(resume_from_checkpoint=jobs.resume_checkpoint(args, engine))
+    train_output = trainer.train(resume_from_checkpoint=jobs.resume_checkpoint(args, callbacks))
     final = trainer.evaluate()
 
     metrics = jobs.train_figures(trainer, train_output, tokens_per_step=None)

@@ -360,6 +360,26 @@ def test_sigkill_around_a_checkpoint_save_then_resume_is_bit_exact(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_lora_run_on_frozen_offloaded_experts_resumes(tmp_path):
+    """LoRA on frozen offloaded experts: no expert optimizer, so its checkpoints hold no expert state, and `--resume`
+    takes them as complete (it asked for expert_state.safetensors); the resumed run reaches the planned step."""
+    from hf_moe_offload.cli.main import main
+
+    corpus = tmp_path / "corpus.txt"
+    write_corpus(corpus)
+    out = tmp_path / "out"
+    args = ["--log-level", "ERROR", "train", "--method", "lora", "--train-file", str(corpus), "--output-dir", str(out),
+            "--num-experts", "4", "--block-size", "32", "--batch-size", "2", "--save-steps", "2", "--eval-steps",
+            "100", "--max-eval-blocks", "2"]
+    assert main(args + ["--steps", "2"]) == 0
+    assert not (out / "checkpoint-2" / "expert_state.safetensors").exists()
+    assert latest_complete_checkpoint(str(out), experts=False) == str(out / "checkpoint-2")
+    assert main(args + ["--steps", "4", "--resume"]) == 0
+    with open(out / "checkpoint-4" / "trainer_state.json") as f:
+        assert json.load(f)["global_step"] == 4
+
+
+@pytest.mark.slow
 def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
     from hf_moe_offload.cli.main import main
 

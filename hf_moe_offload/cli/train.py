@@ -116,7 +116,7 @@ def run(args: argparse.Namespace, job: str = "hf-moe-offload train") -> dict:
     use_progress_bar(trainer, tokens_per_step, totals)
     logger.info("training %s for %d steps on %d sequences of %d tokens (%s)", type(model).__name__, args.steps,
                 len(train_ds), args.block_size, f"offload={engine.tier}" if engine is not None else "no offload")
-    train_output = trainer.train(resume_from_checkpoint=jobs.resume_checkpoint(args, engine))
+    train_output = trainer.train(resume_from_checkpoint=jobs.resume_checkpoint(args, callbacks))
     final_eval = trainer.evaluate()
 
     metrics = jobs.train_figures(trainer, train_output, tokens_per_step)

@@ -70,15 +70,17 @@ def training_arguments(args: argparse.Namespace, **overrides: Any) -> TrainingAr
 
 
 
-def resume_checkpoint(args: argparse.Namespace, engine) -> str | None:
+def resume_checkpoint(args: argparse.Namespace, callbacks: list) -> str | None:
     """The checkpoint `--resume` asks for (None without the flag): PATH as given, or the latest complete checkpoint in
-    `--output-dir`; a one-line error when it is missing or incomplete (naming what is missing)."""
+    `--output-dir`; a one-line error when it is missing or incomplete (naming what is missing). `callbacks`: the
+    Trainer's (`training_callbacks`): a checkpoint holds the experts' state where the expert optimizer's callback
+    saves it, not for LoRA on frozen experts."""
     from ..optim.checkpoints import checkpoint_problems, describe_checkpoints, latest_complete_checkpoint
 
     resume = getattr(args, "resume", None)
     if resume is None:
         return None
-    experts = engine is not None and engine.store is not None
+    experts = any(isinstance(c, ExpertOptimizerCallback) for c in callbacks)
     if resume == RESUME_LATEST:
         path = latest_complete_checkpoint(args.output_dir, experts=experts)
         if path is None:
