@@ -26,6 +26,7 @@ from hf_moe_offload.offload.streaming.transfers import GradRing
 from hf_moe_offload.offload.streaming.slab import DeviceSlab
 from hf_moe_offload.precision import GemmCounter
 from hf_moe_offload.runtime import HappensBeforeError, use_runtime
+from hf_moe_offload.runtime.base import InlineRuntime
 from hf_moe_offload.runtime.simulated import SimulatedRuntime
 
 from moe_families import VOCAB, tiny_model
@@ -176,10 +177,11 @@ def test_compute_copies_default_to_the_autocast_dtype_on_both_tiers(tmp_path):
                 record = engine.store.acquire(key)
                 assert torch.equal(record.compute_param(), record.param.to(torch.bfloat16)), key
                 engine.store.release(key)
-    model = _qwen3(6)
-    engine = enable_expert_offload(model, OffloadConfig(mode="host"))
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-        model(torch.randint(0, VOCAB, (2, 7)))
+    with use_runtime(InlineRuntime()):  # the CPU's own runtime, also where the suite runs simulated
+        model = _qwen3(6)
+        engine = enable_expert_offload(model, OffloadConfig(mode="host"))
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            model(torch.randint(0, VOCAB, (2, 7)))
     assert engine.store.compute_dtype == torch.float32
 
 
