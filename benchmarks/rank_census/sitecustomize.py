@@ -4,7 +4,10 @@ simulated device and writes them, one per line, to PREFIX-<pid>.txt at exit. The
 (tests/test_simulated_device.py) was chosen from these files:
 
     HF_MOE_OFFLOAD_RUNTIME=simulated RANK_CENSUS=/tmp/census/pp2 PYTHONPATH=benchmarks/rank_census:. \
-        accelerate launch --num_processes 2 ... tests/scripts/dist_equivalence.py OUT --work-dir DIR --modes ...
+        ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 ... tests/scripts/dist_equivalence.py \
+        OUT --work-dir DIR --modes ...
+
+(docs/development.md has the whole command.)
 """
 
 import atexit
