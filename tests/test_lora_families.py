@@ -82,10 +82,11 @@ def _one_moe_layer(family: str, causal_lm: bool = True, overrides: tuple = ()) -
     return int(re.search(r"(?:^|\.)layers\.(\d+)\.", first).group(1)) + 1
 
 
-def _eager_fails_under_autocast(model: nn.Module) -> bool:
-    """Whether transformers' own eager experts of this model raise under bf16 CPU autocast (ergo's, in transformers
-    5.25, index_put a bf16 product into an fp32 buffer)."""
-    probe = copy.deepcopy(model)
+@cache
+def _eager_fails_under_autocast(family: str) -> bool:
+    """Whether transformers' own eager experts of the family's one-MoE-layer model raise under bf16 CPU autocast
+    (ergo's, in transformers 5.25, index_put a bf16 product into an fp32 buffer); probed once per family."""
+    probe = copy.deepcopy(_base(family, _one_moe_layer(family)))
     try:
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             probe(torch.zeros(1, 4, dtype=torch.long))
@@ -94,12 +95,12 @@ def _eager_fails_under_autocast(model: nn.Module) -> bool:
     return False
 
 
-def _pair(base: nn.Module, tier: str, tmp_path, autocast: bool = False):
-    """(resident LoRA model, streamed LoRA model, its engine) from copies of `base`. The resident model runs on
-    transformers' eager experts, or on its batched_mm kernel under autocast where the eager ones raise there."""
+def _pair(base: nn.Module, tier: str, tmp_path, resident_experts: str = "eager"):
+    """(resident LoRA model, streamed LoRA model, its engine) from copies of `base`; the resident model on
+    transformers' `resident_experts` implementation."""
     resident, offloaded = copy.deepcopy(base), copy.deepcopy(base)
-    if autocast and _eager_fails_under_autocast(base):
-        resident.set_experts_implementation("batched_mm")
+    if resident_experts != "eager":
+        resident.set_experts_implementation(resident_experts)
     config = OffloadConfig(mode=tier, offload_dir=str(tmp_path / "experts"), train_experts=False,
                            **({"host_cache_experts": 3, "prefetch_depth": 1} if tier == "disk" else {}))
     engine = enable_expert_offload(offloaded, config)
@@ -116,8 +117,10 @@ def test_family_lora_on_streamed_experts_equals_resident_lora(family, tier, auto
         tiny_config(family)
     except Unshrinkable as err:
         pytest.skip(f"{family}: {err}")
+    # transformers' eager experts, or its batched_mm kernel under autocast where the eager ones raise there
+    experts = "batched_mm" if autocast and _eager_fails_under_autocast(family) else "eager"
     resident, streamed, engine = _pair(_base(family, _one_moe_layer(family) if autocast else 2), tier, tmp_path,
-                                       autocast)
+                                       experts)
     lora = [n for n, p in streamed.named_parameters() if p.requires_grad]
     assert any(".experts." in n for n in lora), f"{family}: no adapter on the experts"
     assert_streamed_lora_equals_resident(resident, streamed, engine, autocast, steps=STEPS)
